@@ -1,0 +1,1 @@
+"""Recipes shipped with shardcal (``recipes/*.toml``) and calibration-data helpers."""

@@ -1,0 +1,48 @@
+"""User-facing errors.
+
+Every error a user can cause with bad input derives from :class:`ShardcalError` and names the input (file,
+key, value) and what is wrong with it. The CLI prints such an error on one line and exits non-zero; any other
+exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShardcalError(Exception):
+    """Base class of every error caused by bad input or a failed environment, not by a bug."""
+
+
+class ConfigError(ShardcalError):
+    """A model's config.json is missing, unparsable, or describes something we cannot build."""
+
+
+class CheckpointError(ShardcalError):
+    """A weights file (safetensors, index, GGUF) is missing, corrupt, or does not match the model."""
+
+
+class TokenizerError(ShardcalError):
+    """A tokenizer.json (or GGUF tokenizer metadata) is missing or malformed."""
+
+
+class RecipeError(ShardcalError):
+    """A quantization recipe is unknown, malformed, or has an unknown key or value."""
+
+
+class DataError(ShardcalError):
+    """Calibration or evaluation data is empty, of the wrong type or shape, or out of the model's range."""
+
+
+class ModelLayoutError(ShardcalError):
+    """A model's layout is not supported (no decoder layers found, already wrapped, distribution plan)."""
+
+
+class CalibrationCheckpointError(ShardcalError):
+    """A calibration checkpoint directory is corrupt or belongs to another model, recipe or world size."""
+
+
+class ExportError(ShardcalError):
+    """An export destination cannot be written (exists, not writable) or the model cannot be exported."""
+
+
+class DistributedError(ShardcalError):
+    """Another rank failed, or a collective timed out."""
