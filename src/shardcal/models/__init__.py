@@ -3,6 +3,7 @@
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
 from .decoder import CausalLM, DecoderInputs, DecoderLayer, DecoderModel, SparseMoeBlock
 from .loading import from_pretrained
+from .sharded import load_pretrained
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -14,4 +15,5 @@ __all__ = [
     "DecoderModel",
     "SparseMoeBlock",
     "from_pretrained",
+    "load_pretrained",
 ]
