@@ -103,6 +103,8 @@ def _root_unshard_checks() -> dict:
             with fsdp2_root_unsharded(model):  # nested: no second gather, no early reshard
                 pass
             out["nested_still_unsharded"] = not isinstance(model.model.embed_tokens.weight, DTensor)
+            # The untied output head is a unit of its own: embedding does not gather it.
+            out["head_still_sharded"] = isinstance(model.lm_head.weight, DTensor)
             out["lm_head_diff"] = _max_diff(ref.lm_head(want), model.lm_head(model.model.embed_tokens(ids)))
         out["after_sharded"] = all(isinstance(p, DTensor) for p in (model.model.embed_tokens.weight, model.model.norm.weight))
         try:
@@ -133,7 +135,7 @@ def test_root_unsharded_context(world_size):
     for r in run_on_ranks(world_size, _root_unshard_checks):
         assert r["outside_error"] is not None and "DTensor" in r["outside_error"]
         assert r["inside_diff"] == 0.0 and r["lm_head_diff"] <= 1e-5
-        assert r["nested_still_unsharded"]
+        assert r["nested_still_unsharded"] and r["head_still_sharded"]
         assert r["after_sharded"] and r["after_exception_sharded"]
         assert r["forward_diff"] <= 1e-5 and r["stepwise_diff"] <= 1e-5
         assert r["plain_ok"]
@@ -242,14 +244,14 @@ def _toy_vlm_checks() -> dict:
     return dict(
         aux=aux, diff=diff, n_layers=len(layers),
         units={n for n, m in model.named_modules() if isinstance(m, FSDPModule)},
-        keep_tower=all(m is not model.model.vision_tower for m in replicated) and len(replicated) == 5,
+        keep_tower=all(m is not model.model.vision_tower for m in replicated) and len(replicated) == 6,
     )
 
 
 def test_auxiliary_modules_get_own_units():
     for r in run_on_ranks(2, _toy_vlm_checks):
         assert r["aux"] == ["mtp", "model.vision_tower", "model.multi_modal_projector"]
-        assert {"", "mtp", "model.vision_tower", "model.multi_modal_projector", "model.language_model.layers.0"} <= r["units"]
+        assert {"", "mtp", "model.vision_tower", "model.multi_modal_projector", "model.language_model.layers.0", "lm_head"} <= r["units"]
         assert r["n_layers"] == 3 and r["keep_tower"]
         assert r["diff"] <= 1e-5
 

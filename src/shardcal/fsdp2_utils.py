@@ -107,14 +107,32 @@ def _auxiliary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _fsdp2_wrap_modules(model: nn.Module, replicate: Iterable[nn.Module] = ()) -> list[nn.Module]:
-    """The modules to give FSDP units of their own, in wrapping order: decoder layers, then auxiliary modules.
+def _untied_output_head(model: nn.Module) -> nn.Module | None:
+    """``model.lm_head`` when it shares no parameter with the rest of the model (i.e. embeddings are untied)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module) or next(head.parameters(), None) is None:
+        return None
+    head_params = {id(p) for p in head.parameters()}
+    inside_head = {id(m) for m in head.modules()}
+    for module in model.modules():
+        if id(module) not in inside_head and any(id(p) in head_params for p in module.parameters(recurse=False)):
+            return None
+    return head
 
-    Modules in ``replicate`` (and their descendants) are left out, e.g. a vision tower that an expert-parallel
-    loader wants to keep replicated.
+
+def _fsdp2_wrap_modules(model: nn.Module, replicate: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """The modules to give FSDP units of their own, in wrapping order.
+
+    Decoder layers, then auxiliary modules, then an untied ``lm_head``: calibration gathers the root group to
+    embed, and a separate output head keeps the (vocab x hidden) matrix out of that gather. A tied head shares
+    the embedding matrix and stays in the root group. Modules in ``replicate`` (and their descendants) are left
+    out, e.g. a vision tower that an expert-parallel loader wants to keep replicated.
     """
     skip = {id(m) for r in replicate for m in r.modules()}
     candidates = [*_decoder_layers_or_raise(model), *(m for _, m in _auxiliary_modules(model))]
+    head = _untied_output_head(model)
+    if head is not None:
+        candidates.append(head)
     return [m for m in candidates if id(m) not in skip]
 
 
@@ -233,6 +251,8 @@ def fsdp2_wrap(
     kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     with _keep_architectures(model):
         for module in _fsdp2_wrap_modules(model):
+            if module is getattr(model, "lm_head", None) and not shard_root:
+                continue  # shard_root=False: everything outside the decoder stack stays replicated
             fully_shard(module, reshard_after_forward=True, **kwargs)
         if shard_root:
             fully_shard(model, reshard_after_forward=True, **kwargs)

@@ -1,0 +1,231 @@
+"""Checkpoint / resume for layer-by-layer calibration under FSDP2, with any number of ranks.
+
+After a committed step every rank has written its own part — the activations it holds (the next layer's
+inputs for its batches) and, when an algorithm changed weights, its own shards of them — and rank 0 has written
+the merged quantizer state and then, last, ``manifest.json``. Files are safetensors (never pickle), each
+written to a temporary name and renamed, with its SHA-256 recorded in the manifest. Files of the previous
+commit are deleted only after the new manifest is in place, so a crash at any moment leaves either the old or
+the new checkpoint intact. On resume, a manifest from another model, recipe, data or world size is refused,
+and a file whose digest does not match is reported as corrupt — never silently used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import CalibrationCheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ResumeState:
+    """What a committed checkpoint restores."""
+
+    completed_layers: int
+    activations: list[torch.Tensor]  # this rank's hidden states, one per batch it owns
+    quantizer_state: dict[str, torch.Tensor]  # merged, identical on every rank
+    local_weights: dict[str, torch.Tensor]  # this rank's shards of weights that algorithms changed
+    report: list[dict[str, Any]]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+class CalibrationCheckpoint:
+    """A checkpoint directory for one calibration run (``fingerprint`` identifies model, recipe, data, world)."""
+
+    def __init__(self, directory: str | Path, fingerprint: dict[str, Any], rank: int, world_size: int):
+        self.dir = Path(directory)
+        self.fingerprint = fingerprint
+        self.rank, self.world_size = rank, world_size
+
+    # ------------------------------------------------------------------ reading
+    def _manifest(self) -> dict[str, Any] | None:
+        path = self.dir / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+            raise CalibrationCheckpointError(f"{path}: corrupt manifest ({exc}); delete the directory to start over") from None
+        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+            raise CalibrationCheckpointError(f"{path}: not a shardcal calibration manifest (format_version {FORMAT_VERSION})")
+        for key in ("fingerprint", "completed_layers", "files", "report"):
+            if key not in manifest:
+                raise CalibrationCheckpointError(f"{path}: corrupt manifest (field {key!r} missing)")
+        return manifest
+
+    def _check_fingerprint(self, manifest: dict[str, Any]) -> None:
+        stored = manifest["fingerprint"]
+        for key, value in self.fingerprint.items():
+            if stored.get(key) != value:
+                raise CalibrationCheckpointError(
+                    f"{self.dir / MANIFEST}: checkpoint is from a different {key.replace('_', ' ')} "
+                    f"(checkpoint: {str(stored.get(key))[:80]}, this run: {str(value)[:80]}); use another "
+                    "--checkpoint-dir or delete this one"
+                )
+
+    def _verified(self, manifest: dict[str, Any], name: str) -> Path:
+        expected = manifest["files"].get(name)
+        path = self.dir / name
+        if expected is None or not path.is_file():
+            raise CalibrationCheckpointError(f"{path}: listed by the manifest but missing; the checkpoint is incomplete")
+        if _sha256(path) != expected:
+            raise CalibrationCheckpointError(f"{path}: contents do not match the manifest's SHA-256 (corrupt or overwritten)")
+        return path
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:
+            raise CalibrationCheckpointError(f"{path}: unreadable ({exc})") from None
+
+    def load(self) -> ResumeState | None:
+        """The committed state, or None when the directory holds no checkpoint yet. Not collective."""
+        manifest = self._manifest()
+        if manifest is None:
+            return None
+        self._check_fingerprint(manifest)
+        done = int(manifest["completed_layers"])
+        acts_name = self._acts_name(done, self.rank)
+        acts = self._read(self._verified(manifest, acts_name)) if acts_name in manifest["files"] else {}
+        activations = [acts[f"batch{i}"] for i in range(len(acts))]
+        quant = self._read(self._verified(manifest, self._quant_name(done)))
+        weights_name = self._weights_name(done, self.rank)
+        weights = self._read(self._verified(manifest, weights_name)) if weights_name in manifest["files"] else {}
+        return ResumeState(done, activations, quant, weights, list(manifest["report"]))
+
+    # ------------------------------------------------------------------ writing
+    @staticmethod
+    def _acts_name(done: int, rank: int) -> str:
+        return f"activations-L{done:05d}-rank{rank:05d}.safetensors"
+
+    @staticmethod
+    def _weights_name(done: int, rank: int) -> str:
+        return f"weights-L{done:05d}-rank{rank:05d}.safetensors"
+
+    @staticmethod
+    def _quant_name(done: int) -> str:
+        return f"quantizers-L{done:05d}.safetensors"
+
+    def commit(
+        self,
+        completed_layers: int,
+        activations: list[torch.Tensor],
+        quantizer_state: dict[str, torch.Tensor],
+        report: list[dict[str, Any]],
+        local_weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write this rank's part, then (rank 0, after everyone) the manifest. Collective."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        previous = self._manifest_or_none()  # read before the gather below: rank 0 replaces it after
+        meta = {"completed_layers": str(completed_layers), "rank": str(self.rank)}
+        mine: dict[str, str] = {}
+        acts_name = self._acts_name(completed_layers, self.rank)
+        _atomic_save({f"batch{i}": a for i, a in enumerate(activations)}, self.dir / acts_name, meta)
+        mine[acts_name] = _sha256(self.dir / acts_name)
+        if local_weights:
+            weights_name = self._weights_name(completed_layers, self.rank)
+            _atomic_save(local_weights, self.dir / weights_name, meta)
+            mine[weights_name] = _sha256(self.dir / weights_name)
+        if self.rank == 0:
+            quant_name = self._quant_name(completed_layers)
+            _atomic_save(quantizer_state, self.dir / quant_name, meta)
+            mine[quant_name] = _sha256(self.dir / quant_name)
+        entries = ";".join(f"{k}={v}" for k, v in sorted(mine.items()))
+        files: dict[str, str] = {}
+        for gathered in _gather_strings_long(entries, self.world_size):
+            for entry in filter(None, gathered.split(";")):
+                name, digest = entry.split("=")
+                files[name] = digest
+        if self.rank == 0:
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "fingerprint": self.fingerprint,
+                "completed_layers": completed_layers,
+                "files": files,
+                "report": report,
+            }
+            _atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
+        _barrier(self.world_size)
+        if previous is not None:  # the new manifest is in place: the old commit's own files can go
+            for name in previous.get("files", {}):
+                if name not in files and (self.rank == 0 and name.startswith("quantizers-") or f"rank{self.rank:05d}" in name):
+                    (self.dir / name).unlink(missing_ok=True)
+
+    def _manifest_or_none(self) -> dict[str, Any] | None:
+        try:
+            return self._manifest()
+        except CalibrationCheckpointError:
+            return None
+
+
+def _gather_strings_long(value: str, world_size: int) -> list[str]:
+    """All ranks' ASCII strings (file digests), sent as uint8 tensors — no pickling between ranks."""
+    if world_size == 1:
+        return [value]
+    length = torch.tensor([len(value)], dtype=torch.int64)
+    lengths = [torch.zeros_like(length) for _ in range(world_size)]
+    dist.all_gather(lengths, length)
+    size = int(max(l.item() for l in lengths))
+    data = torch.zeros(size, dtype=torch.uint8)
+    raw = value.encode("ascii")
+    if raw:
+        data[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.zeros_like(data) for _ in range(world_size)]
+    dist.all_gather(out, data)
+    return [bytes(t[: int(n.item())].tolist()).decode("ascii") for t, n in zip(out, lengths)]

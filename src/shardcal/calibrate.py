@@ -1,0 +1,374 @@
+"""The calibration runner: ``calibrate(model, data, recipe)`` on a plain or FSDP2-sharded model.
+
+It is :func:`shardcal.layer_steps` plus quantizers: for each decoder layer (gathered once), insert the recipe's
+quantizers, calibrate weight quantizers from the full weights, run the layer over this rank's cached batches
+with activation observers collecting (one pass, or two for percentile / mse), merge the statistics across
+ranks in one collective per reduce op, measure the layer's output SQNR, and move on. Data are split across
+ranks by whole batches, so the result does not depend on the world size. With ``checkpoint_dir`` the run can
+be interrupted and resumed bit-identically (see :mod:`shardcal.calib_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batches import Batch, data_fingerprint, make_batches, rank_batch_indices
+from .calib_checkpoint import CalibrationCheckpoint
+from .errors import ModelLayoutError
+from .layer_steps import LayerStep, layer_steps, world
+from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
+from .quant.quantizer import QuantMode
+from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, start_calibration_all
+from .registry import LayerActivationCollector, decoder_layer_prefix
+from .report import CalibrationReport, LayerReport, amax_summary
+
+
+class CalibrationInterrupted(RuntimeError):
+    """Raised by the ``_interrupt_after`` test hook once the checkpoint of that many layers is committed."""
+
+
+def _group() -> Any:
+    """The data-parallel group for statistics merges (None: single process, nothing to merge)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
+    return [(n, q) for n, q in iter_quantizers(layer, prefix) if not n.endswith(".weight_quantizer") and not q.spec.dynamic]
+
+
+def _weight_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, QuantLinear]]:
+    return [(n, m) for n, m in layer.named_modules(prefix=prefix) if isinstance(m, QuantLinear) and m.weight_quantizer is not None]
+
+
+def _moe_blocks(layer: nn.Module) -> list[nn.Module]:
+    """Sparse MoE blocks: modules with a ModuleList ``experts`` and a ``route`` method (ours), by duck typing."""
+    return [m for m in layer.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList) and hasattr(m, "route")]
+
+
+class _AllExpertsObserve:
+    """While active, each expert's quantizers observe all tokens of the batch; the layer output is unchanged.
+
+    A forward pre-hook on each MoE block runs every expert on all of the block's tokens (outputs discarded)
+    with its quantizers collecting, then silences the experts' quantizers for the routed computation, so that
+    no token is counted twice; a forward hook turns them back on. Hooks, not patched forwards: removed on exit.
+    """
+
+    def __init__(self, layer: nn.Module):
+        self.blocks = _moe_blocks(layer)
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_AllExpertsObserve":
+        for block in self.blocks:
+            self.handles.append(block.register_forward_pre_hook(self._before))
+            self.handles.append(block.register_forward_hook(self._after))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @staticmethod
+    def _expert_quantizers(block: nn.Module) -> list[TensorQuantizer]:
+        return [q for _, q in iter_quantizers(block.experts) if q.mode is QuantMode.COLLECT]
+
+    def _before(self, block: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        with torch.no_grad():
+            for expert in block.experts:
+                expert(x)
+        for q in self._expert_quantizers(block):
+            q.mode = QuantMode.DISABLED
+            q._silenced_by_all_experts = True
+
+    def _after(self, block: nn.Module, args: tuple, output: Any) -> None:
+        for _, q in iter_quantizers(block.experts):
+            if getattr(q, "_silenced_by_all_experts", False):
+                q.mode = QuantMode.COLLECT
+                q._silenced_by_all_experts = False
+
+
+def _fallback_unobserved(layer: nn.Module, prefix: str) -> list[str]:
+    """Give activation quantizers that saw no data (unrouted experts) the max amax of their sibling experts.
+
+    Every expert of a block reads the same normalised hidden states, so its siblings' input range is the best
+    estimate available; for ``down_proj`` inputs the siblings' range is used likewise. Returns the names fixed.
+    """
+    fixed = []
+    for block in _moe_blocks(layer):
+        by_role: dict[str, list[TensorQuantizer]] = {}
+        for name, q in iter_quantizers(block.experts):
+            role = name.split(".", 1)[1]  # "<expert>.<linear>.<quantizer>" -> "<linear>.<quantizer>"
+            by_role.setdefault(role, []).append(q)
+        block_name = next(n for n, m in layer.named_modules(prefix=prefix) if m is block)
+        for role, quantizers in by_role.items():
+            seen = [q for q in quantizers if q.num_observed]
+            for e, q in enumerate(quantizers):
+                if q.num_observed == 0 and q.amax is not None:
+                    if seen:
+                        amax = torch.stack([s.amax for s in seen]).amax(dim=0)
+                    else:  # no expert saw data; cannot happen with >= 1 token (each is routed to top-k experts)
+                        amax = torch.ones_like(q.amax)
+                    q.set_amax(amax)
+                    fixed.append(q.name)
+    if fixed:
+        warnings.warn(
+            f"{len(fixed)} MoE expert quantizer(s) saw no calibration tokens and use the max amax of their sibling "
+            f"experts: {', '.join(fixed[:4])}{', ...' if len(fixed) > 4 else ''}",
+            stacklevel=3,
+        )
+    return fixed
+
+
+def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: list[int], group: Any) -> float | None:
+    """SQNR (dB) of the layer output, quantizers on vs off, over the designated batches (summed over ranks)."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    for i in local_sqnr:
+        quantized = step.forward(i).to(fp_outputs[i].device).double()
+        reference = fp_outputs[i].double()
+        sums[0] += reference.pow(2).sum().cpu()
+        sums[1] += (quantized - reference).pow(2).sum().cpu()
+    if group is not None:
+        sums = _all_reduce_cpu(sums, group)
+    signal, noise = float(sums[0]), float(sums[1])
+    if signal == 0.0:
+        return None
+    return math.inf if noise == 0.0 else 10.0 * math.log10(signal / noise)
+
+
+def _all_reduce_cpu(t: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    """All-reduce a small CPU tensor on the group's backend device (NCCL needs it on the GPU)."""
+    op = op if op is not None else dist.ReduceOp.SUM
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        moved = t.cuda()
+        dist.all_reduce(moved, op=op, group=group)
+        return moved.cpu()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _calibrate_layer(step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int]) -> LayerReport:
+    start = time.perf_counter()
+    quantize_modules(step.layer, recipe, prefix=step.name)
+    weights = [m.weight_quantizer for _, m in _weight_quantizers(step.layer, step.name)]
+    for module_weight, q in zip((m.weight for _, m in _weight_quantizers(step.layer, step.name)), weights):
+        q.calibrate_from(module_weight)  # the layer is gathered: the full weight, on every rank
+        q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
+    activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
+    start_calibration_all(activation)
+    fp_outputs: list[torch.Tensor] | None = None
+    moe = _AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    for p in range(max(num_passes(activation), 1)):
+        begin_pass_all(activation, p)
+        if moe is not None:
+            moe.__enter__()
+        try:
+            outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
+        finally:
+            if moe is not None:
+                moe.__exit__(None, None, None)
+        if p == 0:
+            fp_outputs = outs
+        end_pass_all(activation, group)  # collective, also for a rank with no batches
+    finish_calibration_all(activation)
+    for q in weights:
+        q.mode = QuantMode.QUANTIZE
+    fallbacks = _fallback_unobserved(step.layer, step.name)
+    sqnr = _layer_sqnr(step, fp_outputs or [], local_sqnr, group)
+    return LayerReport(
+        index=step.index,
+        name=step.name,
+        seconds=time.perf_counter() - start,
+        sqnr_db=sqnr,
+        quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
+        fallbacks=fallbacks,
+    )
+
+
+def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The calibrated amax of every quantizer in the named layers (identical on every rank)."""
+    modules = dict(model.named_modules())
+    return {
+        f"{n}.amax": q.amax.detach().cpu().clone()
+        for layer_name in layer_names
+        for n, q in iter_quantizers(modules[layer_name], layer_name)
+        if q.amax is not None
+    }
+
+
+def restore_quantizers(model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]) -> None:
+    """Insert the recipe's quantizers into the named layers and set their amax from ``state``."""
+    modules = dict(model.named_modules())
+    for layer_name in layer_names:
+        quantize_modules(modules[layer_name], recipe, prefix=layer_name)
+        for n, q in iter_quantizers(modules[layer_name], layer_name):
+            if q.amax is None:
+                continue
+            key = f"{n}.amax"
+            if key not in state:
+                raise ModelLayoutError(f"calibration checkpoint lacks quantizer state {key!r}")
+            q.set_amax(state[key].to(q.amax.device))
+            q.mode = QuantMode.QUANTIZE
+
+
+def _fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: model (config, shapes, a weight checksum), recipe, data, world."""
+    from torch.distributed.tensor import DTensor
+
+    config = getattr(model, "config", None)
+    raw = getattr(config, "raw", None) or {}
+    shapes = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    checksum = torch.zeros(1, dtype=torch.float64)
+    for i, (_, p) in enumerate(model.named_parameters()):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) or dist.is_initialized() is False or dist.get_rank() == 0:
+            checksum += local.detach().double().sum().cpu() * (i + 1)
+    group = _group()
+    if group is not None:
+        checksum = _all_reduce_cpu(checksum, group)
+    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()  # noqa: E731
+    return {
+        "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
+        "model_weights": repr(float(checksum)),
+        "recipe": digest(recipe.to_dict()),
+        "data": data_fingerprint(batches),
+        "world_size": world_size,
+        "options": digest(options),
+    }
+
+
+def _local_activations(inputs: list) -> list[torch.Tensor]:
+    return [x.hidden_states for x in inputs]
+
+
+def calibrate(
+    model: nn.Module,
+    data: Any,
+    recipe: str | Path | Recipe,
+    *,
+    propagate: str = "fp",
+    offload_activations: bool | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 1,
+    batch_size: int = 8,
+    calibrate_all_experts: bool = True,
+    sqnr_batches: int = 1,
+    progress: bool = True,
+    report_path: str | Path | None = None,
+    _interrupt_after: int | None = None,
+) -> CalibrationReport:
+    """Calibrate ``model`` (plain or FSDP2-sharded) layer by layer on ``data`` with ``recipe``; return the report.
+
+    Collective under torch.distributed: every rank calls it with the same data; each rank computes on its own
+    whole batches. ``data``: an int tensor ``[N, L]``, a list of them, or dicts with ``input_ids`` (and
+    ``attention_mask``). ``propagate``: ``"fp"`` feeds each layer the full-precision outputs of the previous one
+    (one pass per layer); ``"qdq"`` feeds it the outputs with the previous layer's quantizers on.
+    ``offload_activations``: keep the activation cache on CPU (default: when the model is on an accelerator).
+    ``checkpoint_dir``: commit after every ``checkpoint_every`` layers; a rerun resumes there. ``sqnr_batches``:
+    global batches on which each layer's output SQNR is measured (an extra quantized forward on them).
+    Afterwards the model's targeted Linears are fake-quant ``QuantLinear`` modules in quantize mode.
+    """
+    t0 = time.perf_counter()
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    if layers is None:
+        raise ModelLayoutError(
+            f"{type(model).__name__}: no decoder layers found; register the layout with "
+            "shardcal.LayerActivationCollector.register_decoder_layer_support"
+        )
+    config = getattr(model, "config", None)
+    batches = make_batches(
+        data, batch_size, vocab_size=getattr(config, "vocab_size", None), max_positions=getattr(config, "max_position_embeddings", None)
+    )
+    rank, world_size = world()
+    group = _group()
+    mine = rank_batch_indices(len(batches), rank, world_size)
+    local_batches = [batches[i] for i in mine]
+    local_sqnr = [j for j, i in enumerate(mine) if i < sqnr_batches]
+    prefix = decoder_layer_prefix(model, layers)
+    names = [f"{prefix}.{i}" for i in range(len(layers))]
+
+    checkpoint = None
+    resume = None
+    if checkpoint_dir is not None:
+        options = {"propagate": propagate, "batch_size": batch_size, "calibrate_all_experts": calibrate_all_experts, "sqnr_batches": sqnr_batches}
+        checkpoint = CalibrationCheckpoint(checkpoint_dir, _fingerprint(model, recipe, batches, world_size, options), rank, world_size)
+        resume = checkpoint.load()
+    report = CalibrationReport(
+        recipe=recipe.name, propagate=propagate, world_size=world_size, num_batches=len(batches),
+        num_tokens=sum(b.num_tokens for b in batches),
+    )
+    start, initial = 0, None
+    if resume is not None:
+        start = resume.completed_layers
+        restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
+        report.layers = [LayerReport(**entry) for entry in resume.report]
+        report.resumed_from_layer = start
+        if start < len(layers):
+            initial = _restore_inputs(model, local_batches, resume.activations, offload_activations)
+
+    bar = _progress_bar(len(layers), start, progress and rank == 0)
+    steps = layer_steps(model, local_batches, propagate=propagate, offload_activations=offload_activations, start=start, initial_inputs=initial)
+    for step in steps:
+        if checkpoint is not None and step.index > start and step.index % checkpoint_every == 0:
+            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report)
+            if _interrupt_after == step.index:
+                raise CalibrationInterrupted(f"interrupted after {step.index} layers (test hook)")
+        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr)
+        report.layers.append(entry)
+        if bar is not None:
+            bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if checkpoint is not None and start < len(layers):
+        _commit(checkpoint, model, names, len(layers), [], report)
+    report.seconds = time.perf_counter() - t0
+    if report_path is not None and rank == 0:
+        report.save_json(report_path)
+    return report
+
+
+def _commit(checkpoint: CalibrationCheckpoint, model: nn.Module, names: list[str], done: int, acts: list[torch.Tensor], report: CalibrationReport) -> None:
+    checkpoint.commit(
+        done,
+        acts,
+        quantizer_state(model, names[:done]),
+        [dict(entry.__dict__) for entry in report.layers[:done]],
+    )
+
+
+def _restore_inputs(model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None) -> list:
+    """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
+    from .layer_steps import compute_device, embed_batches
+
+    device = compute_device(model)
+    cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
+    if len(activations) != len(local_batches):
+        from .errors import CalibrationCheckpointError
+
+        raise CalibrationCheckpointError(
+            f"calibration checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
+        )
+    inputs = embed_batches(model, local_batches, device, cache_device)  # cheap; also collective like a normal start
+    for x, stored in zip(inputs, activations):
+        x.hidden_states = stored.to(cache_device)
+    return inputs
+
+
+def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")

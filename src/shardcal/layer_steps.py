@@ -1,0 +1,183 @@
+"""The layer-stepping primitive: embed once, then visit decoder layers one at a time on cached activations.
+
+Calibration, SmoothQuant, GPTQ, AWQ and plain activation analysis are all "do something with layer i and the
+inputs it sees, then move on". :func:`layer_steps` does the moving on::
+
+    for step in layer_steps(model, batches):      # embeds once, inside fsdp2_root_unsharded
+        my_algorithm(step.layer, step)           # step.layer is unsharded on every rank for the whole step
+        # step.forward(i) / step.forward_all() run the layer on this rank's cached batch(es)
+
+Between iterations it computes the next layer's inputs — reusing the outputs of the step's own pass over
+the data when they are still valid (``propagate="fp"``), or recomputing them with whatever the caller left in
+the layer (quantizers on, updated weights: ``propagate="qdq"``) — then reshards the layer and drops the old
+inputs. There is no forward patching and no mode flag on the layers: the caller sees a plain module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batches import Batch
+from .errors import ModelLayoutError
+from .fsdp2_utils import fsdp2_root_unsharded, layer_unsharded
+from .registry import LayerActivationCollector, decoder_layer_prefix
+
+PROPAGATE_MODES = ("fp", "qdq")
+
+
+@dataclass
+class CachedInputs:
+    """One batch's inputs to a decoder layer: hidden states plus what every layer shares (rotary, mask)."""
+
+    hidden_states: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    attention_mask: torch.Tensor | None
+    token_mask: torch.Tensor | None  # [B, L] 1 = real token; statistics skip padding
+
+
+def _embedder(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The module that owns the decoder layers and knows how to embed (``embed(input_ids, attention_mask)``)."""
+    for module in model.modules():
+        if any(child is layers for child in module.children()) and hasattr(module, "embed"):
+            return module
+    raise ModelLayoutError(
+        f"{type(model).__name__}: the module holding the decoder layers has no embed(input_ids, attention_mask) "
+        "method returning the layers' inputs (hidden_states, position_embeddings, attention_mask)"
+    )
+
+
+def embed_batches(model: nn.Module, batches: Sequence[Batch], device: torch.device, cache_device: torch.device) -> list[CachedInputs]:
+    """The decoder stack's inputs for each batch, computed inside :func:`fsdp2_root_unsharded`.
+
+    Collective when the root is sharded: every rank enters the context, even one with no batches.
+    """
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    if layers is None:
+        raise ModelLayoutError(f"{type(model).__name__}: no decoder layers found (register the layout)")
+    embedder = _embedder(model, layers)
+    cached = []
+    with torch.no_grad(), fsdp2_root_unsharded(model):
+        for batch in batches:
+            mask = None if batch.attention_mask is None else batch.attention_mask.to(device)
+            inputs = embedder.embed(batch.input_ids.to(device), mask)
+            cos, sin = inputs.position_embeddings
+            cached.append(
+                CachedInputs(
+                    inputs.hidden_states.to(cache_device),
+                    (cos.to(cache_device), sin.to(cache_device)),
+                    None if inputs.attention_mask is None else inputs.attention_mask.to(cache_device),
+                    None if batch.attention_mask is None else batch.attention_mask.to(cache_device),
+                )
+            )
+    return cached
+
+
+@dataclass
+class LayerStep:
+    """One decoder layer, unsharded for the duration of the step, and this rank's cached inputs to it."""
+
+    index: int
+    name: str
+    layer: nn.Module
+    inputs: list[CachedInputs]
+    device: torch.device
+    cache_device: torch.device
+    outputs: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    def forward(self, i: int) -> torch.Tensor:
+        """Run the layer on cached batch ``i``; the output is on the compute device."""
+        x = self.inputs[i]
+        cos, sin = x.position_embeddings
+        with torch.no_grad():
+            return self.layer(
+                x.hidden_states.to(self.device),
+                position_embeddings=(cos.to(self.device), sin.to(self.device)),
+                attention_mask=None if x.attention_mask is None else x.attention_mask.to(self.device),
+            )
+
+    def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
+        """Run the layer on every cached batch; with ``keep_outputs`` remember the outputs as the next inputs.
+
+        Under ``propagate="fp"`` kept outputs become the next layer's inputs, so a caller that runs its
+        observing pass through here gets propagation for free (one pass per layer). Call
+        :meth:`invalidate_outputs` after changing the layer's function (e.g. updating weights).
+        """
+        outs = [self.forward(i).to(self.cache_device) for i in range(len(self.inputs))]
+        if keep_outputs:
+            self.outputs = outs
+            return outs
+        return None
+
+    def invalidate_outputs(self) -> None:
+        self.outputs = None
+
+
+def layer_steps(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    *,
+    propagate: str = "fp",
+    offload_activations: bool | None = None,
+    start: int = 0,
+    initial_inputs: list[CachedInputs] | None = None,
+    device: torch.device | None = None,
+) -> Iterator[LayerStep]:
+    """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
+
+    ``batches`` are this rank's batches (possibly none: the rank still takes part in every gather).
+    ``propagate="fp"`` feeds layer i+1 the outputs of layer i's own pass when the caller kept them
+    (:meth:`LayerStep.forward_all`), else recomputes them after the caller is done; ``"qdq"`` always recomputes
+    them after the caller is done, i.e. with the caller's quantizers enabled. ``offload_activations`` keeps the
+    cache on CPU while layers run on an accelerator (default: on exactly when the model is on an accelerator).
+    ``start``/``initial_inputs`` resume at a layer with inputs restored from a checkpoint. At most two layers'
+    worth of activations (inputs and outputs of the current layer) are alive at once.
+    """
+    if propagate not in PROPAGATE_MODES:
+        raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    if layers is None:
+        raise ModelLayoutError(f"{type(model).__name__}: no decoder layers found (register the layout)")
+    device = device if device is not None else compute_device(model)
+    if offload_activations is None:
+        offload_activations = device.type != "cpu"
+    cache_device = torch.device("cpu") if offload_activations else device
+    prefix = decoder_layer_prefix(model, layers)
+    inputs = initial_inputs if initial_inputs is not None else embed_batches(model, batches, device, cache_device)
+    for index in range(start, len(layers)):
+        layer = layers[index]
+        with layer_unsharded(layer):
+            step = LayerStep(index, f"{prefix}.{index}", layer, inputs, device, cache_device)
+            yield step
+            if propagate == "qdq" or step.outputs is None:
+                step.forward_all(keep_outputs=True)
+            outputs = step.outputs
+        inputs = [
+            CachedInputs(out, x.position_embeddings, x.attention_mask, x.token_mask) for out, x in zip(outputs, inputs)
+        ]
+        del step, outputs
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where layers run: the FSDP2 mesh's device when sharded, else the parameters' device."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            if mesh.device_type == "cpu":
+                return torch.device("cpu")
+            return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+        return p.device
+    return torch.device("cpu")
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)``, or ``(0, 1)`` without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

@@ -1,0 +1,89 @@
+"""What a calibration run measured: per-layer time, output SQNR, and every quantizer's amax."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LayerReport:
+    index: int
+    name: str
+    seconds: float
+    #: 10·log10(signal / noise) of the layer's output with its quantizers on vs off, on the same inputs.
+    sqnr_db: float | None
+    #: quantizer name -> {"amax": max, "amax_mean": mean, "shape": [...]} (full values are in the state file).
+    quantizers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: quantizers that saw no data (MoE experts no token was routed to) and got a fallback amax.
+    fallbacks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CalibrationReport:
+    recipe: str
+    propagate: str
+    world_size: int
+    num_batches: int
+    num_tokens: int
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+    resumed_from_layer: int = 0
+
+    @property
+    def mean_sqnr_db(self) -> float | None:
+        values = [l.sqnr_db for l in self.layers if l.sqnr_db is not None and math.isfinite(l.sqnr_db)]
+        return sum(values) / len(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save_json(self, path: str | Path) -> Path:
+        """Write the report as JSON, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    def save_plot(self, path: str | Path) -> Path | None:
+        """A PNG of per-layer SQNR; None (nothing written) when matplotlib is not installed."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        path = Path(path)
+        xs = [l.index for l in self.layers if l.sqnr_db is not None]
+        ys = [l.sqnr_db for l in self.layers if l.sqnr_db is not None]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(xs, ys, marker="o")
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("output SQNR (dB)")
+        ax.set_title(f"{self.recipe}: per-layer output SQNR (propagate={self.propagate})")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+        os.close(fd)
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, path)
+        return path
+
+
+def amax_summary(amax: torch.Tensor | None) -> dict[str, Any]:
+    if amax is None:
+        return {"dynamic": True}
+    a = amax.detach().float().cpu()
+    return {"amax": float(a.max()), "amax_mean": float(a.mean()), "shape": list(a.shape)}
