@@ -1,0 +1,299 @@
+"""The calibration runner on real gloo ranks (world sizes 1 and 2) against unsharded references."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_on_ranks
+from _tiny_models import TINY_CONFIGS, randomize_
+from shardcal.calibrate import CalibrationInterrupted, calibrate
+from shardcal.errors import DataError, ModelLayoutError
+from shardcal.fsdp2_utils import fsdp2_wrap
+from shardcal.models import CausalLM, ModelConfig
+from shardcal.quant import iter_quantizers, load_recipe, quantize_modules
+from shardcal.quant.session import begin_pass_all, end_pass_all, finish_calibration_all, start_calibration_all
+
+LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
+
+
+def _model(cfg: dict = LLAMA, seed: int = 0) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model, seed=seed)
+    return model.eval()
+
+
+def _data(n: int = 7, seq: int = 16, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _amax_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: q.amax.detach().clone() for n, q in iter_quantizers(model) if q.amax is not None}
+
+
+# ------------------------------------------------------------ layer-wise == whole-model reference
+def _whole_model_reference(recipe: str, data: torch.Tensor, batch_size: int, cfg: dict = LLAMA) -> dict[str, torch.Tensor]:
+    """Observers on everywhere, one full forward per batch, in one process: what layer-wise must reproduce."""
+    model = _model(cfg)
+    quantize_modules(model, load_recipe(recipe))
+    quantizers = [q for n, q in iter_quantizers(model) if not n.endswith("weight_quantizer")]
+    for n, q in iter_quantizers(model):
+        if n.endswith("weight_quantizer"):
+            q.calibrate_from(q_weight(model, n))
+            q.mode = "disabled"
+    start_calibration_all(quantizers)
+    begin_pass_all(quantizers, 0)
+    with torch.no_grad():
+        for s in range(0, data.shape[0], batch_size):
+            model(data[s : s + batch_size])
+    end_pass_all(quantizers, None)
+    finish_calibration_all(quantizers)
+    return _amax_state(model)
+
+
+def q_weight(model: nn.Module, quantizer_name: str) -> torch.Tensor:
+    return model.get_submodule(quantizer_name.rsplit(".", 1)[0]).weight
+
+
+TWO_PASS = """
+name = "two-pass"
+[weight]
+format = "int4"
+granularity = "group"
+group_size = 32
+observer = "mse"
+[input]
+format = "int8"
+granularity = "tensor"
+observer = { name = "percentile", percentile = 99.9 }
+"""
+
+
+def _recipe(name: str):
+    from shardcal.quant import parse_recipe
+
+    return parse_recipe(TWO_PASS, "two-pass.toml") if name == "two-pass" else name
+
+
+def _layerwise(recipe: str, data: torch.Tensor, batch_size: int, wrap: bool, shard_root: bool = True, propagate: str = "fp"):
+    model = _model()
+    if wrap:
+        fsdp2_wrap(model, shard_root=shard_root)
+    report = calibrate(model, data, _recipe(recipe), batch_size=batch_size, progress=False, propagate=propagate)
+    with torch.no_grad():
+        logits = model(data[:2])
+    return _amax_state(model), [l.sqnr_db for l in report.layers], logits
+
+
+def test_layerwise_equals_whole_model_forward():
+    data = _data()
+    want = _whole_model_reference("w8a8-int8", data, batch_size=3)
+    (got, sqnr, _), = run_on_ranks(1, _layerwise, "w8a8-int8", data, 3, False)
+    assert set(got) == set(want) and len(got) == 4 * 7 * 2
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert all(s is not None and s > 20 for s in sqnr)
+
+
+@pytest.mark.parametrize("shard_root", [True, False])
+def test_world_size_two_equals_one_bit_exact(shard_root):
+    data = _data(n=7)  # 3 batches of 3, 3, 1 rows: uneven over 2 ranks
+    (single,) = run_on_ranks(1, _layerwise, "w8a8-int8", data, 3, True, shard_root)
+    for amax, sqnr, logits in run_on_ranks(2, _layerwise, "w8a8-int8", data, 3, True, shard_root):
+        assert amax.keys() == single[0].keys()
+        for name in amax:
+            assert torch.equal(amax[name], single[0][name]), name
+        assert sqnr == single[1]
+        assert torch.equal(logits, single[2])
+
+
+def test_rank_without_batches_and_two_pass_observers():
+    data = _data(n=2)  # one batch of 2 on 2 ranks: rank 1 has none and must not hang
+    (single,) = run_on_ranks(1, _layerwise, "two-pass", data, 4, True, True, "qdq")
+    for amax, _, logits in run_on_ranks(2, _layerwise, "two-pass", data, 4, True, True, "qdq"):
+        for name in amax:
+            assert torch.equal(amax[name], single[0][name]), name
+        assert torch.equal(logits, single[2])
+
+
+# ------------------------------------------------------------ one gather per step
+def _count_gathers(propagate: str) -> dict:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
+
+    model = _model()
+    fsdp2_wrap(model)
+    calls = []
+    original = fpg.foreach_all_gather
+
+    def counting(fsdp_params, *args, **kwargs):
+        calls.append(fsdp_params[0]._param_fqn if hasattr(fsdp_params[0], "_param_fqn") else "?")
+        return original(fsdp_params, *args, **kwargs)
+
+    fpg.foreach_all_gather = counting
+    try:
+        calibrate(model, _data(n=8), "w8a8-int8", batch_size=2, progress=False, propagate=propagate)
+    finally:
+        fpg.foreach_all_gather = original
+    return dict(count=len(calls), names=calls)
+
+
+@pytest.mark.parametrize("propagate", ["fp", "qdq"])
+def test_each_layer_gathered_once(propagate):
+    for r in run_on_ranks(2, _count_gathers, propagate):
+        # one gather of the root (embeddings) + one per decoder layer; lm_head is never gathered
+        assert r["count"] == 1 + 4, r
+
+
+# ------------------------------------------------------------ checkpoint / resume
+def _resume_run(directory: str, interrupt: int | None) -> dict:
+    model = _model()
+    fsdp2_wrap(model)
+    data = _data(n=6)
+    try:
+        report = calibrate(model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory, _interrupt_after=interrupt, propagate="qdq")
+    except CalibrationInterrupted:
+        return dict(interrupted=True)
+    with torch.no_grad():
+        logits = model(data[:2])
+    return dict(interrupted=False, amax=_amax_state(model), sqnr=[l.sqnr_db for l in report.layers], logits=logits, resumed=report.resumed_from_layer)
+
+
+def test_kill_and_resume_bit_identical(tmp_path):
+    (tmp_path / "a").mkdir()
+    full = run_on_ranks(2, _resume_run, str(tmp_path / "a"), None)
+    first = run_on_ranks(2, _resume_run, str(tmp_path / "b"), 2)
+    assert all(r["interrupted"] for r in first)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["completed_layers"] == 2
+    second = run_on_ranks(2, _resume_run, str(tmp_path / "b"), None)
+    for want, got in zip(full, second):
+        assert got["resumed"] == 2
+        assert want["amax"].keys() == got["amax"].keys()
+        for name in want["amax"]:
+            assert torch.equal(want["amax"][name], got["amax"][name]), name
+        assert want["sqnr"] == got["sqnr"]
+        assert torch.equal(want["logits"], got["logits"])
+    # A finished checkpoint resumes to the end at once; another world size is refused.
+    again = run_on_ranks(2, _resume_run, str(tmp_path / "b"), None)
+    assert again[0]["resumed"] == 4 and torch.equal(again[0]["logits"], full[0]["logits"])
+    with pytest.raises(AssertionError, match="different world size"):
+        run_on_ranks(1, _resume_run, str(tmp_path / "b"), None)
+
+
+def _resume_errors(directory: str) -> str:
+    from shardcal.errors import CalibrationCheckpointError
+
+    model = _model(seed=5)  # other weights than the checkpoint's
+    try:
+        calibrate(model, _data(n=6), "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory)
+    except CalibrationCheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_checkpoint_from_other_model_or_corrupt_is_refused(tmp_path):
+    run_on_ranks(1, _resume_run, str(tmp_path), 2)
+    assert "different model weights" in run_on_ranks(1, _resume_errors, str(tmp_path))[0]
+    acts = next(tmp_path.glob("activations-*"))
+    acts.write_bytes(acts.read_bytes()[:-3] + b"xyz")
+    (result,) = run_on_ranks(1, _resume_run_expect_error, str(tmp_path))
+    assert "SHA-256" in result and acts.name in result
+    (tmp_path / "manifest.json").write_text("{not json")
+    (result,) = run_on_ranks(1, _resume_run_expect_error, str(tmp_path))
+    assert "corrupt manifest" in result
+
+
+def _resume_run_expect_error(directory: str) -> str:
+    from shardcal.errors import CalibrationCheckpointError
+
+    try:
+        _resume_run(directory, None)
+    except CalibrationCheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+# ------------------------------------------------------------ MoE
+MOE = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
+
+
+def _moe_model_with_dead_expert() -> CausalLM:
+    """Experts 2 and 3 never get a token: a constant positive residual feature makes the router pick 0 and 1."""
+    model = _model(MOE)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 5.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.post_attention_layernorm.weight.fill_(1.0)
+            for expert in layer.mlp.experts:
+                expert.down_proj.weight[0].zero_()
+            gate = layer.mlp.gate.weight
+            gate.zero_()
+            gate[:, 0] = torch.tensor([3.0, 2.0, 1.0, -5.0])
+    return model
+
+
+def _moe_run(all_experts: bool) -> dict:
+    model = _moe_model_with_dead_expert()
+    fsdp2_wrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = calibrate(model, _data(n=4), "w8a8-int8", batch_size=2, progress=False, calibrate_all_experts=all_experts)
+    observed = {n: q.num_observed for n, q in iter_quantizers(model) if "experts" in n and n.endswith("input_quantizer")}
+    return dict(
+        observed=observed, fallbacks=[f for l in report.layers for f in l.fallbacks],
+        warned=any("saw no calibration tokens" in str(w.message) for w in caught),
+        amax=_amax_state(model),
+    )
+
+
+def test_moe_all_experts_calibrated_and_dead_expert_fallback():
+    for r in run_on_ranks(2, _moe_run, True):
+        assert r["observed"] and all(v > 0 for v in r["observed"].values())
+        assert not r["fallbacks"] and not r["warned"]
+    for r in run_on_ranks(2, _moe_run, False):
+        dead = {n for n, v in r["observed"].items() if v == 0}
+        assert dead and all(".experts.2." in n or ".experts.3." in n for n in dead)
+        assert len(dead) == 2 * 2 * 3  # 2 layers x 2 experts x (gate, up, down) inputs
+        assert sorted(r["fallbacks"]) == sorted(dead) and r["warned"]
+        for n in dead:  # sibling max: finite, positive
+            assert torch.isfinite(r["amax"][n]).all() and (r["amax"][n] > 0).all()
+
+
+# ------------------------------------------------------------ bad input: clear errors, nothing written
+def test_bad_input_clear_errors_nothing_written(tmp_path):
+    model = _model()
+    ckpt = tmp_path / "ckpt"
+    cases = [
+        (torch.zeros(0, 16, dtype=torch.long), DataError, "empty"),
+        (torch.full((2, 8), 256), DataError, "token id 256 is outside the model's vocabulary [0, 256)"),
+        (torch.zeros(1, 300, dtype=torch.long), DataError, "300 tokens exceed the model's max_position_embeddings=256"),
+        (torch.zeros(2, 8), DataError, "must be integers"),
+        ([[[1, 2, 3], [1, 2]]], DataError, "calibration data item 0 input_ids: not a rectangular array"),
+        ([{"ids": [1, 2]}], DataError, "needs an 'input_ids' entry"),
+    ]
+    for data, error, message in cases:
+        with pytest.raises(error) as info:
+            calibrate(model, data, "w8a8-int8", checkpoint_dir=ckpt, report_path=tmp_path / "r.json", progress=False)
+        assert message in str(info.value)
+    with pytest.raises(ModelLayoutError, match="Sequential.*register"):
+        calibrate(nn.Sequential(nn.Linear(2, 2)), _data(), "w8a8-int8", checkpoint_dir=ckpt, progress=False)
+    assert not ckpt.exists() and not (tmp_path / "r.json").exists()
+    assert not any(isinstance(m, nn.Module) and type(m).__name__ == "QuantLinear" for m in model.modules())
+
+
+def test_report_json_and_plot(tmp_path):
+    model = _model()
+    report = calibrate(model, _data(), "fp8", batch_size=4, progress=False, report_path=tmp_path / "report.json")
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["recipe"] == "fp8" and len(saved["layers"]) == 4
+    q = saved["layers"][0]["quantizers"]["model.layers.0.mlp.down_proj.input_quantizer"]
+    assert q["amax"] > 0 and q["shape"] == [1]
+    plot = report.save_plot(tmp_path / "sqnr.png")
+    if plot is not None:
+        assert plot.read_bytes()[:4] == b"\x89PNG"
