@@ -64,9 +64,10 @@ class LayerActivationCollector:
     """Class-level registry that finds a model's decoder layers.
 
     ``register_decoder_layer_support(predicate, discoverer)`` adds a layout: ``predicate(model)`` says whether the
-    layout applies, ``discoverer(model)`` returns the ``nn.ModuleList`` of decoder layers (or None). User
-    registrations are consulted before the built-ins, most recent first; registering the same pair twice is a
-    no-op.
+    layout applies, ``discoverer(model)`` returns the ``nn.ModuleList`` of decoder layers (or None to let the
+    next layout try). User registrations are consulted before the built-ins, most recent first; the built-ins in
+    :data:`BUILTIN_LAYOUTS` order. Registering the same pair twice is a no-op. Built-in layouts accept only a
+    non-empty ``nn.ModuleList`` whose layers share one class; a user discoverer decides for itself.
     """
 
     _user: ClassVar[list[tuple[Predicate, Discoverer]]] = []
@@ -91,10 +92,15 @@ class LayerActivationCollector:
     def get_decoder_layers(cls, model: nn.Module) -> nn.ModuleList | None:
         """The model's decoder layers, or None when no registered layout recognises the model."""
         for predicate, discoverer in (*cls._user, *cls._builtin):
-            if predicate(model):
-                layers = discoverer(model)
-                if layers is not None:
-                    return layers
+            if not predicate(model):
+                continue
+            layers = discoverer(model)
+            if layers is None:
+                continue  # the layout applies but found nothing here: let the next one try
+            if not isinstance(layers, nn.ModuleList):
+                name = getattr(discoverer, "__qualname__", repr(discoverer))
+                raise TypeError(f"decoder-layer discoverer {name} returned {type(layers).__name__}, expected nn.ModuleList or None")
+            return layers
         return None
 
     @classmethod

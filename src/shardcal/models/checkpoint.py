@@ -19,30 +19,56 @@ from ..errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
+#: safetensors dtype names -> torch dtypes (those this torch build has).
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U64": getattr(torch, "uint64", None),
+        "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }.items()
+    if dtype is not None
+}
 
-def _weight_map(model_dir: Path) -> dict[str, Path]:
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: field 'weight_map' must be an object mapping tensor names to file names")
-        files: dict[str, Path] = {}
-        for key, name in weight_map.items():
-            file = (model_dir / name).resolve()
-            if file.parent != model_dir.resolve():
-                raise CheckpointError(f"{index}: tensor {key!r} points outside the model directory ({name!r})")
-            if not file.is_file():
-                raise CheckpointError(f"{index}: tensor {key!r} is in {name!r}, which does not exist")
-            files[key] = file
-        return files
-    single = model_dir / SINGLE_NAME
-    if single.is_file():
-        return {key: single for key in _file_keys(single)}
-    raise CheckpointError(f"{model_dir}: no {SINGLE_NAME} or {INDEX_NAME} found")
+
+def _read_index(index: Path, model_dir: Path) -> dict[str, Path]:
+    """``{tensor name: shard path}`` from a sharded checkpoint's index, every shard checked to exist."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{index}: cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{index}: expected a JSON object, got {type(data).__name__}")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: field 'weight_map' must be a non-empty object mapping tensor names to files")
+    root = model_dir.resolve()
+    files: dict[str, Path] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{index}: 'weight_map' entry for tensor {key!r} must be a file name, got {name!r}")
+        file = (model_dir / name).resolve()
+        if file.parent != root:
+            raise CheckpointError(f"{index}: tensor {key!r} points outside the model directory ({name!r})")
+        if not file.is_file():
+            raise CheckpointError(f"{index}: tensor {key!r} is in {name!r}, which does not exist")
+        files[key] = file
+    return files
 
 
 def _open(file: Path) -> Any:
@@ -52,19 +78,40 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
-def _file_keys(file: Path) -> list[str]:
-    with _open(file) as handle:
-        return list(handle.keys())
-
-
 class CheckpointReader:
-    """Tensors of a model directory by name; each file is opened once, lazily, memory-mapped."""
+    """Tensors of a model directory by name; each file is opened once, lazily, memory-mapped.
+
+    ``source`` is the file that lists the tensors (the index, or the single ``model.safetensors``): error
+    messages about the checkpoint as a whole name it.
+    """
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        self._file_of = _weight_map(self.model_dir)
         self._handles: dict[Path, Any] = {}
-        self._checked: set[Path] = set()
+        self._file_keys: dict[Path, set[str]] = {}
+        index, single = self.model_dir / INDEX_NAME, self.model_dir / SINGLE_NAME
+        if index.is_file():
+            self.source = index
+            self._file_of = _read_index(index, self.model_dir)
+        elif single.is_file():
+            self.source = single
+            self._file_of = {key: single for key in self._keys_in(single)}
+        else:
+            hint = ""
+            if any(self.model_dir.glob("*.bin")) or any(self.model_dir.glob("*.pt")):
+                hint = " (only safetensors weights are read; pickled .bin/.pt files are not)"
+            raise CheckpointError(f"{self.model_dir}: no {SINGLE_NAME} or {INDEX_NAME} found{hint}")
+
+    def _open_file(self, file: Path) -> Any:
+        if file not in self._handles:
+            handle = _open(file).__enter__()
+            self._handles[file] = handle
+            self._file_keys[file] = set(handle.keys())
+        return self._handles[file]
+
+    def _keys_in(self, file: Path) -> set[str]:
+        self._open_file(file)
+        return self._file_keys[file]
 
     def keys(self) -> list[str]:
         return list(self._file_of)
@@ -74,17 +121,15 @@ class CheckpointReader:
 
     def file_of(self, key: str) -> Path:
         if key not in self._file_of:
-            raise CheckpointError(f"{self.model_dir}: tensor {key!r} is missing from the checkpoint")
+            raise CheckpointError(f"{self.source}: tensor {key!r} is missing from the checkpoint")
         return self._file_of[key]
 
     def _handle(self, key: str) -> Any:
+        """The open file holding ``key``, checked to really contain it (an index can be wrong)."""
         file = self.file_of(key)
-        if file not in self._handles:
-            handle = _open(file)
-            self._handles[file] = handle.__enter__()
-            if key not in set(self._handles[file].keys()):
-                raise CheckpointError(f"{file}: tensor {key!r} is listed in the index but not in the file")
-        handle = self._handles[file]
+        handle = self._open_file(file)
+        if key not in self._file_keys[file]:
+            raise CheckpointError(f"{file}: tensor {key!r} is listed in {self.source.name} but not in the file")
         return handle
 
     def _slice(self, key: str) -> Any:
@@ -92,32 +137,34 @@ class CheckpointReader:
         try:
             return handle.get_slice(key)
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} is missing or unreadable ({exc})") from None
+            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} is unreadable ({exc})") from None
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def dtype(self, key: str) -> torch.dtype:
-        return _DTYPE_NAMES.get(self._slice(key).get_dtype(), torch.uint8)
-
     def dtype_name(self, key: str) -> str:
+        """The safetensors dtype name (``F32``, ``BF16``, ``I8``, ...)."""
         return self._slice(key).get_dtype()
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self.dtype_name(key)
+        if name not in _DTYPE_NAMES:
+            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} has dtype {name}, which torch cannot load")
+        return _DTYPE_NAMES[name]
 
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor."""
+        handle = self._handle(key)
         try:
-            return self._handle(key).get_tensor(key)
-        except CheckpointError:
-            raise
+            return handle.get_tensor(key)
         except Exception as exc:
             raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} cannot be read ({exc})") from None
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0, read from the memory map without touching the other rows."""
+        tensor_slice = self._slice(key)
         try:
-            return self._slice(key)[start:stop]
-        except CheckpointError:
-            raise
+            return tensor_slice[start:stop]
         except Exception as exc:
             raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({exc})") from None
 
@@ -125,6 +172,7 @@ class CheckpointReader:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
+        self._file_keys.clear()
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -135,19 +183,3 @@ class CheckpointReader:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             yield key, self.get(key)
-
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}

@@ -3,7 +3,12 @@
 Module and parameter names equal Hugging Face's state-dict keys, so a checkpoint loads with no renaming and a
 saved state dict is a Hugging Face checkpoint again. Decoder layers are plain modules called as
 ``layer(hidden_states, position_embeddings=(cos, sin), attention_mask=mask)``: the model computes the rotary
-tables and the mask once, so a calibration runner can call any layer directly on cached inputs.
+tables and the (padding) mask once, so a calibration runner can call any layer directly on cached inputs. A
+sliding-window layer (Mistral, Qwen with ``use_sliding_window``) narrows the mask itself, so every layer takes
+the same inputs.
+
+The arithmetic follows transformers' modules (RMSNorm in float32, rotary tables cast to the activations'
+dtype, routing softmax in float32), so a checkpoint gives the same logits as there.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .rope import RotaryEmbedding, apply_rotary
 
 _ACT = {
     "silu": F.silu,
+    "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
@@ -69,8 +75,10 @@ class MixtralExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Top-k routed experts (per-expert Linear modules), with Qwen2-MoE's optional gated shared expert.
 
-    The router ``gate`` may be kept in float32 in a bf16 model (as real checkpoints store it); its input is
-    cast to the router's dtype.
+    Routing follows transformers: softmax over all experts in float32, top-k, optionally renormalised
+    (always for Mixtral). Mixtral weights the expert outputs with the float32 routing weights; the Qwen MoE
+    models first cast them to the router's dtype. The router ``gate`` may be kept in float32 in a bf16 model
+    (as real checkpoints store it); its input is cast to the router's dtype.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -78,6 +86,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.num_experts = cfg.num_experts
+        self.float32_routing_weights = cfg.model_type == "mixtral"
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         if cfg.model_type == "mixtral":
             self.experts = nn.ModuleList(
@@ -87,12 +96,11 @@ class SparseMoeBlock(nn.Module):
             self.experts = nn.ModuleList(
                 MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act) for _ in range(cfg.num_experts)
             )
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
-            self.shared_expert_gate = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], expert indices [T, k])`` for flattened tokens ``x`` [T, hidden]."""
@@ -101,7 +109,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights if self.float32_routing_weights else weights.to(logits.dtype)), experts
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -114,27 +122,35 @@ class SparseMoeBlock(nn.Module):
             # leave its parameters' collectives unmatched across ranks.
             y = expert(x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
 
 
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[seq, seq]`` mask (True = attend): causal, and each query sees only its last ``window`` keys."""
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention with rotary embeddings, optional q/k RMSNorm (Qwen3) and sliding window."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv_bias = cfg.attention_bias or cfg.model_type in ("qwen2", "qwen2_moe")
-        o_bias = cfg.attention_bias and cfg.model_type not in ("qwen2", "qwen2_moe")
+        self.sliding_window = cfg.layer_sliding_window(index)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=o_bias)
-        if cfg.model_type in ("qwen3", "qwen3_moe"):
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -142,16 +158,21 @@ class Attention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``attention_mask``: boolean, broadcastable to ``[batch, 1, seq, seq]`` (True = attend), already
+        causal; None means plain causal. A sliding-window layer narrows it further itself."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
         if self.num_kv_heads != self.num_heads:
             repeats = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        if self.sliding_window is not None and s > self.sliding_window:
+            band = sliding_window_mask(s, self.sliding_window, x.device)
+            attention_mask = band if attention_mask is None else attention_mask & band
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -164,21 +185,22 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        feed_forward: nn.Module
         if cfg.layer_is_sparse(index):
-            moe = SparseMoeBlock(cfg)
+            feed_forward = SparseMoeBlock(cfg)
         else:
-            moe = None
-        if cfg.model_type == "mixtral":
-            self.block_sparse_moe = moe
-        else:
-            self.mlp = moe if moe is not None else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+            feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        # Checkpoint names: Mixtral's block is `block_sparse_moe`, every other family's `mlp`.
+        self.feed_forward_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        self.add_module(self.feed_forward_name, feed_forward)
 
     @property
     def feed_forward(self) -> nn.Module:
-        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        """The MLP or sparse MoE block, whatever its checkpoint name."""
+        return getattr(self, self.feed_forward_name)
 
     def forward(
         self,
@@ -224,10 +246,20 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg)
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DecoderInputs:
-        """Embeddings, rotary tables and mask for ``input_ids`` [batch, seq] — the decoder stack's inputs."""
+        """Embeddings, rotary tables and mask for ``input_ids`` [batch, seq] — the decoder stack's inputs.
+
+        ``attention_mask`` [batch, seq] (1 = token, 0 = padding) is optional; with padding, positions count
+        only the real tokens (as in transformers' generation), so a left-padded row gets the same rotary
+        positions as unpadded.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {list(attention_mask.shape)}, input_ids {list(input_ids.shape)}"
+            )
         hidden = self.embed_tokens(input_ids)
         if attention_mask is not None and not bool(attention_mask.all()):
-            # Left or right padding: positions count only real tokens, as in HF generation.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         else:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)

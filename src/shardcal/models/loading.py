@@ -1,7 +1,8 @@
 """``from_pretrained``: build a model from a Hugging Face-format directory on one process.
 
-The model is built on the meta device (no memory, no random init), materialised on the target device, and
-filled from the safetensors files, checking every key and shape against the model.
+The model is built on the meta device (no memory, no random init), checked against the checkpoint (every key
+present, shapes and dtypes right, nothing unexpected), materialised on the target device and filled from the
+safetensors files.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from .decoder import CausalLM, SparseMoeBlock
 #: Checkpoint keys that old exports carry but that hold nothing we need (recomputed, not learned).
 IGNORED_KEY_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
 
+_DTYPE_ARGS: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHOWN = 5  # at most this many keys named in one error message
+
 
 def build_on_meta(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
     """The model's structure on the meta device, in ``dtype``: no memory, no initialisation."""
@@ -33,34 +37,58 @@ def router_weight_names(model: nn.Module) -> set[str]:
 
 
 def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None) -> torch.dtype:
-    """The requested dtype, else the config's ``torch_dtype``, else float32."""
+    """The requested dtype (a torch dtype or its name), else the config's ``torch_dtype``, else float32.
+
+    ``"auto"`` means the config's dtype, as in transformers.
+    """
     if isinstance(dtype, str):
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(names)}")
-        dtype = names[dtype]
+        if dtype == "auto":
+            dtype = None
+        else:
+            name = dtype.removeprefix("torch.")
+            if name not in _DTYPE_ARGS:
+                raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPE_ARGS)}")
+            dtype = _DTYPE_ARGS[name]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
     return dtype or cfg.torch_dtype or torch.float32
 
 
+def _named(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
 def check_checkpoint_keys(model: nn.Module, reader: CheckpointReader, cfg: ModelConfig) -> None:
-    """Every parameter present with the right shape, and no unexpected tensor; errors name the key."""
-    expected = dict(model.named_parameters())
-    for name, param in expected.items():
-        if name not in reader:
-            raise CheckpointError(f"{reader.model_dir}: tensor {name!r} is missing from the checkpoint")
-        shape = reader.shape(name)
-        if shape != tuple(param.shape):
+    """Every parameter present with the right shape and a float dtype, and no unexpected tensor.
+
+    Errors name the file and the tensor keys. ``named_parameters`` lists a tied ``lm_head.weight`` once, under
+    the embeddings, so a tied checkpoint may omit ``lm_head.weight``; when it stores it, the shape must match.
+    """
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    if cfg.tie_word_embeddings and "lm_head.weight" in reader:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    missing = [name for name in expected if name not in reader]
+    if missing:
+        raise CheckpointError(
+            f"{reader.source}: {len(missing)} tensor(s) of this {cfg.model_type} config are missing: {_named(missing)}"
+        )
+    unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
+    if unexpected:
+        raise CheckpointError(
+            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {_named(unexpected)} "
+            f"(not part of a {cfg.model_type} model with this config)"
+        )
+    for name, shape in expected.items():
+        found = reader.shape(name)
+        if found != shape:
             raise CheckpointError(
-                f"{reader.file_of(name)}: tensor {name!r} has shape {list(shape)}, the config implies {list(param.shape)}"
+                f"{reader.file_of(name)}: tensor {name!r} has shape {list(found)}, the config implies {list(shape)}"
             )
         if not reader.dtype(name).is_floating_point:
-            raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float")
-    for key in reader.keys():
-        if key in expected or key.endswith(IGNORED_KEY_SUFFIXES):
-            continue
-        if key == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # some tied checkpoints store the shared matrix twice
-        raise CheckpointError(f"{reader.file_of(key)}: unexpected tensor {key!r} (not part of a {cfg.model_type} model with this config)")
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float type"
+            )
 
 
 def param_dtypes(model: nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -81,9 +109,10 @@ def set_param_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> CausalLM:
     """Load a Hugging Face-format model directory (config.json + safetensors) into a plain, unsharded model.
 
-    ``dtype`` defaults to the config's ``torch_dtype`` (float32 when absent); MoE routers stored in float32 stay
-    float32. A directory exported by shardcal (compressed-tensors ``quantization_config``) loads into
-    fake-quant modules with the stored scales.
+    ``dtype`` defaults to the config's ``torch_dtype``/``dtype`` (float32 when absent); MoE routers stored in
+    float32 stay float32. A directory exported by shardcal (compressed-tensors ``quantization_config``) loads
+    into fake-quant modules with the stored scales. Bad input raises :class:`~shardcal.errors.ConfigError` or
+    :class:`~shardcal.errors.CheckpointError` naming the file and field or tensor.
     """
     cfg = load_config(path)
     target = resolve_dtype(cfg, dtype)

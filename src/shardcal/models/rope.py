@@ -1,9 +1,10 @@
 """Rotary position embeddings, computed once per forward by the model and handed to every decoder layer.
 
-The inverse frequencies follow Hugging Face's ``rope_type`` definitions (default, linear, dynamic NTK, llama3,
-yarn) so that a checkpoint gives the same logits as in transformers. They are recomputed from the config on
-each call (``head_dim / 2`` numbers): no buffer to materialise after meta-device construction, nothing for
-FSDP2 to shard.
+The inverse frequencies follow transformers' ``rope_type`` definitions (default, linear, dynamic NTK, llama3,
+yarn; the 5.x semantics) so that a checkpoint gives the same logits as in transformers. They are recomputed
+from the config on each call (``head_dim / 2`` numbers): no buffer to materialise after meta-device
+construction, nothing for FSDP2 to shard, and no state carried from one forward to the next (transformers'
+dynamic NTK caches the longest length seen; here every forward scales for its own length).
 """
 
 from __future__ import annotations
@@ -16,16 +17,38 @@ from torch import nn
 from .config import ModelConfig
 
 
-def _default_inv_freq(base: float, dim: int, device: torch.device | None) -> torch.Tensor:
+def _default_inv_freq(base: float | torch.Tensor, dim: int, device: torch.device | None) -> torch.Tensor:
+    """``1 / base^(2i / dim)`` for ``i < dim / 2``, in float32."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
     return 1.0 / (base**exponents)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _linear_inv_freq(cfg: ModelConfig, device: torch.device | None) -> torch.Tensor:
+    """Position interpolation: every frequency divided by ``factor``."""
+    assert cfg.rope_scaling is not None
+    return _default_inv_freq(cfg.rope_theta, cfg.head_dim, device) / cfg.rope_scaling["factor"]
+
+
+def _dynamic_inv_freq(cfg: ModelConfig, seq_len: int, device: torch.device | None) -> torch.Tensor:
+    """Dynamic NTK: past ``max_position_embeddings``, the base grows with the sequence length."""
+    assert cfg.rope_scaling is not None
+    factor, dim, max_positions = cfg.rope_scaling["factor"], cfg.head_dim, cfg.max_position_embeddings
+    if seq_len <= max_positions:
+        return _default_inv_freq(cfg.rope_theta, dim, device)
+    # float32 arithmetic, as transformers does it (it computes from a tensor-valued sequence length).
+    length = torch.tensor(seq_len, dtype=torch.float32, device=device)
+    base = cfg.rope_theta * ((factor * length / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+    return _default_inv_freq(base, dim, device)
+
+
+def _llama3_inv_freq(cfg: ModelConfig, device: torch.device | None) -> torch.Tensor:
+    """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth blend in between."""
+    scaling = cfg.rope_scaling
+    assert scaling is not None
+    inv_freq = _default_inv_freq(cfg.rope_theta, cfg.head_dim, device)
     factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -37,14 +60,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def _yarn_inv_freq(cfg: ModelConfig, device: torch.device | None) -> tuple[torch.Tensor, float]:
-    scaling = cfg.rope_scaling or {}
+    """YaRN: interpolate low frequencies, extrapolate high ones (linear ramp between), scale attention."""
+    scaling = cfg.rope_scaling
+    assert scaling is not None
     base, dim = cfg.rope_theta, cfg.head_dim
     factor = scaling["factor"]
-    if "original_max_position_embeddings" in scaling:
-        original_max = scaling["original_max_position_embeddings"]
-        factor = cfg.max_position_embeddings / original_max
-    else:
-        original_max = cfg.max_position_embeddings
+    original_max = scaling["original_max_position_embeddings"]
 
     def get_mscale(scale: float, mscale: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -60,6 +81,7 @@ def _yarn_inv_freq(cfg: ModelConfig, device: torch.device | None) -> tuple[torch
     beta_slow = scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
+        """The dimension whose wavelength makes ``rotations`` turns over the original context."""
         return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
@@ -67,36 +89,33 @@ def _yarn_inv_freq(cfg: ModelConfig, device: torch.device | None) -> tuple[torch
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001
+        high += 0.001  # prevent a division by zero
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
-    extrapolation_factor = 1 - ramp
+    extrapolation = 1 - ramp
     pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
 
 
 def inverse_frequencies(cfg: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [head_dim/2] float32, attention_scaling)`` for a sequence of ``seq_len`` positions."""
-    scaling = cfg.rope_scaling
-    rope_type = scaling["rope_type"] if scaling else "default"
+    """``(inv_freq [head_dim/2] float32, attention_scaling)`` for a sequence of ``seq_len`` positions.
+
+    ``attention_scaling`` multiplies cos and sin (only YaRN has one other than 1).
+    """
+    rope_type = cfg.rope_scaling["rope_type"] if cfg.rope_scaling else "default"
     if rope_type == "yarn":
         return _yarn_inv_freq(cfg, device)
-    base = cfg.rope_theta
-    if rope_type == "dynamic":
-        original_max = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
-        if seq_len > original_max:
-            dim = cfg.head_dim
-            base = base * ((scaling["factor"] * seq_len / original_max) - (scaling["factor"] - 1)) ** (dim / (dim - 2))
-    inv_freq = _default_inv_freq(base, cfg.head_dim, device)
     if rope_type == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    return inv_freq, 1.0
+        return _linear_inv_freq(cfg, device), 1.0
+    if rope_type == "dynamic":
+        return _dynamic_inv_freq(cfg, seq_len, device), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(cfg, device), 1.0
+    return _default_inv_freq(cfg.rope_theta, cfg.head_dim, device), 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes ``(cos, sin)`` of shape ``[batch, seq, head_dim]`` for given position ids."""
+    """Computes ``(cos, sin)`` of shape ``[batch, seq, head_dim]`` for position ids ``[batch, seq]``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -104,9 +123,11 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        seq_len = 0
+        if self.cfg.rope_scaling and self.cfg.rope_scaling["rope_type"] == "dynamic" and position_ids.numel():
+            seq_len = int(position_ids.max()) + 1  # only dynamic NTK depends on it (and this syncs a GPU)
         inv_freq, scaling = inverse_frequencies(self.cfg, seq_len, position_ids.device)
-        freqs = (inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
+        freqs = position_ids[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 

@@ -1,0 +1,146 @@
+"""Calibration speed and memory, as ratios measured side by side in one run (not a timed test).
+
+    python benchmarks/calibration_speed.py [--samples 32] [--seq-len 256] [--batch-size 8]
+
+1. SmolLM2-135M (the embedded model), one process: calibration time (w8a8-int8, propagate=fp) divided by the
+   time of one plain FP forward of the whole model over the same data. Target <= 1.3.
+2. The same at 2 ranks (gloo; the model loaded sharded with load_pretrained; each rank half of the data).
+3. t(2L) / t(L): calibration time of random models with L and 2L layers (target <= 2.1: O(L) layer calls).
+4. Peak RSS per rank at 1 vs 2 ranks (load_pretrained + calibrate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _fp_forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int) -> float:
+    with torch.no_grad():
+        model(data[:1, :8])  # warm-up (and the FSDP2 lazy init)
+        start = time.perf_counter()
+        for s in range(0, data.shape[0], batch_size):
+            model(data[s : s + batch_size])
+    return time.perf_counter() - start
+
+
+def _rank_slice(data: torch.Tensor, batch_size: int) -> torch.Tensor:
+    from shardcal.batches import rank_batch_indices
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    idx = rank_batch_indices((data.shape[0] + batch_size - 1) // batch_size, rank, world)
+    rows = [r for i in idx for r in range(i * batch_size, min((i + 1) * batch_size, data.shape[0]))]
+    return data[rows]
+
+
+def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> None:
+    """One rank's part of the sharded measurement (runs under shardcal.distributed.launch or alone)."""
+    from shardcal import calibrate
+    from shardcal.models import load_pretrained
+
+    model = load_pretrained(model_dir)
+    load_rss = _rss_mb()
+    t_fp = _fp_forward_seconds(model, _rank_slice(data, batch_size), batch_size)
+    dist.barrier()
+    start = time.perf_counter()
+    calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
+    t_cal = time.perf_counter() - start
+    times = torch.tensor([t_fp, t_cal, load_rss, _rss_mb()], dtype=torch.float64)
+    gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, times)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([t.tolist() for t in gathered]))
+
+
+def _sharded(model_dir: str, data: torch.Tensor, batch_size: int, nproc: int) -> list[list[float]]:
+    from shardcal.distributed import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        launch(_measure, nproc, model_dir, data, batch_size, out)
+        return json.loads(Path(out).read_text())
+
+
+def _single_plain(model_dir: str, data: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    from shardcal import calibrate
+    from shardcal.models import from_pretrained
+
+    model = from_pretrained(model_dir)
+    t_fp = _fp_forward_seconds(model, data, batch_size)
+    start = time.perf_counter()
+    calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
+    return t_fp, time.perf_counter() - start
+
+
+def _scaling(layers: int, data: torch.Tensor, batch_size: int) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _tiny_models import TINY_CONFIGS, randomize_
+
+    from shardcal import calibrate
+    from shardcal.models import CausalLM, ModelConfig
+
+    cfg = dict(TINY_CONFIGS["llama"], hidden_size=256, intermediate_size=768, num_hidden_layers=layers, vocab_size=512)
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model)
+    calibrate(model, data[:2, :32] % 512, "w8a8-int8", batch_size=batch_size, progress=False)  # warm-up
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model)
+    start = time.perf_counter()
+    calibrate(model, data % 512, "w8a8-int8", batch_size=batch_size, progress=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=6, help="L for the t(2L)/t(L) measurement")
+    args = parser.parse_args()
+
+    from shardcal.calibration.data import token_blocks
+    from shardcal.models.gguf import embedded_model_dir
+    from shardcal.models.tokenizer import Tokenizer
+
+    model_dir = embedded_model_dir()
+    data = token_blocks(Tokenizer.from_dir(model_dir), args.samples, args.seq_len, split="calib")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    t_fp, t_cal = _single_plain(str(model_dir), data, args.batch_size)
+    one = _sharded(str(model_dir), data, args.batch_size, 1)
+    two = _sharded(str(model_dir), data, args.batch_size, 2)
+    t_l = _scaling(args.layers, data, args.batch_size)
+    t_2l = _scaling(2 * args.layers, data, args.batch_size)
+
+    rows = [
+        ("calibration / FP forward, 1 process, plain model", f"{t_cal:.1f} s / {t_fp:.1f} s", t_cal / t_fp, "<= 1.3"),
+        ("calibration / FP forward, 1 rank, FSDP2 (load_pretrained)", f"{one[0][1]:.1f} s / {one[0][0]:.1f} s", one[0][1] / one[0][0], "<= 1.3"),
+        ("calibration / FP forward, 2 ranks, FSDP2", f"{max(r[1] for r in two):.1f} s / {max(r[0] for r in two):.1f} s",
+         max(r[1] for r in two) / max(r[0] for r in two), "<= 1.3"),
+        (f"t(2L)/t(L), random model, L={args.layers}", f"{t_2l:.1f} s / {t_l:.1f} s", t_2l / t_l, "<= 2.1"),
+        ("peak RSS per rank, 2 ranks / 1 rank", f"{max(r[3] for r in two):.0f} MB / {one[0][3]:.0f} MB",
+         max(r[3] for r in two) / one[0][3], "< 1"),
+    ]
+    print(f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, recipe w8a8-int8, "
+          f"{os.cpu_count()} CPU cores, torch {torch.__version__}")
+    print(f"{'measurement':58} {'values':>22} {'ratio':>7}  target")
+    for name, values, ratio, target in rows:
+        print(f"{name:58} {values:>22} {ratio:7.2f}  {target}")
+    print(f"peak RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Tiny random Hugging Face-format checkpoints for tests, built without transformers.
+
+``make_tiny_checkpoint(tmp_path, "qwen3_moe")`` writes ``config.json`` + ``model.safetensors`` for one of
+:data:`TINY_CONFIGS`' families (hidden 64, 4 heads / 2 kv heads, vocab 256; MoE: 4 experts, top-2) and
+returns the directory. Weights are random with std 0.05 (norm weights around 1, routers std 0.5 so that
+routing is decisive), so activations and logits are non-trivial.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shardcal.models import CausalLM, ModelConfig
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_MOE: dict[str, Any] = {"num_experts_per_tok": 2}
+
+#: One tiny config per supported model_type (what ``config.json`` gets, before overrides).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    "mistral": {**_COMMON, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None},
+    "qwen2": {**_COMMON, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False},
+    "qwen3": {**_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
+    "mixtral": {
+        **_COMMON,
+        **_MOE,
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+    },
+    "qwen2_moe": {
+        **_COMMON,
+        **_MOE,
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],  # layer 0 dense, layer 1 sparse
+    },
+    "qwen3_moe": {
+        **_COMMON,
+        **_MOE,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "head_dim": 16,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.05, router_std: float = 0.5) -> None:
+    """Fill every parameter of ``model`` in place: weights N(0, std), norm weights 1 + N(0, 0.1), biases
+    N(0, std), MoE router weights N(0, router_std). Works for our models and transformers' alike (by name)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            leaf = ["", "", *name.rsplit(".", 2)]
+            if "norm" in leaf[-2] and leaf[-1] == "weight":
+                value = 1.0 + 0.1 * noise
+            elif leaf[-2] == "gate" and ("mlp" in name or "block_sparse_moe" in name):
+                value = router_std * noise
+            else:
+                value = std * noise
+            param.copy_(value.to(param.dtype))
+
+
+def make_tiny_checkpoint(
+    tmp_dir: str | Path,
+    model_type: str = "llama",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random checkpoint (``config.json`` + ``model.safetensors``) under ``tmp_dir``.
+
+    The directory is ``tmp_dir / f"tiny-{model_type}"`` (``-1``, ``-2``, ... appended if it exists). Config
+    overrides replace or add ``config.json`` fields (e.g. ``num_hidden_layers=3``, ``tie_word_embeddings=True``);
+    the weights' dtype is ``dtype`` and ``config.json`` says so. A tied checkpoint omits ``lm_head.weight``,
+    as transformers writes it.
+    """
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for model_type {model_type!r} (have: {', '.join(TINY_CONFIGS)})")
+    raw = copy.deepcopy(TINY_CONFIGS[model_type])
+    raw.update(copy.deepcopy(config_overrides))
+    raw["torch_dtype"] = _DTYPE_NAMES[dtype]
+    model = CausalLM(ModelConfig.from_dict(raw, source=f"TINY_CONFIGS[{model_type!r}]"))
+    randomize_(model, seed=seed)
+    state = {
+        name: tensor.detach().to(dtype).contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (raw.get("tie_word_embeddings") and name == "lm_head.weight")
+    }
+    base = Path(tmp_dir) / f"tiny-{model_type}"
+    out, n = base, 0
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
