@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .algorithms import LayerAlgorithm, make_algorithm
 from .batches import Batch, data_fingerprint, make_batches, rank_batch_indices
 from .calib_checkpoint import CalibrationCheckpoint
 from .errors import ModelLayoutError
+from .fsdp2_utils import sync_unsharded_to_shards
 from .layer_steps import LayerStep, layer_steps, world
 from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
 from .quant.quantizer import QuantMode
@@ -157,13 +159,19 @@ def _all_reduce_cpu(t: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor
     return t
 
 
-def _calibrate_layer(step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int]) -> LayerReport:
+def _calibrate_layer(
+    step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int], algorithm: LayerAlgorithm
+) -> LayerReport:
     start = time.perf_counter()
     quantize_modules(step.layer, recipe, prefix=step.name)
+    algorithm.before_weight_calibration(step, recipe, group)
     weights = [m.weight_quantizer for _, m in _weight_quantizers(step.layer, step.name)]
     for module_weight, q in zip((m.weight for _, m in _weight_quantizers(step.layer, step.name)), weights):
         q.calibrate_from(module_weight)  # the layer is gathered: the full weight, on every rank
         q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
+    algorithm.after_weight_calibration(step, recipe, group)
+    if algorithm.changes_weights:
+        sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
     start_calibration_all(activation)
     fp_outputs: list[torch.Tensor] | None = None
@@ -247,6 +255,34 @@ def _fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_s
     }
 
 
+def local_weight_shards(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """This rank's part of every parameter of the named layers (its shard of a DTensor, else the whole tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    modules = dict(model.named_modules())
+    out = {}
+    for layer_name in layer_names:
+        for n, p in modules[layer_name].named_parameters(prefix=layer_name):
+            out[n] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+    return out
+
+
+def restore_weight_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Copy checkpointed local parts back into the parameters (inverse of :func:`local_weight_shards`)."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in shards.items():
+            if name not in params:
+                raise ModelLayoutError(f"calibration checkpoint holds weights for {name!r}, which the model lacks")
+            p = params[name]
+            target = p.to_local() if isinstance(p, DTensor) else p
+            if tuple(target.shape) != tuple(value.shape):
+                raise ModelLayoutError(f"calibration checkpoint weights {name!r} have shape {list(value.shape)}, expected {list(target.shape)}")
+            target.copy_(value)
+
+
 def _local_activations(inputs: list) -> list[torch.Tensor]:
     return [x.hidden_states for x in inputs]
 
@@ -280,6 +316,7 @@ def calibrate(
     """
     t0 = time.perf_counter()
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    algorithm = make_algorithm(recipe.algorithm)
     layers = LayerActivationCollector.get_decoder_layers(model)
     if layers is None:
         raise ModelLayoutError(
@@ -312,6 +349,7 @@ def calibrate(
     if resume is not None:
         start = resume.completed_layers
         restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
+        restore_weight_shards(model, resume.local_weights)
         report.layers = [LayerReport(**entry) for entry in resume.report]
         report.resumed_from_layer = start
         if start < len(layers):
@@ -321,10 +359,10 @@ def calibrate(
     steps = layer_steps(model, local_batches, propagate=propagate, offload_activations=offload_activations, start=start, initial_inputs=initial)
     for step in steps:
         if checkpoint is not None and step.index > start and step.index % checkpoint_every == 0:
-            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report)
+            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, algorithm)
             if _interrupt_after == step.index:
                 raise CalibrationInterrupted(f"interrupted after {step.index} layers (test hook)")
-        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr)
+        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr, algorithm)
         report.layers.append(entry)
         if bar is not None:
             bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
@@ -332,19 +370,23 @@ def calibrate(
     if bar is not None:
         bar.close()
     if checkpoint is not None and start < len(layers):
-        _commit(checkpoint, model, names, len(layers), [], report)
+        _commit(checkpoint, model, names, len(layers), [], report, algorithm)
     report.seconds = time.perf_counter() - t0
     if report_path is not None and rank == 0:
         report.save_json(report_path)
     return report
 
 
-def _commit(checkpoint: CalibrationCheckpoint, model: nn.Module, names: list[str], done: int, acts: list[torch.Tensor], report: CalibrationReport) -> None:
+def _commit(
+    checkpoint: CalibrationCheckpoint, model: nn.Module, names: list[str], done: int, acts: list[torch.Tensor],
+    report: CalibrationReport, algorithm: LayerAlgorithm,
+) -> None:
     checkpoint.commit(
         done,
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
+        local_weights=local_weight_shards(model, names[:done]) if algorithm.changes_weights else None,
     )
 
 

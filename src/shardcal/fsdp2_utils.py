@@ -324,3 +324,28 @@ def layer_unsharded(layer: nn.Module) -> Iterator[nn.Module]:
     finally:
         layer.set_reshard_after_forward(True, recurse=False)
         layer.reshard()
+
+
+def sync_unsharded_to_shards(layer: nn.Module) -> int:
+    """Write a gathered unit's (possibly modified) parameters back into this rank's shards.
+
+    FSDP2's sharded parameters are the source of truth: resharding frees the gathered copies, so an algorithm
+    that edits weights while the layer is gathered (GPTQ, SmoothQuant folding) must copy its rows back, or the
+    edit is lost. Call it inside :func:`layer_unsharded`. A no-op (returns 0) for a module that is not an FSDP2
+    unit, whose parameters were edited in place. Returns the number of parameters written back.
+    """
+    if not isinstance(layer, FSDPModule):
+        return 0
+    from .models.sharded import _local_rows
+
+    written = 0
+    with torch.no_grad():
+        for group in layer._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                full = fsdp_param.unsharded_param
+                start, stop = _local_rows(fsdp_param.sharded_param)
+                local = fsdp_param.sharded_param.to_local()
+                if stop > start:
+                    local.copy_(full[start:stop].to(local.dtype))
+                written += 1
+    return written
