@@ -27,6 +27,7 @@ from .batches import Batch, data_fingerprint, make_batches, rank_batch_indices
 from .calib_checkpoint import CalibrationCheckpoint
 from .errors import ModelLayoutError
 from .fsdp2_utils import sync_unsharded_to_shards
+from .health import rank_guard, report_phase
 from .layer_steps import LayerStep, layer_steps, world
 from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
 from .quant.quantizer import QuantMode
@@ -312,9 +313,24 @@ def calibrate(
     ``offload_activations``: keep the activation cache on CPU (default: when the model is on an accelerator).
     ``checkpoint_dir``: commit after every ``checkpoint_every`` layers; a rerun resumes there. ``sqnr_batches``:
     global batches on which each layer's output SQNR is measured (an extra quantized forward on them).
-    Afterwards the model's targeted Linears are fake-quant ``QuantLinear`` modules in quantize mode.
+    Afterwards the model's targeted Linears are fake-quant ``QuantLinear`` modules in quantize mode. If another
+    rank fails, this one raises a :class:`~shardcal.errors.DistributedError` naming that rank and its layer.
     """
+    with rank_guard():
+        return _calibrate(
+            model, data, recipe, propagate=propagate, offload_activations=offload_activations, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, batch_size=batch_size, calibrate_all_experts=calibrate_all_experts,
+            sqnr_batches=sqnr_batches, progress=progress, report_path=report_path, _interrupt_after=_interrupt_after,
+        )
+
+
+def _calibrate(
+    model: nn.Module, data: Any, recipe: str | Path | Recipe, *, propagate: str, offload_activations: bool | None,
+    checkpoint_dir: str | Path | None, checkpoint_every: int, batch_size: int, calibrate_all_experts: bool,
+    sqnr_batches: int, progress: bool, report_path: str | Path | None, _interrupt_after: int | None,
+) -> CalibrationReport:
     t0 = time.perf_counter()
+    report_phase("calibrate: setup")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     algorithm = make_algorithm(recipe.algorithm)
     layers = LayerActivationCollector.get_decoder_layers(model)
@@ -357,7 +373,9 @@ def calibrate(
 
     bar = _progress_bar(len(layers), start, progress and rank == 0)
     steps = layer_steps(model, local_batches, propagate=propagate, offload_activations=offload_activations, start=start, initial_inputs=initial)
+    report_phase("calibrate: embedding")
     for step in steps:
+        report_phase(f"calibrate {step.name}")
         if checkpoint is not None and step.index > start and step.index % checkpoint_every == 0:
             _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, algorithm)
             if _interrupt_after == step.index:

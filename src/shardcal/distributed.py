@@ -58,10 +58,10 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, status_dir: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SHARDCAL_STATUS_DIR=status_dir,
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
@@ -69,6 +69,8 @@ def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which ends the siblings
         errors.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
+        errors.close()
+        errors.join_thread()  # flush the report before the hard exit
         sys.stderr.flush()
         os._exit(1)
     finally:
@@ -84,41 +86,76 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """
     if nproc < 1:
         raise DistributedError(f"--nproc-per-node must be >= 1, got {nproc}")
+    import tempfile
+
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, errors)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    failed = None
-    while any(p.is_alive() for p in procs):
-        dead = [(r, p) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
-        if dead:
-            failed = dead[0]
-            break
-        time.sleep(0.2)
-    if failed is not None:
+    with tempfile.TemporaryDirectory(prefix="shardcal-status-") as status_dir:
+        procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, errors, status_dir)) for r in range(nproc)]
         for p in procs:
-            if p.is_alive():
-                p.terminate()
+            p.start()
+        first_failed = _wait_for_first_failure(procs)
+        if first_failed is not None:
+            # Survivors notice a dead peer in their next collective and report on their own; give them a moment,
+            # then stop whoever is left (a rank stuck outside collectives would otherwise keep us waiting).
+            deadline = time.monotonic() + GRACE_S
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for p in procs:
-        p.join()
-    reports = []
-    while not errors.empty():
-        reports.append(errors.get())
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if reports:
-        rank, kind, message, tb = sorted(reports)[0]
+            p.join()
+        reports = []
+        while not errors.empty():
+            reports.append(errors.get())
+        if first_failed is None:
+            return
+        raise _origin_of_failure(procs, sorted(reports), first_failed, status_dir)
+
+
+def _origin_of_failure(procs: list[Any], reports: list[tuple], first_failed: int, status_dir: str) -> DistributedError:
+    """The error that names the rank where the failure started (not a survivor that merely noticed it)."""
+    from .health import read_status_file
+
+    own = [r for r in reports if r[1] != "DistributedError"]
+    if own:  # a rank raised: its own error, its traceback once (unless it is a plain user error)
+        rank, kind, message, tb = own[0]
         if kind not in _USER_ERRORS:
             sys.stderr.write(f"--- rank {rank} traceback ---\n{tb}")
-        raise DistributedError(f"rank {rank} failed: {message}" if kind in _USER_ERRORS else f"rank {rank} failed with {kind}: {message}")
-    if bad and failed is not None:
-        rank, code = failed[0], failed[1].exitcode
-        raise DistributedError(f"rank {rank} died (exit code {code}); the other ranks were stopped")
+        return DistributedError(f"rank {rank} failed: {message}" if kind in _USER_ERRORS else f"rank {rank} failed with {kind}: {message}")
+    reported = {r[0] for r in reports}
+    silent = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in reported]
+    silent.sort(key=lambda r: r != first_failed)  # the first to go is the likeliest origin
+    rank = silent[0] if silent else first_failed
+    if rank in reported:  # only survivors' reports: they name the failed rank themselves
+        return DistributedError(next(r[2] for r in reports if r[0] == rank))
+    status = read_status_file(status_dir, rank) or "no status recorded"
+    code = procs[rank].exitcode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return DistributedError(f"rank {rank} {how} (last status: {status}); the other ranks were stopped")
+
+
+#: Seconds the launcher lets surviving ranks report a failed peer before it terminates them.
+GRACE_S = 15.0
+
+
+def _wait_for_first_failure(procs: list[Any]) -> int | None:
+    """Block until all processes exit (None) or one exits non-zero (its rank)."""
+    while any(p.is_alive() for p in procs):
+        for r, p in enumerate(procs):
+            if not p.is_alive() and p.exitcode != 0:
+                return r
+        time.sleep(0.1)
+    for r, p in enumerate(procs):
+        if p.exitcode != 0:
+            return r
+    return None
 
 
 #: Error classes whose message is enough (no traceback): shardcal's user-facing errors.
