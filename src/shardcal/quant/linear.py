@@ -1,0 +1,132 @@
+"""``QuantLinear`` and ``quantize_modules``: quantizers inserted into a model's ``nn.Linear`` modules in place.
+
+Insertion changes the module's class (``module.__class__ = QuantLinear``) and adds ``input_quantizer``,
+``weight_quantizer`` and ``output_quantizer`` submodules (``None`` where the recipe has no such quantizer). The
+module object, its parameters and their names stay the same: ``...q_proj.weight`` is still ``...q_proj.weight``,
+the state dict only gains the quantizers' ``amax`` buffers (``...q_proj.input_quantizer.amax``), and FSDP2,
+which keeps references to the module objects and re-registers the unsharded parameters on them, keeps working.
+
+Insert before or after ``fully_shard``; after is what the runner does (it calls ``quantize_modules`` on each
+sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
+local shard's device for a DTensor weight); the weight quantizer's shape is the full (global) weight shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import RecipeError
+from .quantizer import TensorQuantizer
+from .spec import QuantizerSpec
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+_QUANT_CLASSES: dict[type, type] = {}
+
+
+def _weight_device(weight: torch.Tensor) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local().device if isinstance(weight, DTensor) else weight.device
+
+
+class QuantLinear(nn.Linear):
+    """An ``nn.Linear`` whose input, weight and (optionally) output go through :class:`TensorQuantizer` s.
+
+    ``forward(x) = output_quantizer(F.linear(input_quantizer(x), weight_quantizer(self.weight), self.bias))``,
+    each quantizer skipped when it is ``None``. Made from an existing Linear with :meth:`from_linear` (in place).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.input_quantizer: TensorQuantizer | None = None
+        self.weight_quantizer: TensorQuantizer | None = None
+        self.output_quantizer: TensorQuantizer | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer is not None:
+            input = self.input_quantizer(input)
+        weight = self.weight
+        if self.weight_quantizer is not None:
+            weight = self.weight_quantizer(weight)
+        out = F.linear(input, weight, self.bias)
+        if self.output_quantizer is not None:
+            out = self.output_quantizer(out)
+        return out
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        weight: QuantizerSpec | None = None,
+        input: QuantizerSpec | None = None,
+        output: QuantizerSpec | None = None,
+        name: str = "linear",
+    ) -> "QuantLinear":
+        """Turn ``linear`` into a QuantLinear in place (same object, same parameters) and return it.
+
+        ``name`` (the module's path) appears in errors, e.g. a group size that does not divide ``in_features``
+        (a :class:`ValueError`). An existing QuantLinear gets its quantizers replaced.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{name}: expected an nn.Linear, got {type(linear).__name__}")
+        device = _weight_device(linear.weight)
+        out_f, in_f = linear.out_features, linear.in_features
+        quantizers = {
+            "input_quantizer": (input, (in_f,)),
+            "weight_quantizer": (weight, (out_f, in_f)),
+            "output_quantizer": (output, (out_f,)),
+        }
+        built = {
+            attr: TensorQuantizer(spec, shape, device=device, name=f"{name}.{attr}") if spec is not None else None
+            for attr, (spec, shape) in quantizers.items()
+        }  # build all first: a bad spec leaves the module untouched
+        linear.__class__ = _quant_class(type(linear))
+        for attr, q in built.items():
+            if attr in linear._modules:
+                del linear._modules[attr]
+            setattr(linear, attr, q)
+        return linear  # type: ignore[return-value]
+
+
+def _quant_class(cls: type) -> type:
+    """QuantLinear for a plain Linear; for a Linear subclass (e.g. FSDP2's ``FSDPLinear``), a subclass of both."""
+    if issubclass(cls, QuantLinear):
+        return cls
+    if cls is nn.Linear:
+        return QuantLinear
+    if cls not in _QUANT_CLASSES:
+        _QUANT_CLASSES[cls] = type(f"Quant{cls.__name__}", (QuantLinear, cls), {"__module__": cls.__module__})
+    return _QUANT_CLASSES[cls]
+
+
+def quantize_modules(module: nn.Module, recipe: "Recipe", prefix: str = "") -> list[str]:
+    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets.
+
+    ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
+    that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
+    Returns the full names of the targeted modules. A shape that does not fit the recipe (a group size that does
+    not divide ``in_features``) raises :class:`RecipeError` naming the recipe file and the module.
+    """
+    targets = [
+        (name, sub) for name, sub in module.named_modules(prefix=prefix)
+        if isinstance(sub, nn.Linear) and recipe.matches(name)
+    ]
+    for name, sub in targets:
+        if isinstance(sub, QuantLinear):
+            continue
+        try:
+            QuantLinear.from_linear(sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>")
+        except ValueError as exc:
+            raise RecipeError(f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}") from None
+    return [name for name, _ in targets]
+
+
+def quantized_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, QuantLinear]]:
+    """``(name, module)`` for every QuantLinear under ``module``."""
+    return [(n, m) for n, m in module.named_modules(prefix=prefix) if isinstance(m, QuantLinear)]

@@ -1,0 +1,233 @@
+"""Observers: how a quantizer's amax is calibrated from data, with an exact merge across data-parallel ranks.
+
+An observer accumulates statistics over one or more *passes* over the same data. After each pass every rank
+merges its statistics with the other ranks' (an all-reduce; :mod:`shardcal.quant.session` batches the
+all-reduces of many quantizers into one per reduce op). Each observer is built so that observing data split
+over ranks and merging gives the same amax as observing all of it in one process:
+
+- ``max`` (1 pass): the running amax of ``|x|`` per amax slot, merged with MAX. Bit-exact.
+- ``percentile`` (2 passes; ``percentile`` = 99.99, ``bins`` = 2048): pass 0 is ``max`` (the histogram range,
+  agreed across ranks with MAX); pass 1 counts ``|x|`` into ``bins`` equal bins over ``[0, range]`` per slot,
+  merged with SUM (integer counts, exact); the amax is the upper edge of the bin holding the given percentile.
+- ``mse`` (2 passes; ``grid`` = 100, ``max_shrink`` = 0.2, ``norm`` = 2.0): pass 0 is ``max``; pass 1 scores the
+  candidates ``amax * (1 - i / grid)`` for ``i = 0 .. max_shrink * grid`` by the quantization error
+  ``sum |x - fake_quant(x)|^norm`` per slot (float64 sums, merged with SUM); the best candidate wins (the larger
+  one on a tie).
+
+Every observer also counts the elements it saw in pass 0 (merged with SUM): an MoE expert that no rank routed a
+token to reports 0, and its amax stays 0.
+
+Observer state lives on the device given at construction (the quantizer's); statistics are reduced on the
+data's device first, so only amax-sized tensors move.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from .formats import qdq_arranged
+from .granularity import Layout
+from .spec import QuantizerSpec, SpecError
+
+#: A statistic to merge across ranks: ("max" | "sum", tensor). The merge writes the result back in place.
+Stat = tuple[str, torch.Tensor]
+
+
+class Observer:
+    """Base class: pass 0 records the running amax and the number of elements seen."""
+
+    name: ClassVar[str] = ""
+    num_passes: ClassVar[int] = 1
+    #: Parameter name -> (default, checker returning an error message or None).
+    params_schema: ClassVar[dict[str, tuple[Any, Any]]] = {}
+
+    def __init__(self, spec: QuantizerSpec, layout: Layout, device: torch.device | str | None = None):
+        self.spec = spec
+        self.layout = layout
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.params = validate_observer(self.name, dict(spec.observer_params))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything observed."""
+        self.amax = torch.zeros(self.layout.amax_shape, dtype=torch.float32, device=self.device)
+        self.count = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    @property
+    def num_observed(self) -> int:
+        """Elements seen in pass 0 (after the merge: over all ranks)."""
+        return int(self.count.item())
+
+    def observe(self, x: torch.Tensor, pass_idx: int) -> None:
+        """Record ``x`` (any leading dims; the trailing ones the layout expects) in pass ``pass_idx``."""
+        if x.numel() == 0:
+            return
+        if pass_idx == 0:
+            self.amax = torch.maximum(self.amax, self.layout.amax_of(x.detach()).to(self.device))
+            self.count += x.numel()
+        else:
+            self._observe_pass(x.detach(), pass_idx)
+
+    def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
+        raise AssertionError(f"{self.name} observer has no pass {pass_idx}")
+
+    def stats(self, pass_idx: int) -> list[Stat]:
+        """The tensors to all-reduce after pass ``pass_idx`` (merged in place)."""
+        if pass_idx == 0:
+            return [("max", self.amax), ("sum", self.count)]
+        return self._pass_stats(pass_idx)
+
+    def _pass_stats(self, pass_idx: int) -> list[Stat]:
+        raise AssertionError(f"{self.name} observer has no pass {pass_idx}")
+
+    def after_merge(self, pass_idx: int) -> None:
+        """Called on every rank once pass ``pass_idx``'s statistics are merged (or kept local)."""
+
+    def compute_amax(self) -> torch.Tensor:
+        """The calibrated amax (float32, the layout's amax shape), after the last pass."""
+        return self.amax.clone()
+
+    @classmethod
+    def validate(cls, params: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(params) - set(cls.params_schema))
+        if unknown:
+            known = ", ".join(cls.params_schema) or "none"
+            raise SpecError(f"observer.{unknown[0]}", f"unknown parameter {unknown[0]!r} for observer {cls.name!r} (known: {known})")
+        out = {}
+        for key, (default, check) in cls.params_schema.items():
+            value = params.get(key, default)
+            problem = check(value)
+            if problem:
+                raise SpecError(f"observer.{key}", f"observer {cls.name!r}: {key} {problem}, got {value!r}")
+            out[key] = value
+        return out
+
+
+def _number(lo: float, hi: float, lo_open: bool = True, hi_open: bool = False) -> Any:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return "must be a number"
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        return None
+
+    return check
+
+
+def _integer(lo: int) -> Any:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return "must be an integer"
+        return f"must be at least {lo}" if v < lo else None
+
+    return check
+
+
+class MaxObserver(Observer):
+    """Running ``max |x|`` per amax slot; merged with MAX (bit-exact)."""
+
+    name = "max"
+    num_passes = 1
+
+
+class PercentileObserver(Observer):
+    """The given percentile of ``|x|`` per slot, read off a histogram over a range agreed across ranks."""
+
+    name = "percentile"
+    num_passes = 2
+    params_schema = {"percentile": (99.99, _number(0.0, 100.0)), "bins": (2048, _integer(2))}
+
+    def reset(self) -> None:
+        super().reset()
+        self.counts: torch.Tensor | None = None
+
+    def after_merge(self, pass_idx: int) -> None:
+        if pass_idx == 0:
+            bins = self.params["bins"]
+            self.counts = torch.zeros(self.layout.num_slots * bins, dtype=torch.float64, device=self.device)
+
+    def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
+        bins = self.params["bins"]
+        a = self.layout.arrange(x).abs().float()
+        rng = self.layout.broadcast(self.amax.to(a.device))
+        pos = torch.where(rng > 0, a / rng * bins, torch.zeros_like(a))
+        idx = torch.clamp(torch.floor(pos), 0, bins - 1).long()
+        flat = (self.layout.slot_index(a) * bins + idx).reshape(-1)
+        hist = torch.bincount(flat, minlength=self.layout.num_slots * bins)
+        self.counts += hist.to(device=self.device, dtype=torch.float64)
+
+    def _pass_stats(self, pass_idx: int) -> list[Stat]:
+        return [("sum", self.counts)]
+
+    def compute_amax(self) -> torch.Tensor:
+        bins, p = self.params["bins"], float(self.params["percentile"])
+        counts = self.counts.view(self.layout.num_slots, bins)
+        total = counts.sum(-1)
+        target = torch.clamp(torch.ceil(total * (p / 100.0) - 1e-6), min=1.0)
+        idx = (counts.cumsum(-1) < target[:, None]).sum(-1).clamp(max=bins - 1)
+        rng = self.amax.reshape(-1).double()
+        amax = (idx + 1).double() / bins * rng
+        amax = torch.where(total > 0, amax, torch.zeros_like(amax))
+        return amax.float().reshape(self.layout.amax_shape)
+
+
+class MseObserver(Observer):
+    """The candidate amax (a fraction of the max) with the least quantization error over all data, per slot."""
+
+    name = "mse"
+    num_passes = 2
+    params_schema = {
+        "grid": (100, _integer(1)),
+        "max_shrink": (0.2, _number(0.0, 1.0, lo_open=False, hi_open=True)),
+        "norm": (2.0, _number(0.0, 16.0)),
+    }
+
+    def reset(self) -> None:
+        super().reset()
+        grid, shrink = self.params["grid"], self.params["max_shrink"]
+        steps = int(math.floor(shrink * grid + 1e-9))
+        self.fractions = torch.tensor([1.0 - i / grid for i in range(steps + 1)], dtype=torch.float32)
+        self.errors: torch.Tensor | None = None
+
+    def after_merge(self, pass_idx: int) -> None:
+        if pass_idx == 0:
+            self.errors = torch.zeros(len(self.fractions), self.layout.num_slots, dtype=torch.float64, device=self.device)
+
+    def candidates(self) -> torch.Tensor:
+        """``[n_candidates, n_slots]`` float32 candidate amax values."""
+        return self.amax.reshape(1, -1) * self.fractions.to(self.amax.device).reshape(-1, 1)
+
+    def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
+        a = self.layout.arrange(x).float()
+        norm = float(self.params["norm"])
+        for i, cand in enumerate(self.candidates().to(a.device)):
+            deq = qdq_arranged(a, self.layout.broadcast(cand), self.spec.format)
+            diff = (a - deq).abs_()
+            err = diff.square_() if norm == 2.0 else diff.pow_(norm)
+            self.errors[i] += self.layout.reduce(err, "sum").reshape(-1).to(self.device)
+
+    def _pass_stats(self, pass_idx: int) -> list[Stat]:
+        return [("sum", self.errors)]
+
+    def compute_amax(self) -> torch.Tensor:
+        best = torch.argmin(self.errors, dim=0)  # the first (largest) candidate on a tie
+        cands = self.candidates()
+        amax = cands.gather(0, best.reshape(1, -1).to(cands.device)).reshape(-1)
+        return amax.reshape(self.layout.amax_shape).clone()
+
+
+OBSERVERS: dict[str, type[Observer]] = {cls.name: cls for cls in (MaxObserver, PercentileObserver, MseObserver)}
+
+
+def validate_observer(name: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` checked and completed with defaults; :class:`SpecError` for an unknown observer or parameter."""
+    if name not in OBSERVERS:
+        raise SpecError("observer", f"unknown observer {name!r} (known: {', '.join(OBSERVERS)})")
+    return OBSERVERS[name].validate(params)
+
+
+def make_observer(spec: QuantizerSpec, layout: Layout, device: torch.device | str | None = None) -> Observer:
+    return OBSERVERS[spec.observer](spec, layout, device)

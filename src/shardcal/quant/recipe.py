@@ -1,0 +1,288 @@
+"""Recipes: which Linear modules to quantize and how, as TOML files (schema in docs/quant-recipes.md).
+
+::
+
+    name = "w8a8-int8"
+    description = "int8 per-channel weights, int8 per-tensor static input activations"
+
+    [targets]                    # optional
+    include = ["*"]              # glob on full module names, or "re:<regex>" (full match)
+    exclude = []                 # added to the default excludes
+    default_excludes = true      # lm_head, MoE router gates, vision towers
+
+    [weight]                     # [input] and [output] take the same keys; at least one of the three
+    format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4
+    granularity = "channel"      # tensor | channel | group
+    axis = 0                     # channel only (default 0 for weights, -1 for activations)
+    group_size = 128             # group only
+    observer = "max"             # max | percentile | mse, or a table: { name = "mse", max_shrink = 0.3 }
+    symmetric = true             # only true
+    dynamic = false              # activations only: amax from each tensor at run time
+
+    [algorithm]                  # optional; reserved for layer-wise algorithms (smoothquant, gptq, awq)
+    name = "rtn"                 # round-to-nearest: the only one so far
+
+Shipped recipes live in ``calibration/recipes/`` (package ``shardcal.calibration``); :func:`load_recipe` takes a
+shipped name or a path. Every problem is a :class:`RecipeError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from ..errors import RecipeError
+from .spec import QuantizerSpec, SpecError
+
+#: Modules never quantized unless ``default_excludes = false``: the LM head, MoE routers, vision towers.
+DEFAULT_EXCLUDES: tuple[str, ...] = (
+    "lm_head",
+    "*.lm_head",
+    "*.mlp.gate",
+    "*.block_sparse_moe.gate",
+    "*.shared_expert_gate",
+    "*.router",
+    "*vision_tower*",
+    "*vision_model*",
+    "visual.*",
+    "*.visual.*",
+    "*multi_modal_projector*",
+)
+
+ROLES: tuple[str, ...] = ("weight", "input", "output")
+_TOP_KEYS = ("name", "description", "targets", "algorithm") + ROLES
+_TARGET_KEYS = ("include", "exclude", "default_excludes")
+_QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
+
+
+def _no_params(params: dict[str, Any]) -> dict[str, Any]:
+    if params:
+        key = sorted(params)[0]
+        raise SpecError(key, "unknown parameter for algorithm 'rtn' (it takes none)")
+    return params
+
+
+#: Algorithm name -> validator of its parameters (returns them completed; raises SpecError naming the key).
+ALGORITHMS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"rtn": _no_params}
+
+
+def register_algorithm(name: str, validate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Make ``[algorithm] name = "<name>"`` valid; ``validate`` checks the table's other keys."""
+    ALGORITHMS[name] = validate
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A module-name pattern: ``re:<regex>`` (full match) or a glob (``*`` matches dots too)."""
+    if pattern.startswith("re:"):
+        return re.compile(pattern[3:])
+    return re.compile(fnmatch.translate(pattern))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe. ``matches(name)`` says whether the Linear named ``name`` (full path) is quantized."""
+
+    name: str
+    weight: QuantizerSpec | None = None
+    input: QuantizerSpec | None = None
+    output: QuantizerSpec | None = None
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    default_excludes: bool = True
+    algorithm: Mapping[str, Any] = field(default_factory=lambda: {"name": "rtn"})
+    description: str = ""
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "_include_re", [compile_pattern(p) for p in self.include])
+        object.__setattr__(self, "_exclude_re", [compile_pattern(p) for p in self.all_excludes])
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude))
+
+    @property
+    def all_excludes(self) -> tuple[str, ...]:
+        return self.exclude + (DEFAULT_EXCLUDES if self.default_excludes else ())
+
+    def matches(self, module_name: str) -> bool:
+        """Whether the Linear with this full name is quantized: an include matches and no exclude does."""
+        return any(r.fullmatch(module_name) for r in self._include_re) and not any(
+            r.fullmatch(module_name) for r in self._exclude_re
+        )
+
+    @property
+    def specs(self) -> dict[str, QuantizerSpec]:
+        """``{"weight": spec, "input": spec, ...}`` for the quantizers the recipe has."""
+        return {role: s for role in ROLES if (s := getattr(self, role)) is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "targets": {"include": list(self.include), "exclude": list(self.exclude), "default_excludes": self.default_excludes},
+            **{role: spec.to_dict() for role, spec in self.specs.items()},
+            "algorithm": dict(self.algorithm),
+        }
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the recipes shipped in ``shardcal.calibration/recipes``."""
+    folder = resources.files("shardcal.calibration").joinpath("recipes")
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_recipe(name_or_path: "str | Path | Recipe") -> Recipe:
+    """A shipped recipe by name (``"w8a8-int8"``, ``"fp8"``, ``"w4a16"``, ``"nvfp4"``) or a TOML file by path.
+
+    A string with a path separator or a ``.toml`` suffix is a path. Raises :class:`RecipeError` naming the file
+    and key for anything wrong.
+    """
+    if isinstance(name_or_path, Recipe):
+        return name_or_path
+    text_name = str(name_or_path)
+    if isinstance(name_or_path, Path) or text_name.endswith(".toml") or "/" in text_name or "\\" in text_name:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise RecipeError(f"{path}: no such recipe file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{path}: cannot read recipe ({exc})") from None
+        return parse_recipe(text, source=str(path), default_name=path.stem)
+    shipped = shipped_recipes()
+    if text_name not in shipped:
+        raise RecipeError(
+            f"unknown recipe {text_name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
+        )
+    res = resources.files("shardcal.calibration").joinpath("recipes", f"{text_name}.toml")
+    return parse_recipe(res.read_text(encoding="utf-8"), source=str(res), default_name=text_name)
+
+
+def parse_recipe(text: str, source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
+    """Parse recipe TOML text; ``source`` names the file in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{source}: not valid TOML ({exc})") from None
+    return recipe_from_dict(data, source, default_name)
+
+
+def _error(source: str, key: str, message: str) -> RecipeError:
+    return RecipeError(f"{source}: key {key!r}: {message}")
+
+
+def _check_keys(table: Mapping[str, Any], known: tuple[str, ...], source: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            raise _error(source, prefix + key, f"unknown key (known here: {', '.join(known)})")
+
+
+def _table(value: Any, source: str, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _error(source, key, f"must be a table, got {type(value).__name__}")
+    return value
+
+
+def _typed(value: Any, types: tuple[type, ...], source: str, key: str, what: str) -> Any:
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise _error(source, key, f"must be {what}, got {value!r}")
+    return value
+
+
+def _patterns(value: Any, source: str, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _error(source, key, f"must be a list of strings, got {value!r}")
+    for i, pattern in enumerate(value):
+        try:
+            compile_pattern(pattern)
+        except re.error as exc:
+            raise _error(source, f"{key}[{i}]", f"invalid regular expression {pattern!r} ({exc})") from None
+    return tuple(value)
+
+
+def _spec(table: dict[str, Any], role: str, source: str) -> QuantizerSpec:
+    _check_keys(table, _QUANT_KEYS, source, f"{role}.")
+    if "format" not in table:
+        raise _error(source, f"{role}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4)")
+    kwargs: dict[str, Any] = {}
+    for key, types, what in (
+        ("format", (str,), "a string"),
+        ("granularity", (str,), "a string"),
+        ("axis", (int,), "an integer"),
+        ("group_size", (int,), "an integer"),
+        ("symmetric", (bool,), "true or false"),
+        ("dynamic", (bool,), "true or false"),
+    ):
+        if key in table:
+            kwargs[key] = _typed(table[key], types, source, f"{role}.{key}", what)
+    if kwargs.get("granularity") == "channel" and "axis" not in kwargs:
+        kwargs["axis"] = 0 if role == "weight" else -1
+    if role == "weight" and kwargs.get("dynamic"):
+        raise _error(source, f"{role}.dynamic", "weights are quantized statically (dynamic = false)")
+    if "observer" in table:
+        obs = table["observer"]
+        if isinstance(obs, dict):
+            obs = dict(obs)
+            if "name" not in obs:
+                raise _error(source, f"{role}.observer.name", "missing (max, percentile or mse)")
+            kwargs["observer"] = _typed(obs.pop("name"), (str,), source, f"{role}.observer.name", "a string")
+            kwargs["observer_params"] = obs
+        else:
+            kwargs["observer"] = _typed(obs, (str,), source, f"{role}.observer", "a string or a table")
+    if kwargs.get("dynamic") and "observer" in table:
+        raise _error(source, f"{role}.observer", "a dynamic quantizer is not calibrated, so it takes no observer")
+    try:
+        return QuantizerSpec(**kwargs)
+    except SpecError as exc:
+        raise _error(source, f"{role}.{exc.key}", str(exc)) from None
+
+
+def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
+    """Build a :class:`Recipe` from parsed TOML data (see the module docstring for the schema)."""
+    _check_keys(data, _TOP_KEYS, source, "")
+    name = _typed(data.get("name", default_name), (str,), source, "name", "a string")
+    description = _typed(data.get("description", ""), (str,), source, "description", "a string")
+    targets = _table(data.get("targets", {}), source, "targets")
+    _check_keys(targets, _TARGET_KEYS, source, "targets.")
+    include = _patterns(targets.get("include", ["*"]), source, "targets.include")
+    exclude = _patterns(targets.get("exclude", []), source, "targets.exclude")
+    default_excludes = _typed(targets.get("default_excludes", True), (bool,), source, "targets.default_excludes", "true or false")
+    specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
+    if not specs:
+        raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
+    algorithm = dict(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
+    if "name" not in algorithm:
+        raise _error(source, "algorithm.name", f"missing (known: {', '.join(ALGORITHMS)})")
+    algo_name = _typed(algorithm.pop("name"), (str,), source, "algorithm.name", "a string")
+    if algo_name not in ALGORITHMS:
+        raise _error(source, "algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(ALGORITHMS)})")
+    try:
+        params = ALGORITHMS[algo_name](algorithm)
+    except SpecError as exc:
+        raise _error(source, f"algorithm.{exc.key}", str(exc)) from None
+    return Recipe(
+        name=name,
+        description=description,
+        include=include,
+        exclude=exclude,
+        default_excludes=default_excludes,
+        algorithm={"name": algo_name, **params},
+        source=source,
+        **specs,
+    )

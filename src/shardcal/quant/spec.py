@@ -1,0 +1,125 @@
+"""``QuantizerSpec``: the plain-data description of one quantizer (what a recipe says, what export reads).
+
+A spec names a number format, a granularity (how many scales and over which elements), and the observer that
+calibrates the amax. It holds no tensors, so it can be written to JSON (calibration checkpoints, export
+manifests) and compared. Validation here raises :class:`SpecError` (a ValueError that knows which field is wrong); the recipe
+loader turns that into a :class:`shardcal.errors.RecipeError` naming the file and key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+#: Number formats, in the names recipes use.
+FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")
+#: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim.
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group")
+#: NVFP4's block size: every 16 consecutive elements of the last dim share one FP8 E4M3 scale.
+NVFP4_BLOCK_SIZE = 16
+
+
+class SpecError(ValueError):
+    """A quantizer spec field has a bad value; ``key`` names the field (``observer.bins`` for observer params)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class QuantizerSpec:
+    """What one quantizer does.
+
+    - ``format``: one of :data:`FORMATS`.
+    - ``granularity``: ``"tensor"``, ``"channel"`` (``axis`` required: 0 = output channels of a weight,
+      -1 = the last dim of an activation) or ``"group"`` (``group_size`` consecutive elements of the last dim).
+      ``nvfp4`` is always ``"group"`` with ``group_size`` 16 (its FP8 block scales) and one calibrated global
+      amax per tensor; a spec built with ``format="nvfp4"`` and nothing else gets those values.
+    - ``observer`` and ``observer_params``: how the amax is calibrated (see :mod:`shardcal.quant.observers`).
+    - ``symmetric``: only symmetric quantization is supported (``True``).
+    - ``dynamic``: the amax is computed from each tensor at run time (no calibration, no stored amax).
+    """
+
+    format: str
+    granularity: str = "tensor"
+    axis: int | None = None
+    group_size: int | None = None
+    observer: str = "max"
+    observer_params: Mapping[str, Any] = field(default_factory=dict)
+    symmetric: bool = True
+    dynamic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise SpecError("format", f"unknown format {self.format!r} (known: {', '.join(FORMATS)})")
+        if self.format == "nvfp4" and self.granularity == "tensor" and self.group_size is None:
+            object.__setattr__(self, "granularity", "group")
+            object.__setattr__(self, "group_size", NVFP4_BLOCK_SIZE)
+        if self.granularity not in GRANULARITIES:
+            raise SpecError("granularity", f"unknown granularity {self.granularity!r} (known: {', '.join(GRANULARITIES)})")
+        if self.granularity == "channel":
+            if not _is_int(self.axis):
+                raise SpecError("axis", "granularity 'channel' needs an integer axis (0: weight output channels, -1: last dim)")
+        elif self.axis is not None:
+            raise SpecError("axis", f"axis is only valid with granularity 'channel' (granularity is {self.granularity!r})")
+        if self.granularity == "group":
+            if not _is_int(self.group_size) or self.group_size < 1:
+                raise SpecError("group_size", f"granularity 'group' needs a positive integer group_size, got {self.group_size!r}")
+        elif self.group_size is not None:
+            raise SpecError("group_size", f"group_size is only valid with granularity 'group' (granularity is {self.granularity!r})")
+        if self.format == "nvfp4" and (self.granularity != "group" or self.group_size != NVFP4_BLOCK_SIZE):
+            raise SpecError(
+                "granularity",
+                f"nvfp4 always uses blocks of {NVFP4_BLOCK_SIZE} (granularity 'group', group_size {NVFP4_BLOCK_SIZE}); "
+                f"got granularity {self.granularity!r}, group_size {self.group_size!r}"
+            )
+        if self.symmetric is not True:
+            raise SpecError("symmetric", "only symmetric quantization is supported (symmetric = true)")
+        if not isinstance(self.dynamic, bool):
+            raise SpecError("dynamic", f"dynamic must be true or false, got {self.dynamic!r}")
+        if self.dynamic and self.format == "nvfp4":
+            raise SpecError("dynamic", "nvfp4 block scales are always computed at run time; its global amax is calibrated (dynamic = false)")
+        from .observers import validate_observer  # observers need formats, which need this module
+
+        params = validate_observer(self.observer, dict(self.observer_params))
+        object.__setattr__(self, "observer_params", params)
+
+    def __hash__(self) -> int:
+        return hash((self.format, self.granularity, self.axis, self.group_size, self.observer,
+                     tuple(sorted(self.observer_params.items())), self.symmetric, self.dynamic))
+
+    @property
+    def num_bits(self) -> int:
+        return {"int8": 8, "int4": 4, "fp8_e4m3": 8, "nvfp4": 4}[self.format]
+
+    @property
+    def type(self) -> str:
+        """``"int"`` or ``"float"``, as compressed-tensors' ``QuantizationArgs.type``."""
+        return "int" if self.format.startswith("int") else "float"
+
+    @property
+    def calibrated_granularity(self) -> str:
+        """The granularity of the calibrated amax: per tensor for nvfp4 (its global scale), else ``granularity``."""
+        return "tensor" if self.format == "nvfp4" else self.granularity
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data; :meth:`from_dict` gives the spec back."""
+        return {
+            "format": self.format,
+            "granularity": self.granularity,
+            "axis": self.axis,
+            "group_size": self.group_size,
+            "observer": self.observer,
+            "observer_params": dict(self.observer_params),
+            "symmetric": self.symmetric,
+            "dynamic": self.dynamic,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "QuantizerSpec":
+        return cls(**dict(data))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

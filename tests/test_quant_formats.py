@@ -1,0 +1,251 @@
+"""Number formats: hand-computed values, torch's own FP8 cast, round-trip bounds, compressed-tensors parity,
+and fake_quantize == decode(encode(...)) bit for bit."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardcal.quant import QuantizerSpec, decode, encode, fake_quantize, pack_int4_to_int32, unpack_int4_from_int32
+from shardcal.quant.formats import e2m1_codes, e2m1_values, nvfp4_global_scale, pack_fp4_to_uint8, scales_from_amax
+from shardcal.quant.granularity import Layout
+
+INT8 = QuantizerSpec("int8")
+INT4 = QuantizerSpec("int4")
+FP8 = QuantizerSpec("fp8_e4m3")
+NVFP4 = QuantizerSpec("nvfp4")
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+# ------------------------------------------------------------------------------------------ hand-computed
+
+
+def test_int8_per_tensor_hand_computed():
+    x = t(1.0, -2.0, 0.5, 1.5, 2.5, -0.5, 126.6, 200.0, -200.0)
+    # scale 127 / 127 = 1: round half to even, clamp to [-128, 127]
+    assert torch.equal(fake_quantize(x, t(127.0), INT8), t(1, -2, 0, 2, 2, -0.0, 127, 127, -128))
+    # scale 2: 3 / 2 = 1.5 -> 2 -> 4; 1 / 2 = 0.5 -> 0
+    assert torch.equal(fake_quantize(t(3.0, 1.0, -255.0), t(254.0), INT8), t(4.0, 0.0, -256.0))
+    enc = encode(x, t(127.0), INT8)
+    assert enc["values"].dtype == torch.int8 and enc["values"].tolist() == [1, -2, 0, 2, 2, 0, 127, 127, -128]
+    assert enc["scale"].dtype == torch.float32 and enc["scale"].tolist() == [1.0]
+
+
+def test_int4_per_tensor_hand_computed():
+    x = t(0.4, 0.6, 2.5, 3.5, 7.4, -8.6, -7.5, -7.4)
+    assert torch.equal(fake_quantize(x, t(7.0), INT4), t(0, 1, 2, 4, 7, -8, -8, -7))
+    assert torch.equal(fake_quantize(t(1.2, -3.6), t(3.5), INT4), t(1.0, -3.5))  # scale 0.5
+
+
+def test_int8_per_channel_and_int4_per_group_hand_computed():
+    spec = QuantizerSpec("int8", "channel", axis=0)
+    w = torch.tensor([[1.4, -127.0], [3.0, 254.0]])
+    amax = torch.tensor([[127.0], [254.0]])  # scales 1 and 2
+    assert torch.equal(fake_quantize(w, amax, spec), torch.tensor([[1.0, -127.0], [4.0, 254.0]]))
+    enc = encode(w, amax, spec)
+    assert enc["values"].tolist() == [[1, -127], [2, 127]] and enc["scale"].shape == (2, 1)
+
+    g = QuantizerSpec("int4", "group", group_size=2)
+    w = torch.tensor([[0.6, 7.0, 1.0, -14.0], [0.0, 0.0, 3.1, -0.2]])
+    amax = torch.tensor([[7.0, 14.0], [0.0, 3.5]])  # scales 1, 2 | eps (zero amax), 0.5
+    assert torch.equal(fake_quantize(w, amax, g), torch.tensor([[1.0, 7.0, 0.0, -14.0], [0.0, 0.0, 3.0, -0.0]]))
+    assert encode(w, amax, g)["scale"].shape == (2, 2)
+
+
+def test_fp8_hand_computed_and_saturating():
+    x = t(1.0, 1.0625, 1.1875, 240.0, 248.0, 500.0, -1000.0, 0.0)
+    # E4M3: step 0.125 in [1, 2) (ties to even), step 16 in [128, 256), saturate at +-448
+    assert torch.equal(fake_quantize(x, t(448.0), FP8), t(1.0, 1.0, 1.25, 240.0, 256.0, 448.0, -448.0, 0.0))
+    assert torch.equal(fake_quantize(t(900.0, 3.0), t(896.0), FP8), t(896.0, 3.0))  # scale 2
+    enc = encode(x, t(448.0), FP8)
+    assert enc["values"].dtype == torch.float8_e4m3fn and enc["scale"].tolist() == [1.0]
+
+
+def test_fp8_matches_torch_cast():
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 100
+    inside = x.clamp(-448, 448)
+    assert torch.equal(fake_quantize(inside, t(448.0), FP8), inside.to(torch.float8_e4m3fn).float())
+    # with a scale: x / s cast by torch, times s
+    amax = t(37.5)
+    s = 37.5 / 448
+    expected = (torch.clamp(x / torch.tensor(s, dtype=torch.float32), -448, 448).to(torch.float8_e4m3fn).float()) * torch.tensor(s)
+    assert torch.equal(fake_quantize(x, amax, FP8), expected)
+    # torch's own cast of out-of-range values is NaN; ours saturates
+    assert not torch.isnan(fake_quantize(x, t(1.0), FP8)).any()
+
+
+def test_nvfp4_hand_computed():
+    # global amax 2688 = 448 * 6 -> global scale 1; block amax 6 -> block scale 1
+    block = t(0, 0.25, 0.3, 0.75, 1.25, 1.3, 1.75, 2.5, 2.6, 3.5, 5.0, 5.1, -6, -0.2, 4.4, 6)
+    want = t(0, 0, 0.5, 1, 1, 1.5, 2, 2, 3, 4, 4, 6, -6, -0.0, 4, 6)
+    assert torch.equal(fake_quantize(block, t(2688.0), NVFP4), want)
+    # global amax 5376 -> global scale 0.5, block scale 0.5 in FP8, effective scale 1: same values
+    enc = encode(block[None], t(5376.0), NVFP4)
+    assert enc["global_scale"].tolist() == [0.5] and enc["scale"].float().tolist() == [[0.5]]
+    assert enc["scale"].dtype == torch.float8_e4m3fn and enc["packed"].dtype == torch.uint8 and enc["packed"].shape == (1, 8)
+    # codes: 0 -> 0, 0.5 -> 1, ..., 6 -> 7; sign in bit 3; low nibble first
+    assert enc["packed"][0, 0].item() == 0x00 and enc["packed"][0, 1].item() == (2 << 4) | 1
+    assert torch.equal(decode(enc, NVFP4)[0], want)
+    # a second block with amax 3: block scale 0.5, values step 0.25 near 1
+    two = torch.cat([block, block / 2])
+    assert torch.equal(fake_quantize(two, t(2688.0), NVFP4), torch.cat([want, want / 2]))
+
+
+def test_nvfp4_block_scale_is_rounded_to_fp8():
+    # block amax 6.375 -> scale 1.0625, not an E4M3 value: rounds (tie to even) to 1.0; 6.375 then saturates at 6
+    x = torch.zeros(16)
+    x[0], x[1] = 6.375, 3.2
+    out = fake_quantize(x, t(2688.0), NVFP4)
+    assert out[0].item() == 6.0 and out[1].item() == 3.0
+    assert encode(x[None], t(2688.0), NVFP4)["scale"].float().item() == 1.0
+
+
+def test_zero_amax_does_not_divide_by_zero():
+    z = torch.zeros(2, 32)
+    for spec in (INT8, INT4, FP8, NVFP4, QuantizerSpec("int4", "group", group_size=16)):
+        amax = torch.zeros(Layout(spec, z.shape).amax_shape)
+        out = fake_quantize(z, amax, spec)
+        assert torch.equal(out, z), spec
+        assert torch.isfinite(fake_quantize(torch.ones(2, 32), amax, spec)).all(), spec
+    assert nvfp4_global_scale(t(0.0)).tolist() == [1.0]
+    assert scales_from_amax(t(0.0), INT8)["scale"].item() == torch.finfo(torch.float32).eps
+
+
+# ------------------------------------------------------------------------------------------ bounds, dtype, encode
+
+
+@pytest.mark.parametrize("spec", [QuantizerSpec("int4", "group", group_size=32), QuantizerSpec("int8", "channel", axis=0)])
+def test_int_round_trip_bound(spec):
+    torch.manual_seed(1)
+    w = torch.randn(8, 64)
+    lay = Layout(spec, w.shape)
+    amax = lay.amax_of(w)
+    enc = encode(w, amax, spec)
+    err = (decode(enc, spec) - w).abs()
+    half_step = lay.restore(lay.broadcast(enc["scale"]).expand(lay.arrange(w).shape)) / 2
+    assert (err <= half_step * (1 + 1e-6)).all()
+    qmax = 7 if spec.format == "int4" else 127
+    assert enc["values"].abs().max().item() == qmax  # the max element maps to qmax exactly
+
+
+def test_nvfp4_round_trip_bound():
+    torch.manual_seed(2)
+    w = torch.randn(8, 64) * torch.linspace(0.01, 3, 64)
+    amax = w.abs().amax().reshape(1)
+    enc = encode(w, amax, NVFP4)
+    eff = (enc["scale"].float() / enc["global_scale"]).repeat_interleave(16, dim=-1)
+    err = (decode(enc, NVFP4) - w).abs()
+    assert (err <= eff).all()  # half the largest E2M1 step (2) times the block's effective scale
+    assert e2m1_values(e2m1_codes(t(*[0.5 * i for i in range(5)], 3, 4, 6, -6, -0.5))).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -6, -0.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "spec",
+    [INT8, QuantizerSpec("int8", "channel", axis=0), QuantizerSpec("int4", "group", group_size=16), FP8,
+     QuantizerSpec("fp8_e4m3", "channel", axis=0), NVFP4],
+    ids=str,
+)
+def test_fake_quantize_equals_decode_of_encode(spec, dtype):
+    torch.manual_seed(3)
+    w = (torch.randn(12, 48) * 2).to(dtype)
+    amax = Layout(spec, w.shape).amax_of(w) * 0.9  # some clipping too
+    fq = fake_quantize(w, amax, spec)
+    assert fq.dtype == dtype
+    assert torch.equal(fq, decode(encode(w, amax, spec), spec, dtype))
+    assert torch.equal(fq, fake_quantize(w.float(), amax, spec).to(dtype))  # computed in float32
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match=r"layers.0.q_proj.*group_size 128 does not divide the last dimension 576"):
+        Layout(QuantizerSpec("int4", "group", group_size=128), (64, 576), name="layers.0.q_proj")
+    with pytest.raises(ValueError, match="nvfp4 blocks of 16 do not divide"):
+        Layout(NVFP4, (8, 40), name="x")
+
+
+# ------------------------------------------------------------------------------------------ compressed-tensors parity
+
+ct = pytest.importorskip("compressed_tensors")
+
+
+def _ct_args(**kw):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(**kw)
+
+
+def test_matches_compressed_tensors_fake_quantize():
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fq
+
+    torch.manual_seed(4)
+    w = torch.randn(16, 256) * 3
+    cases = [
+        (QuantizerSpec("int8", "channel", axis=0), _ct_args(num_bits=8, type="int", strategy="channel")),
+        (QuantizerSpec("int8"), _ct_args(num_bits=8, type="int", strategy="tensor")),
+        (QuantizerSpec("int4", "group", group_size=128), _ct_args(num_bits=4, type="int", strategy="group", group_size=128)),
+        (FP8, _ct_args(num_bits=8, type="float", strategy="tensor")),
+        (QuantizerSpec("fp8_e4m3", "channel", axis=0), _ct_args(num_bits=8, type="float", strategy="channel")),
+    ]
+    for spec, args in cases:
+        amax = Layout(spec, w.shape).amax_of(w) * 0.95
+        scale = scales_from_amax(amax, spec)["scale"]
+        assert torch.equal(fake_quantize(w, amax, spec), ct_fq(w, scale, None, args)), spec
+
+
+def test_matches_compressed_tensors_nvfp4():
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4, unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fq
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    torch.manual_seed(5)
+    w = torch.randn(8, 64) * torch.logspace(-3, 1, 64)
+    w[0, :16] = 0.0  # an all-zero block: its FP8 scale underflows to 0 and becomes 0.125
+    w[1, 3] = -1e-4  # rounds to -0.0 (code 8), as compressed-tensors packs it
+    args = _ct_args(num_bits=4, type="float", strategy="tensor_group", group_size=16, scale_dtype=torch.float8_e4m3fn)
+    gs = generate_gparam(w.min(), w.max())
+    blocks = w.unflatten(-1, (4, 16))
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=gs)
+    amax = w.abs().amax().reshape(1)
+    enc = encode(w, amax, NVFP4)
+    assert torch.equal(enc["global_scale"], gs)
+    assert torch.equal(enc["scale"].float(), scale)
+    assert torch.equal(fake_quantize(w, amax, NVFP4), ct_fq(w, scale, None, args, global_scale=gs))
+    assert torch.equal(enc["packed"], quantize_and_pack_fp4(w, scale, global_scale=gs, group_size=16))
+    assert torch.equal(e2m1_values(torch.stack((enc["packed"] & 15, enc["packed"] >> 4), -1).flatten(-2)),
+                       unpack_fp4_from_uint8(enc["packed"], 8, 64, torch.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), cols=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_pack_int4_matches_compressed_tensors(rows, cols, seed):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+    packed = pack_int4_to_int32(values)
+    assert packed.dtype == torch.int32
+    assert torch.equal(packed, pack_to_int32(values, 4))
+    assert torch.equal(unpack_int4_from_int32(packed, cols), values)
+    assert torch.equal(unpack_from_int32(packed, 4, torch.Size((rows, cols))), values)
+
+
+def test_pack_fp4_order():
+    codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
+    assert pack_fp4_to_uint8(codes).tolist() == [[0x21, 0x8F]]
+    with pytest.raises(ValueError, match="int8"):
+        pack_int4_to_int32(torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        pack_int4_to_int32(torch.full((1, 8), 9, dtype=torch.int8))

@@ -1,0 +1,175 @@
+"""Observers: values in one process, and split-over-ranks + merge == all data in one process (gloo, 2 ranks)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_on_ranks
+from shardcal.quant import (
+    CalibrationSession,
+    QuantizerSpec,
+    TensorQuantizer,
+    begin_pass_all,
+    end_pass_all,
+    fake_quantize,
+    finish_calibration_all,
+    start_calibration_all,
+)
+from shardcal.quant.granularity import Layout
+
+HIDDEN = 32
+
+#: (id, spec, observed shape) covering every observer, granularity and format.
+CONFIGS = [
+    ("max-int8-tensor", QuantizerSpec("int8"), (HIDDEN,)),
+    ("max-int8-channel", QuantizerSpec("int8", "channel", axis=-1), (HIDDEN,)),
+    ("max-int4-group", QuantizerSpec("int4", "group", group_size=8), (HIDDEN,)),
+    ("max-nvfp4", QuantizerSpec("nvfp4"), (HIDDEN,)),
+    ("pct-int8-tensor", QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 99.0, "bins": 512}), (HIDDEN,)),
+    ("pct-fp8-channel", QuantizerSpec("fp8_e4m3", "channel", axis=-1, observer="percentile"), (HIDDEN,)),
+    ("mse-int8-tensor", QuantizerSpec("int8", observer="mse"), (HIDDEN,)),
+    ("mse-int4-group", QuantizerSpec("int4", "group", group_size=8, observer="mse", observer_params={"max_shrink": 0.5, "grid": 20}), (HIDDEN,)),
+    ("mse-fp8-tensor", QuantizerSpec("fp8_e4m3", observer="mse"), (HIDDEN,)),
+    ("mse-nvfp4", QuantizerSpec("nvfp4", observer="mse"), (HIDDEN,)),
+]
+
+
+def _data(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 40, HIDDEN, generator=g) * torch.linspace(0.1, 4.0, HIDDEN)
+    x[1, 7, 3] = 60.0  # an outlier
+    return x
+
+
+def _calibrate(q: TensorQuantizer, batches, group=None) -> torch.Tensor:
+    for p in CalibrationSession([q], group).passes():
+        for b in batches:
+            q(b)
+    return q.amax.clone()
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+# ------------------------------------------------------------------------------------------ one process
+
+
+def test_max_observer_is_the_exact_amax():
+    x = _data()
+    for spec in (QuantizerSpec("int8"), QuantizerSpec("int8", "channel", axis=-1), QuantizerSpec("int4", "group", group_size=8)):
+        q = TensorQuantizer(spec, (HIDDEN,))
+        amax = _calibrate(q, list(x))
+        assert torch.equal(amax, Layout(spec, (HIDDEN,)).amax_of(x))
+        assert q.num_observed == x.numel()
+    w = torch.randn(6, 16)
+    q = TensorQuantizer(QuantizerSpec("int8", "channel", axis=0), w.shape)
+    assert torch.equal(q.calibrate_from(w), w.abs().amax(1, keepdim=True))
+
+
+def test_percentile_observer_close_to_quantile():
+    x = _data()
+    spec = QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 99.0, "bins": 4096})
+    q = TensorQuantizer(spec, (HIDDEN,))
+    amax = _calibrate(q, list(x))
+    values = x.abs().flatten().sort().values
+    exact = values[math.ceil(0.99 * len(values)) - 1].item()  # the 99th-percentile element
+    width = values[-1].item() / 4096
+    assert exact <= amax.item() <= exact + width + 1e-6  # the upper edge of its histogram bin
+    q100 = TensorQuantizer(QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 100.0}), (HIDDEN,))
+    assert torch.equal(_calibrate(q100, [x]), x.abs().amax().reshape(1))
+
+
+def test_mse_observer_picks_the_best_candidate():
+    torch.manual_seed(0)
+    w = torch.randn(4, 64)
+    w[0, 0] = 12.0  # an outlier worth clipping
+    spec = QuantizerSpec("int4", "channel", axis=0, observer="mse", observer_params={"grid": 50, "max_shrink": 0.6})
+    q = TensorQuantizer(spec, w.shape)
+    amax = q.calibrate_from(w)
+    full = w.abs().amax(1, keepdim=True)
+    fractions = [1 - i / 50 for i in range(31)]
+    errs = torch.stack([
+        (fake_quantize(w, full * torch.tensor(f, dtype=torch.float32), spec) - w).pow(2).sum(1).double() for f in fractions
+    ])
+    best = torch.tensor(fractions, dtype=torch.float32)[errs.argmin(0)]
+    assert torch.equal(amax, full * best[:, None])
+    assert amax[0].item() < 12.0  # the outlier row got clipped
+
+
+def test_split_batches_equal_one_batch_and_zero_data():
+    x = _data()
+    for _, spec, shape in CONFIGS:
+        a = _calibrate(TensorQuantizer(spec, shape), [x.reshape(-1, HIDDEN)])
+        b = _calibrate(TensorQuantizer(spec, shape), [x[0], x[1, :5], x[1, 5:], x[2], x[:0]])
+        assert torch.equal(a, b), spec
+    q = TensorQuantizer(QuantizerSpec("int8", observer="mse"), (HIDDEN,))
+    assert torch.equal(_calibrate(q, []), torch.zeros(1)) and q.num_observed == 0
+    assert torch.equal(q(torch.zeros(2, HIDDEN)), torch.zeros(2, HIDDEN))
+
+
+# ------------------------------------------------------------------------------------------ 2 ranks
+
+
+def _split_and_merge_on_ranks():
+    """Every config: this rank's share (uneven: rank 0 gets 2 of 3 sequences) merged == all data locally."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = _data()
+    local = [x[0], x[1]] if rank == 0 else [x[2]]
+    results = {}
+    dist_qs = [TensorQuantizer(spec, shape, name=name) for name, spec, shape in CONFIGS]
+    ref_qs = [TensorQuantizer(spec, shape, name=name) for name, spec, shape in CONFIGS]
+    # all quantizers of a "layer" in one session: at most two all-reduces per pass
+    start_calibration_all(dist_qs)
+    issued = []
+    for p in range(2):
+        begin_pass_all(dist_qs, p)
+        for b in local:
+            for q in dist_qs:
+                q(b)
+        issued.append(end_pass_all(dist_qs, dist.group.WORLD))
+    finish_calibration_all(dist_qs)
+    for dq, rq, (name, _, _) in zip(dist_qs, ref_qs, CONFIGS):
+        ref = _calibrate(rq, [x.reshape(-1, HIDDEN)])
+        results[name] = (torch.equal(dq.amax, ref), dq.num_observed == x.numel(), dq.amax.tolist()[:3])
+    # a rank that sees no data still takes part in every merge (an MoE expert with no tokens)
+    q = TensorQuantizer(QuantizerSpec("int8", observer="percentile"), (HIDDEN,))
+    amax = _calibrate(q, [x.reshape(-1, HIDDEN)] if rank == 0 else [], dist.group.WORLD)
+    results["rank-without-data"] = (
+        torch.equal(amax, _calibrate(TensorQuantizer(q.spec, (HIDDEN,)), [x.reshape(-1, HIDDEN)])),
+        q.num_observed == x.numel(),
+        None,
+    )
+    # weights: each rank holds the full weight; calibrate_from without a group does no collective
+    w = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(7))
+    wq = TensorQuantizer(QuantizerSpec("int4", "group", group_size=8, observer="mse"), w.shape)
+    results["weight"] = (torch.equal(wq.calibrate_from(w), TensorQuantizer(wq.spec, w.shape).calibrate_from(w)), True, None)
+    return issued, results, world
+
+
+def test_split_over_ranks_and_merge_equals_one_process():
+    for issued, results, world in run_on_ranks(2, _split_and_merge_on_ranks):
+        assert world == 2
+        assert issued == [2, 1], issued  # pass 0: MAX + SUM; pass 1: SUM, for all ten quantizers together
+        bad = {k: v for k, v in results.items() if not (v[0] and v[1])}
+        assert not bad, bad
+
+
+def test_pass_protocol_errors():
+    q = TensorQuantizer(QuantizerSpec("int8", observer="mse"), (HIDDEN,))
+    with pytest.raises(RuntimeError, match="before start_calibration"):
+        q.begin_pass(0)
+    q.start_calibration()
+    q.begin_pass(0)
+    q.end_pass()
+    with pytest.raises(RuntimeError, match="incomplete"):
+        q.finish_calibration()
+    with pytest.raises(RuntimeError, match="next pass is 1"):
+        q.begin_pass(0)

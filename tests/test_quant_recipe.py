@@ -1,0 +1,125 @@
+"""Recipes: the shipped ones, module selection, and errors that name the file and the key."""
+
+import pytest
+
+import shardcal
+from shardcal.errors import RecipeError
+from shardcal.quant import QuantizerSpec, Recipe, load_recipe, parse_recipe, register_algorithm, shipped_recipes
+from shardcal.quant.recipe import ALGORITHMS
+from shardcal.quant.spec import SpecError
+
+
+def test_shipped_recipes():
+    assert shipped_recipes() == ["fp8", "nvfp4", "w4a16", "w8a8-int8"]
+    r = load_recipe("w8a8-int8")
+    assert r.name == "w8a8-int8" and r.source.endswith("w8a8-int8.toml")
+    assert r.weight == QuantizerSpec("int8", "channel", axis=0)
+    assert r.input == QuantizerSpec("int8", "tensor") and r.output is None
+    r = load_recipe("fp8")
+    assert r.weight == QuantizerSpec("fp8_e4m3") and r.input == QuantizerSpec("fp8_e4m3")
+    r = load_recipe("w4a16")
+    assert r.weight.format == "int4" and r.weight.group_size == 128 and r.weight.observer == "mse" and r.input is None
+    r = load_recipe("nvfp4")
+    assert r.weight == QuantizerSpec("nvfp4") and r.input == QuantizerSpec("nvfp4")
+    assert r.weight.granularity == "group" and r.weight.group_size == 16
+    assert r.algorithm == {"name": "rtn"}
+
+
+def test_load_by_path_and_passthrough(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text('[weight]\nformat = "fp8_e4m3"\ngranularity = "channel"\n')
+    r = load_recipe(f)
+    assert r.name == "mine" and r.weight.axis == 0 and load_recipe(str(f)) == r and load_recipe(r) is r
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe(tmp_path / "missing.toml")
+    with pytest.raises(RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, nvfp4, w4a16, w8a8-int8\)"):
+        load_recipe("w3a3")
+
+
+def test_default_excludes_and_patterns():
+    r = load_recipe("fp8")
+    for name in ("lm_head", "model.lm_head", "model.layers.3.mlp.gate", "model.layers.0.block_sparse_moe.gate",
+                 "model.layers.1.mlp.shared_expert_gate", "model.vision_tower.blocks.0.fc1", "visual.blocks.0.qkv"):
+        assert not r.matches(name), name
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_proj",
+                 "model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.mlp.shared_expert.gate_proj"):
+        assert r.matches(name), name
+    r = parse_recipe('[targets]\ninclude = ["re:.*_proj"]\nexclude = ["*.k_proj"]\ndefault_excludes = false\n'
+                     '[weight]\nformat = "int8"\n')
+    assert r.matches("a.q_proj") and not r.matches("a.k_proj") and not r.matches("a.w1")
+    assert parse_recipe('[targets]\ninclude = ["*"]\ndefault_excludes = false\n[weight]\nformat = "int8"\n').matches("lm_head")
+
+
+BAD = [
+    ('name = "x"\ncolour = "red"\n[weight]\nformat = "int8"\n', "'colour': unknown key"),
+    ('[weight]\nformat = "int8"\nfomat = "int8"\n', "'weight.fomat': unknown key"),
+    ('[weight]\nformat = "int3"\n', "'weight.format': unknown format 'int3'"),
+    ('[weight]\ngranularity = "tensor"\n', "'weight.format': missing"),
+    ('[weight]\nformat = "int8"\nobserver = "minmax"\n', "'weight.observer': unknown observer 'minmax'"),
+    ('[input]\nformat = "int8"\nobserver = { name = "percentile", percentile = 120 }\n', "'input.observer.percentile'"),
+    ('[input]\nformat = "int8"\nobserver = { name = "mse", bins = 3 }\n', "'input.observer.bins': unknown parameter"),
+    ('[input]\nformat = "int8"\nobserver = { percentile = 99 }\n', "'input.observer.name': missing"),
+    ('[weight]\nformat = "int4"\ngranularity = "group"\n', "'weight.group_size'"),
+    ('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = "128"\n', "'weight.group_size': must be an integer"),
+    ('[weight]\nformat = "int4"\ngroup_size = 128\n', "'weight.group_size': group_size is only valid"),
+    ('[weight]\nformat = "int8"\ngranularity = "row"\n', "'weight.granularity': unknown granularity 'row'"),
+    ('[weight]\nformat = "int8"\naxis = 0\n', "'weight.axis'"),
+    ('[weight]\nformat = "int8"\nsymmetric = false\n', "'weight.symmetric': only symmetric"),
+    ('[weight]\nformat = "int8"\ndynamic = true\n', "'weight.dynamic': weights are quantized statically"),
+    ('[weight]\nformat = "nvfp4"\ngranularity = "group"\ngroup_size = 32\n', "'weight.granularity': nvfp4 always uses blocks of 16"),
+    ('[weight]\nformat = "int8"\n[algorithm]\nname = "gptq"\n', "'algorithm.name': unknown algorithm 'gptq'"),
+    ('[weight]\nformat = "int8"\n[algorithm]\nname = "rtn"\nblocksize = 128\n', "'algorithm.blocksize'"),
+    ('[targets]\ninclude = ["re:(["]\n[weight]\nformat = "int8"\n', "'targets.include[0]': invalid regular expression"),
+    ('[targets]\nexclude = [1]\n[weight]\nformat = "int8"\n', "'targets.exclude': must be a list of strings"),
+    ('weight = "int8"\n', "'weight': must be a table"),
+    ('name = "empty"\n', "at least one of"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD, ids=[m for _, m in BAD])
+def test_recipe_errors_name_file_and_key(tmp_path, text, message):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(f)
+    assert str(info.value).startswith(f"{f}: "), str(info.value)
+    assert message in str(info.value), str(info.value)
+
+
+def test_malformed_toml(tmp_path):
+    f = tmp_path / "broken.toml"
+    f.write_text('[weight\nformat = "int8"\n')
+    with pytest.raises(RecipeError, match=r"broken\.toml: not valid TOML"):
+        load_recipe(f)
+
+
+def test_register_algorithm_extension_point():
+    def check(params):
+        unknown = set(params) - {"alpha"}
+        if unknown:
+            raise SpecError(sorted(unknown)[0], "unknown parameter")
+        return {"alpha": params.get("alpha", 0.5)}
+
+    register_algorithm("smoothquant-test", check)
+    try:
+        r = parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "smoothquant-test"\n')
+        assert r.algorithm == {"name": "smoothquant-test", "alpha": 0.5}
+        with pytest.raises(RecipeError, match="'algorithm.beta'"):
+            parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "smoothquant-test"\nbeta = 1\n')
+    finally:
+        ALGORITHMS.pop("smoothquant-test")
+
+
+def test_spec_round_trips_through_dict():
+    for name in shipped_recipes():
+        r = load_recipe(name)
+        for spec in r.specs.values():
+            assert QuantizerSpec.from_dict(spec.to_dict()) == spec
+            hash(spec)
+        assert isinstance(r, Recipe) and r.to_dict()["name"] == name
+
+
+def test_top_level_load_recipe_when_exported():
+    if not hasattr(shardcal, "load_recipe"):
+        pytest.skip("shardcal.load_recipe is re-exported by the package lead")
+    assert shardcal.load_recipe("fp8") == load_recipe("fp8")
