@@ -97,11 +97,95 @@ def _tokenizer(model_dir: Path):
 
 
 # ---------------------------------------------------------------------------------------------- calibrate
-# `shardcal calibrate MODEL_DIR --recipe NAME|FILE --out OUT_DIR [data options] [--nproc-per-node N] ...` goes
-# here: a `_calibrate_arguments(parser)` that calls `data_arguments(parser, ...)` and adds its own options, and
-# `@command("calibrate", help=..., arguments=_calibrate_arguments) def _calibrate(args) -> int`, which gets its
-# token blocks from `load_data(args, model_dir, vocab_size, split="calib")`. Errors it raises as ShardcalError
-# reach the user as one `error:` line (exit status 2) through `main`.
+
+
+def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)")
+    parser.add_argument("--recipe", required=True, metavar="NAME|FILE", help="a shipped recipe name (w8a8-int8, fp8, w4a16, nvfp4, ...) or a .toml file")
+    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="where the compressed-tensors checkpoint goes (must not exist or be empty)")
+    data_arguments(parser, num_samples=32, seq_len=None)
+    parser.set_defaults(batch_size=8)
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="start N local processes (ranks) yourself; under torchrun leave it out")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="commit progress after each layer here; a rerun resumes")
+    parser.add_argument("--propagate", choices=["fp", "qdq"], default=None,
+                        help="inputs of layer i+1: full-precision or quantized outputs of layer i (default: the recipe's algorithm's choice, else fp)")
+    parser.add_argument("--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated")
+    parser.add_argument("--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+
+
+@command("calibrate", help="calibrate a model layer by layer (sharded over ranks) and export it as compressed-tensors",
+         arguments=_calibrate_arguments)
+def _calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    from .distributed import launch
+
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc_per_node is not None and not under_torchrun:
+        launch(calibrate_job, args.nproc_per_node, options)
+    else:
+        calibrate_job(options)
+    return 0
+
+
+def calibrate_job(options: dict) -> dict:
+    """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
+    import resource
+
+    import torch.distributed as dist
+
+    from .calibrate import calibrate
+    from .distributed import init_distributed
+    from .export import check_destination, export_checkpoint
+    from .models import load_pretrained
+    from .models.config import load_config
+    from .quant import load_recipe
+
+    args = argparse.Namespace(**options)
+    rank, world = init_distributed()
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    recipe = load_recipe(args.recipe)  # bad input fails here, before anything is loaded or written
+    cfg = load_config(model_dir)
+    check_destination(out_dir, args.overwrite)
+    ids, source = load_data(args, model_dir, cfg.vocab_size, split="calib")
+    start = time.perf_counter()
+    model = load_pretrained(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    report = calibrate(
+        model, ids, recipe, propagate=args.propagate, batch_size=args.batch_size, checkpoint_dir=args.checkpoint_dir,
+        progress=rank == 0,
+    )
+    seconds = time.perf_counter() - start
+    export_checkpoint(model, out_dir, recipe=recipe, report=report, tokenizer_dir=model_dir, overwrite=args.overwrite)
+    peak = torch_peak_memory_mb()
+    peaks = [peak] * world
+    if world > 1:
+        import torch
+
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor([peak], dtype=torch.float64))
+        peaks = [float(t) for t in gathered]
+    if rank == 0:
+        plot = report.save_plot(out_dir / "calibration_sqnr.png") if out_dir.exists() else None
+        sqnr = report.mean_sqnr_db
+        print(f"calibrated {len(report.layers)} layers on {ids.shape[0]} x {ids.shape[1]} tokens of {source} "
+              f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
+              f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB")
+        print(f"exported -> {out_dir}" + (f" (plot: {plot.name})" if plot else ""))
+    return {"seconds": seconds, "peaks": peaks, "report": report.to_dict()}
+
+
+def torch_peak_memory_mb() -> float:
+    """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -156,35 +240,98 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", metavar="DIR", help="where the imported model is kept (default $SHARDCAL_CACHE or ~/.cache/shardcal)")
-    parser.add_argument("--num-samples", type=int, default=8, metavar="N", help="held-out sequences for perplexity (default 8)")
+    parser.add_argument("--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)")
+    parser.add_argument("--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default w8a8-int8)")
+    parser.add_argument("--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default 2)")
+    parser.add_argument("--num-samples", type=int, default=32, metavar="N", help="calibration sequences (default 32)")
+    parser.add_argument("--eval-samples", type=int, default=8, metavar="N", help="held-out sequences for perplexity (default 8)")
     parser.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
-    parser.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per forward pass (default 4)")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=8, metavar="T", help="length of the greedy completion (default 8)")
 
 
-@command("demo", help="the embedded SmolLM2-135M end to end: import, perplexity, a greedy completion", arguments=_demo_arguments)
+@command("demo", help="the embedded SmolLM2-135M end to end: import, calibrate on 2 ranks, export, reload, compare",
+         arguments=_demo_arguments)
 def _demo(args: argparse.Namespace) -> int:
+    import tempfile
+
     from .calibration.data import token_blocks
+    from .distributed import launch
     from .evaluate import generate_greedy, perplexity
     from .models import from_pretrained
-    from .models.gguf import embedded_gguf_path, embedded_model_dir
+    from .models.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
     from .models.tokenizer import Tokenizer
+    from .quant import load_recipe
 
-    if args.num_samples < 1 or args.seq_len < 2:
-        raise DataError(f"--num-samples must be >= 1 and --seq-len >= 2, got {args.num_samples} and {args.seq_len}")
+    if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
+        raise DataError("--num-samples and --eval-samples must be >= 1 and --seq-len >= 2")
+    recipe = load_recipe(args.recipe)
     start = time.perf_counter()
     model_dir = embedded_model_dir(args.cache_dir)
+    out_dir = Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"smollm2-135m-{recipe.name}"
     print(f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)")
-    model = from_pretrained(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    ids = token_blocks(tokenizer, args.num_samples, args.seq_len, split="eval")
-    start = time.perf_counter()
-    value = perplexity(model, ids, batch_size=args.batch_size)
-    print(f"perplexity (float32): {value:.3f} on {ids.shape[0]} x {ids.shape[1]} held-out Wikipedia tokens "
-          f"({time.perf_counter() - start:.1f} s)")
-    completion = generate_greedy(model, tokenizer, DEMO_PROMPT, max_new_tokens=args.max_new_tokens)
-    print(f"greedy: {DEMO_PROMPT!r} -> {completion!r}")
+    eval_ids = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
+    fp_ppl = perplexity(from_pretrained(model_dir), eval_ids, batch_size=args.batch_size)
+    print(f"perplexity (float32): {fp_ppl:.3f}; calibrating {recipe.name} on {args.nproc_per_node} rank(s) ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        options = dict(model_dir=str(model_dir), out=str(out_dir), recipe=args.recipe, num_samples=args.num_samples,
+                       seq_len=args.seq_len, batch_size=args.batch_size, eval_samples=args.eval_samples, result=str(result_file))
+        launch(demo_job, args.nproc_per_node, options)
+        result = json.loads(result_file.read_text())
+    reloaded = from_pretrained(out_dir)
+    reload_ppl = perplexity(reloaded, eval_ids, batch_size=args.batch_size)
+    completion = generate_greedy(reloaded, tokenizer, DEMO_PROMPT, max_new_tokens=args.max_new_tokens)
+    rows = [
+        ("perplexity, float32", f"{fp_ppl:.3f}"),
+        (f"perplexity, fake-quant ({recipe.name}, sharded)", f"{result['fake_quant_ppl']:.3f}"),
+        ("perplexity, reloaded export", f"{reload_ppl:.3f}"),
+        (f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)", f"{result['seconds']:.1f} s"),
+        ("peak memory per rank", ", ".join(f"{p:.0f} MB" for p in result["peaks"])),
+        ("mean layer output SQNR", f"{result['mean_sqnr_db']:.1f} dB" if result["mean_sqnr_db"] is not None else "n/a"),
+        ("output dir", str(out_dir)),
+        (f"greedy {DEMO_PROMPT!r}", repr(completion)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print()
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
     return 0
+
+
+def demo_job(options: dict) -> None:
+    """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
+    import torch
+    import torch.distributed as dist
+
+    from .calibrate import calibrate
+    from .calibration.data import token_blocks
+    from .distributed import init_distributed
+    from .evaluate import distributed_perplexity
+    from .export import export_checkpoint
+    from .models import load_pretrained
+    from .models.tokenizer import Tokenizer
+
+    rank, world = init_distributed()
+    model_dir = Path(options["model_dir"])
+    tokenizer = Tokenizer.from_dir(model_dir)
+    calib = token_blocks(tokenizer, options["num_samples"], options["seq_len"], split="calib")
+    eval_ids = token_blocks(tokenizer, options["eval_samples"], options["seq_len"], split="eval")
+    model = load_pretrained(model_dir)
+    start = time.perf_counter()
+    report = calibrate(model, calib, options["recipe"], batch_size=options["batch_size"], progress=rank == 0)
+    seconds = time.perf_counter() - start
+    fq_ppl = distributed_perplexity(model, eval_ids, batch_size=options["batch_size"])
+    export_checkpoint(model, options["out"], recipe=options["recipe"], report=report, tokenizer_dir=model_dir, overwrite=True)
+    peak = torch.tensor([torch_peak_memory_mb()], dtype=torch.float64)
+    peaks = [torch.zeros_like(peak) for _ in range(world)]
+    dist.all_gather(peaks, peak)
+    if rank == 0:
+        Path(options["result"]).write_text(json.dumps({
+            "seconds": seconds, "fake_quant_ppl": fq_ppl, "peaks": [float(p) for p in peaks],
+            "mean_sqnr_db": report.mean_sqnr_db,
+        }))
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -72,3 +72,33 @@ def generate_greedy(
             new.append(next_id)
             sequence = torch.cat([sequence, torch.tensor([[next_id]], device=device)], dim=1)
     return tokenizer.decode(new)
+
+
+def distributed_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Perplexity of a (possibly FSDP2-sharded) model with the rows split over ranks; collective.
+
+    Every rank scores its own rows and the sums are all-reduced. A sharded forward is a collective, so every
+    rank runs the same number of forwards: a rank that runs out of rows repeats a dummy one and ignores it.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return perplexity(model, input_ids, batch_size=batch_size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = -(-input_ids.shape[0] // world)
+    mine = input_ids[rank * per_rank : (rank + 1) * per_rank]
+    forwards = -(-per_rank // batch_size)
+    total, count = 0.0, 0
+    for i in range(forwards):
+        batch = mine[i * batch_size : (i + 1) * batch_size]
+        if batch.shape[0] == 0:
+            with torch.no_grad():
+                model(input_ids[:1].to(_device_of(model)))  # keep the collectives matched
+            continue
+        nll, n = token_nll(model, batch, batch_size=batch_size)
+        total, count = total + nll, count + n
+    sums = torch.tensor([total, float(count)], dtype=torch.float64)
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
+        sums = sums.cuda()
+    dist.all_reduce(sums)
+    return math.exp(float(sums[0]) / float(sums[1]))
