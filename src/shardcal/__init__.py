@@ -13,6 +13,7 @@ Public API (see docs/api.md):
 from . import errors
 from .calibrate import calibrate
 from .errors import ShardcalError
+from .export import export_checkpoint
 from .fsdp2_utils import fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
 from .layer_steps import LayerStep, layer_steps
 from .quant import load_recipe
@@ -20,13 +21,6 @@ from .registry import LayerActivationCollector
 from .report import CalibrationReport
 
 __version__ = "0.1.0"
-
-
-def export_checkpoint(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy re-export, documented in shardcal.export
-    """See :func:`shardcal.export.export_checkpoint`."""
-    from .export import export_checkpoint as _export
-
-    return _export(*args, **kwargs)
 
 
 __all__ = [

@@ -1,0 +1,289 @@
+"""The compressed-tensors vocabulary: quantizer specs <-> ``QuantizationArgs`` dicts, formats, tensor layouts.
+
+Everything here is plain data and shared by export (spec -> config.json, spec -> tensor names/dtypes/shapes) and
+reload (config.json -> spec, and the same tensor layout to check a checkpoint against). The compressed-tensors
+package is the reference (``quantization/quant_args.py``, ``quant_scheme.py``, ``compressors/*``); it is never
+imported here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..quant.spec import NVFP4_BLOCK_SIZE, QuantizerSpec, SpecError
+
+QUANT_METHOD = "compressed-tensors"
+STATUS_COMPRESSED = "compressed"
+
+INT_QUANTIZED = "int-quantized"
+FLOAT_QUANTIZED = "float-quantized"
+PACK_QUANTIZED = "pack-quantized"
+NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+NAIVE_QUANTIZED = "naive-quantized"
+MIXED_PRECISION = "mixed-precision"
+#: The formats this package writes and reads.
+FORMATS: tuple[str, ...] = (INT_QUANTIZED, FLOAT_QUANTIZED, PACK_QUANTIZED, NVFP4_PACK_QUANTIZED, NAIVE_QUANTIZED)
+
+#: Scales (``weight_scale``, ``input_scale``) are written in float32: the exact values the stored integers were
+#: computed with. compressed-tensors keeps them in the model dtype; vLLM and compressed-tensors cast on load.
+SCALE_DTYPE = torch.float32
+
+
+class UnsupportedSpec(ValueError):
+    """A quantizer (or a ``QuantizationArgs`` dict) has no counterpart on the other side; ``key`` names the field."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+# ----------------------------------------------------------------------------------------------- spec -> args
+
+
+def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
+    """The ``QuantizationArgs`` dict (as compressed-tensors' ``model_dump`` writes it) for a weight or input spec.
+
+    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: static per-channel or
+    per-group activations, dynamic activations other than per tensor, output quantizers.
+    """
+    if role not in ("weight", "input"):
+        raise UnsupportedSpec(role, f"{role} quantizers have no compressed-tensors export (weights and inputs only)")
+    if spec.format == "nvfp4":
+        args: dict[str, Any] = {
+            "num_bits": 4, "type": "float", "symmetric": True, "group_size": NVFP4_BLOCK_SIZE,
+            "strategy": "tensor_group", "dynamic": "local" if role == "input" else False,
+            "scale_dtype": "torch.float8_e4m3fn",
+        }
+        return args
+    kind = "int" if spec.format.startswith("int") else "float"
+    base = {"num_bits": spec.num_bits, "type": kind, "symmetric": True}
+    if role == "weight":
+        if spec.granularity == "tensor":
+            return {**base, "group_size": None, "strategy": "tensor", "dynamic": False}
+        if spec.granularity == "channel":
+            if spec.axis not in (0, -2):
+                raise UnsupportedSpec("axis", f"per-channel weights need axis 0 (output channels), got axis {spec.axis}")
+            return {**base, "group_size": None, "strategy": "channel", "dynamic": False}
+        return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": False}
+    if spec.granularity != "tensor":
+        raise UnsupportedSpec(
+            "granularity",
+            f"{'dynamic' if spec.dynamic else 'static'} per-{spec.granularity} input activations have no compressed-tensors "
+            "equivalent (use granularity 'tensor')",
+        )
+    return {**base, "group_size": None, "strategy": "tensor", "dynamic": bool(spec.dynamic)}
+
+
+def infer_format(weight: QuantizerSpec, input: QuantizerSpec | None) -> str:
+    """The compression format compressed-tensors infers for a scheme (``compressors/format.py``'s priority)."""
+    if weight.format == "nvfp4":
+        return NVFP4_PACK_QUANTIZED
+    w_int = weight.format.startswith("int")
+    if input is not None and w_int:
+        return INT_QUANTIZED
+    if w_int and (input is None or input.format.startswith("int")):
+        return PACK_QUANTIZED
+    if input is not None:
+        return FLOAT_QUANTIZED
+    return NAIVE_QUANTIZED
+
+
+def scheme_dict(targets: list[str], weight: QuantizerSpec, input: QuantizerSpec | None, fmt: str) -> dict[str, Any]:
+    """One ``config_groups`` entry (a ``QuantizationScheme`` dict)."""
+    return {
+        "targets": list(targets),
+        "weights": spec_to_args(weight, "weight"),
+        "input_activations": spec_to_args(input, "input") if input is not None else None,
+        "output_activations": None,
+        "format": fmt,
+    }
+
+
+def quantization_config(groups: list[dict[str, Any]], ignore: list[str]) -> dict[str, Any]:
+    """The ``quantization_config`` of config.json: what compressed-tensors' ``ModelCompressor.update_config`` writes
+    (``QuantizationConfig.model_dump()`` plus ``quant_method``, empty ``sparsity_config`` / ``transform_config``)."""
+    formats = {g["format"] for g in groups}
+    return {
+        "config_groups": {f"group_{i}": g for i, g in enumerate(groups)},
+        "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "moe_sparsity_config": None,
+        "quant_method": QUANT_METHOD,
+        "quantization_status": STATUS_COMPRESSED,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+# ----------------------------------------------------------------------------------------------- args -> spec
+
+_ARG_KEYS = {
+    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+    "scale_dtype", "zp_dtype", "observer", "observer_kwargs",
+}
+
+
+def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
+    """The :class:`QuantizerSpec` a ``QuantizationArgs`` dict describes; :class:`UnsupportedSpec` names the field."""
+    if not isinstance(args, Mapping):
+        raise UnsupportedSpec("", f"must be an object, got {type(args).__name__}")
+    for key in args:
+        if key not in _ARG_KEYS:
+            raise UnsupportedSpec(key, "unknown QuantizationArgs field")
+    num_bits = args.get("num_bits", 8)
+    kind = str(args.get("type", "int")).lower()
+    strategy = args.get("strategy")
+    group_size = args.get("group_size")
+    dynamic = args.get("dynamic", False)
+    if isinstance(dynamic, str):
+        dynamic = dynamic.lower()
+    if strategy is None:  # compressed-tensors infers it from group_size
+        strategy = "tensor" if group_size is None else ("channel" if group_size == -1 else "group")
+    strategy = str(strategy).lower()
+    if args.get("symmetric", True) is not True:
+        raise UnsupportedSpec("symmetric", "only symmetric quantization is supported")
+    if args.get("block_structure") is not None:
+        raise UnsupportedSpec("block_structure", "block quantization is not supported")
+    if (kind, num_bits) == ("float", 4):
+        if strategy != "tensor_group" or group_size != NVFP4_BLOCK_SIZE:
+            raise UnsupportedSpec("strategy", f"4-bit float is supported as nvfp4 only (strategy tensor_group, group_size 16)")
+        want = "local" if role == "input" else False
+        if dynamic != want:
+            raise UnsupportedSpec("dynamic", f"nvfp4 {role}s need dynamic = {want!r}, got {dynamic!r}")
+        return QuantizerSpec(format="nvfp4")
+    formats = {("int", 8): "int8", ("int", 4): "int4", ("float", 8): "fp8_e4m3"}
+    if (kind, num_bits) not in formats:
+        raise UnsupportedSpec("num_bits", f"{num_bits}-bit {kind} is not supported (int8, int4, fp8, nvfp4)")
+    fmt = formats[(kind, num_bits)]
+    if dynamic not in (True, False):
+        raise UnsupportedSpec("dynamic", f"dynamic {dynamic!r} is only valid for nvfp4 inputs")
+    if role == "weight":
+        if dynamic:
+            raise UnsupportedSpec("dynamic", "dynamic weight quantization is not supported")
+        if strategy == "tensor":
+            return QuantizerSpec(format=fmt, granularity="tensor")
+        if strategy == "channel":
+            return QuantizerSpec(format=fmt, granularity="channel", axis=0)
+        if strategy == "group":
+            return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size))
+        raise UnsupportedSpec("strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group)")
+    if strategy != "tensor":
+        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor)")
+    return QuantizerSpec(format=fmt, granularity="tensor", dynamic=bool(dynamic))
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One parsed config group: its targets, weight and input specs and compression format."""
+
+    name: str
+    targets: tuple[str, ...]
+    weight: QuantizerSpec
+    input: QuantizerSpec | None
+    format: str
+
+
+def parse_quantization_config(qc: Any, source: str) -> tuple[list[Scheme], list[str]]:
+    """``(schemes, ignore)`` from a config.json ``quantization_config``; ValueError messages name the key."""
+    where = "quantization_config"
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"{where}: must be an object, got {type(qc).__name__}")
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise ValueError(f"{where}.quant_method: expected {QUANT_METHOD!r}, got {qc.get('quant_method')!r}")
+    status = qc.get("quantization_status", STATUS_COMPRESSED)
+    if status != STATUS_COMPRESSED:
+        raise ValueError(f"{where}.quantization_status: only {STATUS_COMPRESSED!r} checkpoints are read, got {status!r}")
+    top_format = qc.get("format")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{where}.config_groups: must be a non-empty object")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ValueError(f"{where}.kv_cache_scheme: kv-cache quantization is not supported")
+    schemes = []
+    for gname, group in groups.items():
+        gwhere = f"{where}.config_groups.{gname}"
+        if not isinstance(group, Mapping):
+            raise ValueError(f"{gwhere}: must be an object (preset names are not supported)")
+        targets = group.get("targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
+            raise ValueError(f"{gwhere}.targets: must be a non-empty list of strings")
+        if group.get("weights") is None:
+            raise ValueError(f"{gwhere}.weights: activation-only schemes are not supported")
+        if group.get("output_activations") is not None:
+            raise ValueError(f"{gwhere}.output_activations: output quantization is not supported")
+        specs = {}
+        for role, key in (("weight", "weights"), ("input", "input_activations")):
+            if group.get(key) is None:
+                specs[role] = None
+                continue
+            try:
+                specs[role] = args_to_spec(group[key], role)
+            except UnsupportedSpec as exc:
+                raise ValueError(f"{gwhere}.{key}{'.' + exc.key if exc.key else ''}: {exc}") from None
+            except SpecError as exc:
+                raise ValueError(f"{gwhere}.{key}.{exc.key}: {exc}") from None
+        fmt = group.get("format") or top_format
+        expected = infer_format(specs["weight"], specs["input"])
+        if fmt != expected:
+            raise ValueError(f"{gwhere}.format: this scheme is stored as {expected!r}, the config says {fmt!r}")
+        schemes.append(Scheme(str(gname), tuple(targets), specs["weight"], specs["input"], fmt))
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        raise ValueError(f"{where}.ignore: must be a list of strings")
+    return schemes, ignore
+
+
+def _match_one(name: str, module: torch.nn.Module, target: str) -> bool:
+    """compressed-tensors' ``is_match`` for one target: ``re:`` regex (``re.match``), exact name, or a class name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or any(cls.__name__ == target for cls in type(module).__mro__)
+
+
+def matches(name: str, module: torch.nn.Module, targets: Iterable[str]) -> bool:
+    return any(_match_one(name, module, t) for t in targets)
+
+
+# ----------------------------------------------------------------------------------------------- tensor layout
+
+
+def tensor_layout(fmt: str, weight: QuantizerSpec, input: QuantizerSpec | None, out_f: int, in_f: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{suffix: (dtype, shape)}`` of the tensors one quantized Linear stores (its ``bias``, if any, not included).
+
+    ``weight`` (int8 / float8_e4m3fn) or ``weight_packed`` (int32 for pack-quantized, eight int4 or four int8 per
+    word; uint8 for nvfp4, two E2M1 codes per byte) + ``weight_shape`` (int64 ``[2]``, pack-quantized only);
+    ``weight_scale`` (float32 ``[1]`` / ``[out, 1]`` / ``[out, in/group]``; float8_e4m3fn ``[out, in/16]`` for nvfp4);
+    ``weight_global_scale`` (nvfp4); ``input_scale`` (float32 ``[1]``, static inputs) or ``input_global_scale``
+    (float32 ``[1]``, nvfp4 inputs).
+    """
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if fmt == NVFP4_PACK_QUANTIZED:
+        out["weight_packed"] = (torch.uint8, (out_f, in_f // 2))
+        out["weight_scale"] = (torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK_SIZE))
+        out["weight_global_scale"] = (torch.float32, (1,))
+    else:
+        if weight.granularity == "tensor":
+            scale_shape: tuple[int, ...] = (1,)
+        elif weight.granularity == "channel":
+            scale_shape = (out_f, 1)
+        else:
+            scale_shape = (out_f, in_f // weight.group_size)
+        if fmt == PACK_QUANTIZED:
+            per_word = 32 // weight.num_bits
+            out["weight_packed"] = (torch.int32, (out_f, -(-in_f // per_word)))
+            out["weight_shape"] = (torch.int64, (2,))
+        else:
+            out["weight"] = (torch.int8 if weight.format.startswith("int") else torch.float8_e4m3fn, (out_f, in_f))
+        out["weight_scale"] = (SCALE_DTYPE, scale_shape)
+    if input is not None and not input.dynamic:
+        if input.format == "nvfp4":
+            out["input_global_scale"] = (torch.float32, (1,))
+        else:
+            out["input_scale"] = (SCALE_DTYPE, (1,))
+    return out

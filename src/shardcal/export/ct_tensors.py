@@ -1,0 +1,134 @@
+"""One quantized Linear <-> its compressed-tensors tensors (names relative to the module: ``weight_scale``, ...).
+
+Encoding goes through ``TensorQuantizer.encode`` (``shardcal.quant.formats.encode``), so the stored integers / FP8 /
+E2M1 codes are exactly the values the fake-quant model computes with: ``decode(encode(w)) == fake_quantize(w)``
+bit for bit. Packing follows compressed-tensors (``pack_to_int32``, ``pack_fp4_to_uint8``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant.formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FORMATS as NUMBER_FORMATS,
+    decode,
+    nvfp4_global_scale,
+    pack_int4_to_int32,
+    scale_from_amax,
+    unpack_int4_from_int32,
+)
+from ..quant.quantizer import TensorQuantizer
+from ..quant.spec import QuantizerSpec
+from .ct_config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
+
+
+# ----------------------------------------------------------------------------------------------- int8 packing
+
+
+def pack_int8_to_int32(values: torch.Tensor) -> torch.Tensor:
+    """Four int8 values per int32 along the last dim (compressed-tensors' ``pack_to_int32(v, 8)``): each value
+    offset by +128, element ``4k + j`` in bits ``8j .. 8j+7`` of word ``k``; the last dim is zero-padded."""
+    n = values.shape[-1]
+    words = -(-n // 4)
+    v = values.to(torch.int64) + 128
+    if words * 4 != n:
+        v = torch.nn.functional.pad(v, (0, words * 4 - n))
+    v = v.unflatten(-1, (words, 4))
+    packed = (v << torch.arange(0, 32, 8, device=v.device, dtype=torch.int64)).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+
+
+def unpack_int8_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 8, device=packed.device, dtype=torch.int64)
+    b = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF
+    return (b.flatten(-2)[..., :last_dim] - 128).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------- encode
+
+
+def encode_weight(quantizer: TensorQuantizer, weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The stored tensors of a (full, unsharded) weight, as compressed-tensors' compressor for ``fmt`` names them."""
+    enc = quantizer.encode(weight.detach())
+    if fmt == NVFP4_PACK_QUANTIZED:
+        return {
+            "weight_packed": enc["packed"],
+            "weight_scale": enc["scale"],
+            "weight_global_scale": enc["global_scale"].to(torch.float32).reshape(1),
+        }
+    out: dict[str, torch.Tensor] = {}
+    if fmt == PACK_QUANTIZED:
+        values = enc["values"]
+        bits = quantizer.spec.num_bits
+        out["weight_packed"] = pack_int4_to_int32(values) if bits == 4 else pack_int8_to_int32(values)
+        out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+    else:
+        out["weight"] = enc["values"]
+    out["weight_scale"] = enc["scale"].to(SCALE_DTYPE)
+    return out
+
+
+def encode_input(quantizer: TensorQuantizer | None) -> dict[str, torch.Tensor]:
+    """``input_scale`` (int / fp8, static) or ``input_global_scale`` (nvfp4); nothing for a dynamic input."""
+    if quantizer is None or quantizer.spec.dynamic:
+        return {}
+    scales = quantizer.export_scales()
+    if "global_scale" in scales:
+        return {"input_global_scale": scales["global_scale"].to(torch.float32).reshape(1)}
+    return {"input_scale": scales["scale"].to(SCALE_DTYPE).reshape(1)}
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def decode_weight(tensors: dict[str, torch.Tensor], spec: QuantizerSpec, fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight (in ``dtype``) of a module's stored tensors; exactly what the fake-quant model used."""
+    out_f, in_f = shape
+    if fmt == NVFP4_PACK_QUANTIZED:
+        enc = {
+            "packed": tensors["weight_packed"],
+            "scale": tensors["weight_scale"].to(torch.float8_e4m3fn),
+            "global_scale": tensors["weight_global_scale"].float().reshape(1),
+        }
+        return decode(enc, spec, dtype)
+    if fmt == PACK_QUANTIZED:
+        packed = tensors["weight_packed"]
+        values = unpack_int4_from_int32(packed, in_f) if spec.num_bits == 4 else unpack_int8_from_int32(packed, in_f)
+    else:
+        values = tensors["weight"]
+    return decode({"values": values, "scale": tensors["weight_scale"].float()}, spec, dtype)
+
+
+# ----------------------------------------------------------------------------------------------- amax from scales
+
+
+def _float32_preimage(target: torch.Tensor, guess: torch.Tensor, fn, span: int = 4) -> torch.Tensor:
+    """Per element, a float32 ``a`` near ``guess`` with ``fn(a) == target`` bit for bit (``guess`` itself when no
+    neighbour within ``span`` ulps qualifies). Scales are always computed from some float32 amax, so one exists."""
+    target = target.float()
+    best = guess.float().clone()
+    found = fn(best) == target
+    up, down = best.clone(), best.clone()
+    for _ in range(span):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        for cand in (up, down):
+            hit = ~found & (fn(cand) == target)
+            best = torch.where(hit, cand, best)
+            found = found | hit
+    return best
+
+
+def amax_for_scale(scale: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor:
+    """An amax whose ``amax / qmax`` (shardcal's int / fp8 scale rule) equals the stored ``scale`` bit for bit."""
+    qmax = NUMBER_FORMATS[spec.format].qmax
+    scale = scale.float()
+    return _float32_preimage(scale, scale * qmax, lambda a: scale_from_amax(a, spec.format))
+
+
+def amax_for_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
+    """An amax whose nvfp4 global scale ``448 * 6 / amax`` equals the stored one bit for bit (shape ``[1]``)."""
+    gs = global_scale.float().reshape(1)
+    return _float32_preimage(gs, (E4M3_MAX * E2M1_MAX) / gs, nvfp4_global_scale)

@@ -1,0 +1,376 @@
+"""``export_checkpoint``: a calibrated (plain or FSDP2-sharded) model -> a compressed-tensors checkpoint directory.
+
+Collective under torch.distributed: every rank calls it. The flow (see docs/export-format.md):
+
+1. every rank builds the same :class:`~.plan.ExportPlan` from module structure (nothing gathered yet); anything
+   that cannot be exported (uncalibrated quantizers, specs compressed-tensors cannot express) fails here, on every
+   rank alike, before any collective;
+2. rank 0 checks the destination and creates a staging directory next to it (same filesystem) and tells the
+   others its name;
+3. unit by unit (decoder layers, other FSDP units, the root), every rank takes part in the gather and the unit's
+   owner encodes and appends its tensors to its own shard files; after each unit one small all-reduce tells every
+   rank whether any rank failed, so all of them stop together;
+4. rank 0 writes the index, tokenizer files, report and config.json into the staging directory, then renames it
+   to ``out_dir`` (an existing one, with ``overwrite``, is renamed away first and deleted after).
+
+An export that fails or is interrupted leaves no ``out_dir`` (and removes its staging directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ExportError
+from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
+from ..layer_steps import world
+from ..quant.quantizer import TensorQuantizer
+from ..quant.recipe import Recipe, load_recipe
+from .ct_tensors import encode_input, encode_weight
+from .plan import ExportPlan, QuantModule, Unit, build_plan
+from .shards import RankShardWriter, header_bytes
+
+#: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+REPORT_NAME = "calibration_report.json"
+#: Files copied from ``tokenizer_dir`` when present.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ExportInterrupted(RuntimeError):
+    """Raised by the ``_fail_at_unit`` test hook on the rank that owns that unit."""
+
+
+# ----------------------------------------------------------------------------------------------- collectives
+
+
+def _group() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _comm_device() -> torch.device:
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _failed_ranks(failed: bool) -> list[int]:
+    """Which ranks report failure (collective; a plain list without a process group)."""
+    rank, world_size = world()
+    if _group() is None:
+        return [rank] if failed else []
+    flags = torch.zeros(world_size, dtype=torch.int32, device=_comm_device())
+    flags[rank] = int(failed)
+    dist.all_reduce(flags)
+    return [r for r in range(world_size) if int(flags[r])]
+
+
+def _broadcast(message: tuple[str, str] | None) -> tuple[str, str]:
+    """Rank 0's ``(status, text)`` on every rank, sent as UTF-8 JSON in a byte tensor (no pickling)."""
+    if _group() is None:
+        return message
+    device = _comm_device()
+    payload = json.dumps(message).encode("utf-8") if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=0)
+    status, text = json.loads(bytes(data.cpu().tolist()).decode("utf-8"))
+    return status, text
+
+
+# ----------------------------------------------------------------------------------------------- destination
+
+
+def _describe(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ExportError(f"{out_dir}: exists and is not a directory")
+        if any(out_dir.iterdir()) and not overwrite:
+            raise ExportError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+
+
+def check_destination(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
+    calibration): a non-empty directory without ``overwrite``, a file, or a parent that cannot be created or
+    written. Checks only; creates nothing. Not collective."""
+    out_dir = Path(out_dir).absolute()
+    _check_destination(out_dir, overwrite)
+    ancestor = out_dir.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ExportError(f"{ancestor}: is not a directory; cannot export to {out_dir}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ExportError(f"{ancestor}: not writable; cannot export to {out_dir}")
+
+
+def _prepare(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) -> Path:
+    """Check the destination and create the staging directory beside it (rank 0)."""
+    _check_destination(out_dir, overwrite)
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise ExportError(f"{tokenizer_dir}: tokenizer directory does not exist")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{parent}: cannot create the parent directory of {out_dir} ({_describe(exc)})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{parent}: not writable; cannot export to {out_dir}")
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the export gets the usual permissions
+        return staging
+    except OSError as exc:
+        raise ExportError(f"{parent}: cannot create a staging directory for {out_dir} ({_describe(exc)})") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename ``staging`` to ``out_dir``; an existing ``out_dir`` is renamed away first and deleted after."""
+    _check_destination(out_dir, overwrite)
+    old = None
+    try:
+        if out_dir.exists():
+            if any(out_dir.iterdir()):
+                old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(out_dir, old)
+            else:
+                out_dir.rmdir()
+        try:
+            os.rename(staging, out_dir)
+        except OSError:
+            if old is not None:
+                os.rename(old, out_dir)
+                old = None
+            raise
+    except OSError as exc:
+        raise ExportError(f"{out_dir}: cannot move the finished export into place ({_describe(exc)})") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def _gathered(model: nn.Module, unit: Unit) -> Iterator[None]:
+    """The unit's parameters unsharded on every rank (collective); nested FSDP units gathered with it."""
+    if unit.kind == "root":
+        with fsdp2_root_unsharded(model):
+            yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(layer_unsharded(unit.module))
+        for sub in unit.module.modules():
+            if sub is not unit.module and isinstance(sub, FSDPModule):
+                stack.enter_context(layer_unsharded(sub))
+        yield
+
+
+def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        raise RuntimeError(f"export: {what} is still sharded while its unit is gathered (an FSDP unit the plan missed)")
+    return t.detach()
+
+
+def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
+    weight = _plain(qm.module.weight, f"{qm.name}.weight")
+    wq = qm.weight_quantizer
+    if wq is None:  # quantized at export from a weight-only recipe: the same calibration calibrate() runs
+        wq = TensorQuantizer(qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer")
+        wq.calibrate_from(weight)
+    tensors = encode_weight(wq, weight, qm.format)
+    tensors.update(encode_input(qm.input_quantizer))
+    return tensors
+
+
+def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:
+    encoded: dict[str, dict[str, torch.Tensor]] = {}
+    for entry in unit.entries:
+        if entry.source[0] == "param":
+            tensor = _plain(model.get_parameter(entry.source[1]), entry.key)
+            if tensor.dtype != entry.dtype:  # a mixed-precision gather: store the parameters' own dtype
+                tensor = tensor.to(entry.dtype)
+        else:
+            _, module_name, suffix = entry.source
+            if module_name not in encoded:
+                encoded = {module_name: _encode_module(plan.quant_modules[module_name])}
+            tensor = encoded[module_name][suffix]
+        writer.write(entry, tensor)
+
+
+# ----------------------------------------------------------------------------------------------- finishing
+
+
+def _config_dict(model: nn.Module, plan: ExportPlan) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    raw = getattr(config, "raw", None)
+    if not isinstance(raw, dict):
+        raise ExportError(f"{type(model).__name__}: model.config.raw (the parsed config.json) is needed to write config.json")
+    out = json.loads(json.dumps(raw))  # a deep copy that is certainly JSON-serialisable
+    dtype_name = str(dominant_dtype(model)).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
+    for k in keys:  # the dtype the unquantized tensors are stored in, so that a reload picks it by default
+        out[k] = dtype_name
+    out["quantization_config"] = plan.quantization_config
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _finish(model: nn.Module, plan: ExportPlan, staging: Path, report: Any, tokenizer_dir: Path | None) -> None:
+    """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json (last)."""
+    for shard in plan.shards:
+        path = staging / shard.file
+        expected = len(header_bytes(shard.entries)) + shard.nbytes
+        if not path.is_file() or path.stat().st_size != expected:
+            found = path.stat().st_size if path.is_file() else "missing"
+            raise ExportError(f"{path}: expected {expected} bytes, found {found} (is {staging.parent} shared by all ranks?)")
+    try:
+        weight_map = dict(sorted(plan.weight_map.items()))
+        _write_json(staging / INDEX_NAME, {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_dir / name).is_file():
+                    shutil.copyfile(tokenizer_dir / name, staging / name)
+        if report is not None:
+            report.save_json(staging / REPORT_NAME)
+            os.chmod(staging / REPORT_NAME, 0o666 & ~_umask())
+        _write_json(staging / CONFIG_NAME, _config_dict(model, plan))
+    except OSError as exc:
+        raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+
+
+def export_checkpoint(
+    model: nn.Module,
+    out_dir: str | Path,
+    recipe: str | Path | Recipe | None = None,
+    report: Any = None,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_dir: str | Path | None = None,
+    _fail_at_unit: int | None = None,
+) -> Path:
+    """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a compressed-tensors checkpoint.
+
+    ``out_dir`` gets ``config.json`` (the model's config plus ``quantization_config``), shards
+    ``model-0000i-of-0000N.safetensors`` of at most ``max_shard_bytes`` of tensor data each (a larger single tensor
+    gets its own), ``model.safetensors.index.json``, the tokenizer / generation files of ``tokenizer_dir`` and, with
+    ``report`` (a :class:`~shardcal.report.CalibrationReport`), ``calibration_report.json``.
+
+    ``recipe`` (optional): every quantized module must match it; a plain Linear it targets is quantized at export
+    (weight-only or dynamic-input recipes only). Collective under torch.distributed (every rank calls it; with an
+    FSDP2-wrapped model no rank gathers more than one unit at a time, and ranks share the writing). Atomic: an
+    existing non-empty ``out_dir`` is refused unless ``overwrite``; a failed export leaves no ``out_dir``.
+    Returns ``out_dir``. Problems with the destination or the model raise :class:`~shardcal.errors.ExportError`.
+    """
+    out_dir = Path(out_dir).absolute()
+    tok_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
+    if recipe is not None and not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    rank, world_size = world()
+    plan = build_plan(model, recipe, world_size, max_shard_bytes)
+
+    prepared: tuple[str, str]
+    if rank == 0:
+        try:
+            prepared = ("ok", str(_prepare(out_dir, overwrite, tok_dir)))
+        except ExportError as exc:
+            prepared = ("error", str(exc))
+    prepared = _broadcast(prepared if rank == 0 else None)
+    if prepared[0] == "error":
+        raise ExportError(prepared[1])
+    staging = Path(prepared[1])
+    try:
+        missing = _failed_ranks(not staging.is_dir())
+        if missing:
+            raise ExportError(
+                f"{staging}: the staging directory is not visible on rank(s) {missing}; export to a directory on a "
+                "filesystem that every rank shares"
+            )
+        writer = RankShardWriter(staging, [s for s in plan.shards if s.rank == rank])
+        try:
+            with torch.no_grad():
+                for unit in plan.units:
+                    error: BaseException | None = None
+                    with _gathered(model, unit):
+                        if unit.owner == rank:
+                            try:
+                                if _fail_at_unit == unit.index:
+                                    raise ExportInterrupted(f"export interrupted at unit {unit.index} ({unit.name}) (test hook)")
+                                _write_unit(model, plan, unit, writer)
+                            except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+                                error = exc
+                        failed = _failed_ranks(error is not None)
+                    if error is not None:
+                        raise error
+                    if failed:
+                        raise ExportError(f"export to {out_dir} failed on rank(s) {failed} while writing {unit.name}")
+            if not writer.done:
+                raise RuntimeError("export plan: this rank's shards are incomplete")
+        finally:
+            writer.close()
+        outcome: tuple[str, str] | None = None
+        if rank == 0:
+            try:
+                _finish(model, plan, staging, report, tok_dir)
+                _swap_into_place(staging, out_dir, overwrite)
+                outcome = ("ok", "")
+            except ExportError as exc:
+                outcome = ("error", str(exc))
+            except BaseException as exc:
+                _broadcast(("error", f"export to {out_dir} failed on rank 0: {exc!r}"))
+                raise
+        outcome = _broadcast(outcome)
+        if outcome[0] == "error":
+            raise ExportError(outcome[1])
+    except BaseException:
+        if rank == 0 and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

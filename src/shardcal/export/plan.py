@@ -1,0 +1,276 @@
+"""The export plan: what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
+every rank from the module structure alone (names, global shapes, specs), before anything is gathered.
+
+Because the plan is known up front, every rank knows every shard's exact safetensors header (names, dtypes,
+shapes, offsets) and the final ``model-0000i-of-0000N`` names before writing a byte: a rank streams its tensors
+straight into its own files, one gathered unit at a time, and nothing is renamed afterwards.
+
+Units, in the order every rank gathers them (gathering is collective):
+
+1. each decoder layer ``i`` (one ``layer_unsharded`` gather; nested FSDP units inside it gathered with it), written
+   by rank ``i % world_size``;
+2. other FSDP2 units outside the decoder stack (an untied ``lm_head``, a vision tower), continuing the round robin;
+3. the root: every remaining parameter (embeddings, final norm, a tied or unwrapped ``lm_head``), gathered with
+   ``fsdp2_root_unsharded`` and written by rank 0.
+
+A quantized Linear's ``weight`` becomes its compressed-tensors tensors (:func:`ct_config.tensor_layout`); every
+other parameter is stored as it is, in its dtype, under its own (Hugging Face) name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ExportError
+from ..quant.linear import QuantLinear
+from ..quant.quantizer import TensorQuantizer
+from ..quant.recipe import Recipe
+from ..quant.spec import QuantizerSpec
+from ..registry import LayerActivationCollector, decoder_layer_prefix
+from . import ct_config
+from .ct_config import UnsupportedSpec
+
+SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
+
+
+@dataclass
+class QuantModule:
+    """A Linear exported quantized. ``weight_quantizer`` is None when the weight is quantized at export time from
+    ``spec_weight`` (a recipe-targeted plain Linear, weight-only / dynamic-input recipe)."""
+
+    name: str
+    module: nn.Linear
+    spec_weight: QuantizerSpec
+    spec_input: QuantizerSpec | None
+    format: str
+    weight_quantizer: TensorQuantizer | None
+    input_quantizer: TensorQuantizer | None
+
+    @property
+    def scheme_key(self) -> tuple[Any, ...]:
+        return (self.spec_weight, self.spec_input, self.format)
+
+
+@dataclass
+class Entry:
+    """One stored tensor: ``source`` is ``("param", name)`` or ``("quant", module_name, suffix)``."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class Unit:
+    """What one gather makes available: ``modules`` to unshard (empty for the root, which uses
+    ``fsdp2_root_unsharded``) and the entries written from it by ``owner``."""
+
+    index: int
+    name: str
+    kind: str  # "layer" | "module" | "root"
+    module: nn.Module | None
+    owner: int
+    entries: list[Entry] = field(default_factory=list)
+
+
+@dataclass
+class Shard:
+    file: str
+    rank: int
+    entries: list[Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+@dataclass
+class ExportPlan:
+    units: list[Unit]
+    shards: list[Shard]
+    quant_modules: dict[str, QuantModule]
+    quantization_config: dict[str, Any]
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {e.key: s.file for s in self.shards for e in s.entries}
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+# ----------------------------------------------------------------------------------------------- quantized modules
+
+
+def _check_spec(name: str, spec: QuantizerSpec, role: str) -> None:
+    try:
+        ct_config.spec_to_args(spec, role)
+    except UnsupportedSpec as exc:
+        raise ExportError(f"module {name!r}: its {role} quantizer cannot be stored as compressed-tensors ({exc})") from None
+
+
+def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, QuantModule]:
+    """Every Linear to store quantized, checked for what compressed-tensors can express and for calibration.
+
+    A ``QuantLinear`` with a weight quantizer is exported as calibrated. With ``recipe``, a plain Linear the recipe
+    targets is quantized at export (only for recipes that need no calibration data: weight-only or dynamic
+    input), and every QuantLinear must match the recipe.
+    """
+    found: dict[str, QuantModule] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        wq = getattr(module, "weight_quantizer", None) if isinstance(module, QuantLinear) else None
+        iq = getattr(module, "input_quantizer", None) if isinstance(module, QuantLinear) else None
+        oq = getattr(module, "output_quantizer", None) if isinstance(module, QuantLinear) else None
+        if wq is None and iq is None and oq is None:
+            if recipe is None or not recipe.matches(name):
+                continue
+            if recipe.weight is None:
+                raise ExportError(f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer")
+            if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
+                raise ExportError(
+                    f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
+                    "run shardcal.calibrate(model, data, recipe) before exporting"
+                )
+            _check_spec(name, recipe.weight, "weight")
+            if recipe.input is not None:
+                _check_spec(name, recipe.input, "input")
+            fmt = ct_config.infer_format(recipe.weight, recipe.input)
+            found[name] = QuantModule(name, module, recipe.weight, recipe.input, fmt, None, None)
+            continue
+        if oq is not None:
+            raise ExportError(f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only")
+        if wq is None:
+            raise ExportError(f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization")
+        if recipe is not None:
+            if not recipe.matches(name):
+                raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
+            if recipe.weight != wq.spec or recipe.input != (iq.spec if iq is not None else None):
+                raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
+        _check_spec(name, wq.spec, "weight")
+        if iq is not None:
+            _check_spec(name, iq.spec, "input")
+        for q in (wq, iq):
+            if q is not None and not q.calibrated:
+                raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
+        fmt = ct_config.infer_format(wq.spec, iq.spec if iq is not None else None)
+        found[name] = QuantModule(name, module, wq.spec, iq.spec if iq is not None else None, fmt, wq, iq)
+    return found
+
+
+def build_quantization_config(model: nn.Module, quant: dict[str, QuantModule]) -> dict[str, Any]:
+    """``quantization_config``: one group per distinct scheme (targets ``["Linear"]`` when there is one, else the
+    module names), and ``ignore`` = every other Linear (the LM head, MoE routers, excluded modules)."""
+    schemes: dict[tuple[Any, ...], list[str]] = {}
+    for name, qm in quant.items():
+        schemes.setdefault(qm.scheme_key, []).append(name)
+    groups = []
+    for (weight, input, fmt), names in schemes.items():
+        targets = ["Linear"] if len(schemes) == 1 else names
+        groups.append(ct_config.scheme_dict(targets, weight, input, fmt))
+    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]
+    return ct_config.quantization_config(groups, ignore)
+
+
+# ----------------------------------------------------------------------------------------------- units and shards
+
+
+def _fsdp_units(model: nn.Module, layers: nn.ModuleList | None) -> list[tuple[str, nn.Module]]:
+    """FSDP2 units outside the decoder stack and other than the root, outermost only, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inside_layers = {id(m) for m in layers.modules()} if layers is not None else set()
+    units: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or id(module) in inside_layers or not isinstance(module, FSDPModule):
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in units):
+            continue
+        units.append((name, module))
+    return units
+
+
+def _entries_for(names: list[str], params: dict[str, torch.Tensor], quant: dict[str, QuantModule]) -> list[Entry]:
+    entries: list[Entry] = []
+    for pname in names:
+        mod, _, leaf = pname.rpartition(".")
+        qm = quant.get(mod)
+        if qm is not None and leaf == "weight":
+            m = qm.module
+            layout = ct_config.tensor_layout(qm.format, qm.spec_weight, qm.spec_input, m.out_features, m.in_features)
+            entries += [Entry(f"{mod}.{suffix}", dt, shape, ("quant", mod, suffix)) for suffix, (dt, shape) in layout.items()]
+            continue
+        p = params[pname]
+        entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), ("param", pname)))
+    return entries
+
+
+def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_shard_bytes: int) -> ExportPlan:
+    """The whole export, decided from module structure only; identical on every rank."""
+    if max_shard_bytes < 1:
+        raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    quant = find_quant_modules(model, recipe)
+    if not quant:
+        raise ExportError(
+            f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "
+            "first, or pass a weight-only recipe to quantize at export"
+        )
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    for name in quant:
+        if f"{name}.weight" not in params:
+            raise ExportError(
+                f"module {name!r} is quantized but its weight is shared with another parameter (tied embeddings?); "
+                "exclude it from the recipe"
+            )
+
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    prefixes: list[tuple[str, str, nn.Module | None]] = []  # (kind, prefix, module)
+    if layers is not None:
+        lp = decoder_layer_prefix(model, layers)
+        prefixes += [("layer", f"{lp}.{i}", layer) for i, layer in enumerate(layers)]
+    prefixes += [("module", name, m) for name, m in _fsdp_units(model, layers)]
+
+    assigned: dict[str, list[str]] = {p: [] for _, p, _ in prefixes}
+    root_names: list[str] = []
+    for pname in params:
+        owner = max((p for _, p, _ in prefixes if pname.startswith(p + ".")), key=len, default=None)
+        (assigned[owner] if owner is not None else root_names).append(pname)
+
+    units: list[Unit] = []
+    for i, (kind, prefix, module) in enumerate(prefixes):
+        units.append(Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant)))
+    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant)))
+
+    per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
+    for r in range(world_size):
+        current: list[Entry] = []
+        size = 0
+        for unit in units:
+            if unit.owner != r:
+                continue
+            for e in unit.entries:
+                if current and size + e.nbytes > max_shard_bytes:
+                    per_rank[r].append(current)
+                    current, size = [], 0
+                current.append(e)
+                size += e.nbytes
+        if current:
+            per_rank[r].append(current)
+    total = sum(len(s) for s in per_rank)
+    shards: list[Shard] = []
+    for r, files in enumerate(per_rank):
+        for entries in files:
+            shards.append(Shard(SHARD_NAME.format(index=len(shards) + 1, total=total), r, entries))
+    return ExportPlan(units, shards, quant, build_quantization_config(model, quant))

@@ -1,0 +1,150 @@
+"""``load_quantized_into``: a compressed-tensors checkpoint -> fake-quant ``QuantLinear`` modules.
+
+``shardcal.models.from_pretrained`` calls it when config.json has a ``quantization_config``. The quantizer specs
+come from the config (no recipe needed). Each quantized Linear gets its weight dequantized from the stored
+integers / FP8 / E2M1 codes and scales — the exact values the calibrated model computed with — and its input
+quantizer's amax chosen so that the scale it derives equals the stored ``input_scale`` (``input_global_scale`` for
+nvfp4) bit for bit. The reloaded model's logits therefore equal the calibrated model's exactly.
+
+The weight quantizer keeps an amax equivalent to the stored scales (for a re-export) but is ``disabled``: the
+weights already hold their quantized values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError
+from ..models.checkpoint import CheckpointReader
+from ..models.config import ModelConfig
+from ..models.loading import IGNORED_KEY_SUFFIXES, router_weight_names
+from ..quant.linear import QuantLinear
+from ..quant.quantizer import QuantMode
+from . import ct_config
+from .ct_config import NVFP4_PACK_QUANTIZED, Scheme
+from .ct_tensors import amax_for_global_scale, amax_for_scale, decode_weight
+
+_SHOWN = 5
+
+
+def _named(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _schemes_by_module(model: nn.Module, schemes: list[Scheme], ignore: list[str], source: str) -> dict[str, Scheme]:
+    found: dict[str, Scheme] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or ct_config.matches(name, module, ignore):
+            continue
+        for scheme in schemes:  # first matching group wins, as in compressed-tensors
+            if ct_config.matches(name, module, scheme.targets):
+                found[name] = scheme
+                break
+    if not found:
+        raise ConfigError(f"{source}: quantization_config matches no Linear module of this model")
+    return found
+
+
+def _check_tensor(reader: CheckpointReader, key: str, dtype: torch.dtype, shape: tuple[int, ...], fmt: str) -> None:
+    found_shape = reader.shape(key)
+    if found_shape != shape:
+        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has shape {list(found_shape)}, expected {list(shape)}")
+    found = reader.dtype(key)
+    suffix = key.rpartition(".")[2]
+    scale_ok = suffix.endswith("scale") and found.is_floating_point and not (fmt == NVFP4_PACK_QUANTIZED and suffix == "weight_scale")
+    if found != dtype and not scale_ok:
+        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has dtype {reader.dtype_name(key)}, expected {dtype}")
+
+
+def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Fill ``model`` (built on the meta device in ``dtype``) from the compressed-tensors checkpoint at ``path``.
+
+    Errors name the file and the config key or tensor: :class:`ConfigError` for a ``quantization_config`` this
+    package cannot run, :class:`CheckpointError` for missing, unexpected or mis-shaped tensors.
+    """
+    source = str(Path(path) / "config.json")
+    try:
+        schemes, ignore = ct_config.parse_quantization_config(cfg.raw.get("quantization_config"), source)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    by_module = _schemes_by_module(model, schemes, ignore, source)
+    modules = dict(model.named_modules())
+
+    with CheckpointReader(path) as reader:
+        # expected tensors: plain parameters, and each quantized module's compressed-tensors tensors
+        params = dict(model.named_parameters())
+        plain = {n: tuple(p.shape) for n, p in params.items() if n.rpartition(".")[0] not in by_module or not n.endswith(".weight")}
+        if cfg.tie_word_embeddings and "lm_head.weight" in reader and "lm_head" not in by_module:
+            plain["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+        for name, scheme in by_module.items():
+            m = modules[name]
+            if f"{name}.weight" not in params:
+                raise ConfigError(f"{source}: quantization_config quantizes {name!r}, whose weight is tied to another tensor")
+            layouts[name] = ct_config.tensor_layout(scheme.format, scheme.weight, scheme.input, m.out_features, m.in_features)
+        expected = set(plain) | {f"{n}.{s}" for n, layout in layouts.items() for s in layout}
+        missing = [k for k in [*plain, *(f"{n}.{s}" for n, lo in layouts.items() for s in lo)] if k not in reader]
+        if missing:
+            raise CheckpointError(f"{reader.source}: {len(missing)} tensor(s) are missing: {_named(missing)}")
+        unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
+        if unexpected:
+            raise CheckpointError(
+                f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {_named(unexpected)} "
+                f"(not part of this {cfg.model_type} model with its quantization_config)"
+            )
+        for name, shape in plain.items():
+            found = reader.shape(name)
+            if found != shape:
+                raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has shape {list(found)}, the config implies {list(shape)}")
+            if not reader.dtype(name).is_floating_point:
+                raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float type")
+        for name, layout in layouts.items():
+            for suffix, (dt, shape) in layout.items():
+                _check_tensor(reader, f"{name}.{suffix}", dt, shape, by_module[name].format)
+            if "weight_shape" in layout:
+                stored = [int(v) for v in reader.get(f"{name}.weight_shape")]
+                m = modules[name]
+                if stored != [m.out_features, m.in_features]:
+                    raise CheckpointError(
+                        f"{reader.file_of(name + '.weight_shape')}: tensor {name + '.weight_shape'!r} says {stored}, "
+                        f"the config implies {[m.out_features, m.in_features]}"
+                    )
+
+        # structure: quantizers on meta, then materialise
+        for name, scheme in by_module.items():
+            QuantLinear.from_linear(modules[name], weight=scheme.weight, input=scheme.input, name=name)
+        routers = router_weight_names(model)
+        for pname, p in model.named_parameters():
+            if pname in routers and pname in reader and reader.dtype(pname) == torch.float32:
+                p.data = p.data.to(torch.float32)
+        model.to_empty(device=device)
+        model.tie_weights()
+
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname in plain:
+                    p.copy_(reader.get(pname))
+            for name, scheme in by_module.items():
+                m = modules[name]
+                stored = {s: reader.get(f"{name}.{s}") for s in layouts[name]}
+                weight = decode_weight(stored, scheme.weight, scheme.format, (m.out_features, m.in_features), m.weight.dtype)
+                m.weight.copy_(weight)
+                wq = m.weight_quantizer
+                if scheme.format == NVFP4_PACK_QUANTIZED:
+                    wq.set_amax(amax_for_global_scale(stored["weight_global_scale"]))
+                else:
+                    wq.set_amax(amax_for_scale(stored["weight_scale"], scheme.weight).reshape(wq.amax.shape))
+                wq.mode = QuantMode.DISABLED  # the weight already holds its quantized values
+                iq = m.input_quantizer
+                if iq is not None and not iq.spec.dynamic:
+                    if "input_global_scale" in stored:
+                        iq.set_amax(amax_for_global_scale(stored["input_global_scale"]))
+                    else:
+                        iq.set_amax(amax_for_scale(stored["input_scale"], scheme.input))
+                if iq is not None:
+                    iq.mode = QuantMode.QUANTIZE
+    return model.eval()
