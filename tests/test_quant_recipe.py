@@ -10,7 +10,7 @@ from shardcal.quant.spec import SpecError
 
 
 def test_shipped_recipes():
-    assert shipped_recipes() == ["fp8", "nvfp4", "w4a16", "w8a8-int8"]
+    assert {"fp8", "nvfp4", "w4a16", "w8a8-int8"} <= set(shipped_recipes())
     r = load_recipe("w8a8-int8")
     assert r.name == "w8a8-int8" and r.source.endswith("w8a8-int8.toml")
     assert r.weight == QuantizerSpec("int8", "channel", axis=0)
@@ -32,7 +32,7 @@ def test_load_by_path_and_passthrough(tmp_path):
     assert r.name == "mine" and r.weight.axis == 0 and load_recipe(str(f)) == r and load_recipe(r) is r
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe(tmp_path / "missing.toml")
-    with pytest.raises(RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, nvfp4, w4a16, w8a8-int8\)"):
+    with pytest.raises(RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, nvfp4, w4a16, .*w8a8-int8"):
         load_recipe("w3a3")
 
 
@@ -67,7 +67,7 @@ BAD = [
     ('[weight]\nformat = "int8"\nsymmetric = false\n', "'weight.symmetric': only symmetric"),
     ('[weight]\nformat = "int8"\ndynamic = true\n', "'weight.dynamic': weights are quantized statically"),
     ('[weight]\nformat = "nvfp4"\ngranularity = "group"\ngroup_size = 32\n', "'weight.granularity': nvfp4 always uses blocks of 16"),
-    ('[weight]\nformat = "int8"\n[algorithm]\nname = "gptq"\n', "'algorithm.name': unknown algorithm 'gptq'"),
+    ('[weight]\nformat = "int8"\n[algorithm]\nname = "spinquant"\n', "'algorithm.name': unknown algorithm 'spinquant'"),
     ('[weight]\nformat = "int8"\n[algorithm]\nname = "rtn"\nblocksize = 128\n', "'algorithm.blocksize'"),
     ('[targets]\ninclude = ["re:(["]\n[weight]\nformat = "int8"\n', "'targets.include[0]': invalid regular expression"),
     ('[targets]\nexclude = [1]\n[weight]\nformat = "int8"\n', "'targets.exclude': must be a list of strings"),
