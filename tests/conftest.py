@@ -3,3 +3,18 @@ import sys
 
 # Tests import helpers as top-level modules (``_dist``, ``_tiny_models``); worker processes inherit sys.path.
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine (restored afterwards).
+
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -51,13 +51,7 @@ def _calibrate(q: TensorQuantizer, batches, group=None) -> torch.Tensor:
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy machine (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ------------------------------------------------------------------------------------------ one process
 
