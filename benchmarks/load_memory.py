@@ -1,0 +1,62 @@
+"""Peak resident memory per rank while loading SmolLM2-135M sharded (load_pretrained) vs plainly (from_pretrained).
+
+    python benchmarks/load_memory.py [--nproc 2]
+
+Each rank reports the growth of its peak RSS across the load (the process's own baseline — torch imported — is
+subtracted) and the parameter bytes it read, next to the model's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+from pathlib import Path
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rank(model_dir: str, out: str, sharded: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shardcal.models import from_pretrained, load_pretrained
+
+    base = _peak_mb()
+    model = load_pretrained(model_dir) if sharded else from_pretrained(model_dir)
+    grown = _peak_mb() - base
+    plan = getattr(model, "_shardcal_distribution_plan", None) or {}
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 if not plan else plan["model_bytes"] / 2**20
+    read = plan.get("bytes_read", total * 2**20) / 2**20
+    rows = torch.tensor([grown, read, total], dtype=torch.float64)
+    gathered = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, rows)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([g.tolist() for g in gathered]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    from shardcal.distributed import launch
+    from shardcal.models.gguf import embedded_model_dir
+
+    model_dir = str(embedded_model_dir())
+    print(f"SmolLM2-135M (float32) from {model_dir}")
+    print(f"{'load':34} {'rank':>4} {'peak RSS growth':>16} {'bytes read':>11} {'model':>9}")
+    for name, nproc, sharded in (("from_pretrained, 1 process", 1, False), ("load_pretrained, 1 rank", 1, True),
+                                 (f"load_pretrained, {args.nproc} ranks", args.nproc, True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r.json")
+            launch(_rank, nproc, model_dir, out, sharded)
+            for r, (grown, read, total) in enumerate(json.loads(Path(out).read_text())):
+                print(f"{name:34} {r:>4} {grown:>13.0f} MB {read:>8.0f} MB {total:>6.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
