@@ -203,17 +203,18 @@ def _read_safetensors(path: Path) -> torch.Tensor:
     except DataError:
         raise
     except Exception as exc:  # safetensors raises its own types for corrupt files
-        raise DataError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise DataError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())})") from None
     return _as_ids(tensor, path, "tensor 'input_ids'")
 
 
 def _read_npy(path: Path, seq_len: int | None) -> torch.Tensor:
     try:
-        array = np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise DataError(f"{path}: not a plain numeric .npy array ({exc})") from None
+        # Memory-mapped: a header claiming terabytes fails against the file size instead of being allocated.
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
     except OSError as exc:
         raise DataError(f"{path}: not a readable .npy file ({exc})") from None
+    except Exception as exc:  # a corrupt header: numpy raises ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
+        raise DataError(f"{path}: not a plain numeric .npy array ({' '.join(str(exc).split())})") from None
     if not isinstance(array, np.ndarray):
         raise DataError(f"{path}: expected one array, got {type(array).__name__}")
     if array.dtype.kind not in "iu":

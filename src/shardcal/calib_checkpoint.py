@@ -105,6 +105,15 @@ class CalibrationCheckpoint:
         for key in ("fingerprint", "completed_layers", "files", "report"):
             if key not in manifest:
                 raise CalibrationCheckpointError(f"{path}: corrupt manifest (field {key!r} missing)")
+        done, files = manifest["completed_layers"], manifest["files"]
+        if not isinstance(manifest["fingerprint"], dict):
+            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'fingerprint' is not an object)")
+        if not isinstance(done, int) or isinstance(done, bool) or done < 0:
+            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'completed_layers' is {done!r}, not a count)")
+        if not isinstance(files, dict) or not all(isinstance(v, str) and Path(k).name == k for k, v in files.items()):
+            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'files' is not an object of file names and digests)")
+        if not isinstance(manifest["report"], list) or not all(isinstance(e, dict) for e in manifest["report"]):
+            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'report' is not a list of objects)")
         return manifest
 
     def _check_fingerprint(self, manifest: dict[str, Any]) -> None:
@@ -132,10 +141,23 @@ class CalibrationCheckpoint:
             with safe_open(str(path), framework="pt") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:
-            raise CalibrationCheckpointError(f"{path}: unreadable ({exc})") from None
+            raise CalibrationCheckpointError(f"{path}: unreadable ({' '.join(str(exc).split())})") from None
+
+    def _check_directory(self) -> None:
+        """Refuse a directory that cannot hold the checkpoint now, not after the first layer is calibrated."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise CalibrationCheckpointError(f"{self.dir}: exists and is not a directory")
+        ancestor = self.dir.absolute()
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise CalibrationCheckpointError(f"{ancestor}: is not a directory; cannot create the checkpoint directory {self.dir}")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise CalibrationCheckpointError(f"{ancestor}: not writable; cannot create the checkpoint directory {self.dir}")
 
     def load(self) -> ResumeState | None:
         """The committed state, or None when the directory holds no checkpoint yet. Not collective."""
+        self._check_directory()
         manifest = self._manifest()
         if manifest is None:
             return None

@@ -71,11 +71,16 @@ def _read_index(index: Path, model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def _one_line(exc: Exception) -> str:
+    """A library error's text on one line (safetensors quotes header bytes, newlines included)."""
+    return " ".join(str(exc).split())
+
+
 def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
-        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(exc)})") from None
 
 
 class CheckpointReader:
@@ -137,7 +142,7 @@ class CheckpointReader:
         try:
             return handle.get_slice(key)
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} is unreadable ({exc})") from None
+            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} is unreadable ({_one_line(exc)})") from None
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
@@ -158,7 +163,7 @@ class CheckpointReader:
         try:
             return handle.get_tensor(key)
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} cannot be read ({exc})") from None
+            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} cannot be read ({_one_line(exc)})") from None
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0, read from the memory map without touching the other rows."""
@@ -166,7 +171,7 @@ class CheckpointReader:
         try:
             return tensor_slice[start:stop]
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({exc})") from None
+            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({_one_line(exc)})") from None
 
     def close(self) -> None:
         for handle in self._handles.values():

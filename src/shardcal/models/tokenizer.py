@@ -138,7 +138,7 @@ class Tokenizer:
             self._fail(f"field 'model.dropout' = {model['dropout']!r} is not supported (encoding must be deterministic)")
         self.ignore_merges = bool(model.get("ignore_merges", False))
         unk = model.get("unk_token")
-        if unk is not None and unk not in self.vocab:
+        if unk is not None and (not isinstance(unk, str) or unk not in self.vocab):
             self._fail(f"field 'model.unk_token' {unk!r} is not in the vocab")
         self._unk_id = self.vocab[unk] if unk is not None else None
         merges = model.get("merges")
@@ -313,7 +313,10 @@ class Tokenizer:
         if kind == "ByteLevel":
             return None
         if kind == "Sequence":
-            templates = [self._parse_post(p, f"{where}.processors[{i}]") for i, p in enumerate(spec.get("processors") or [])]
+            processors = spec.get("processors") or []
+            if not isinstance(processors, list):
+                self._fail(f"field '{where}.processors' must be a list")
+            templates = [self._parse_post(p, f"{where}.processors[{i}]") for i, p in enumerate(processors)]
             templates = [t for t in templates if t is not None]
             if len(templates) > 1:
                 self._fail(f"field '{where}': more than one TemplateProcessing is not supported")
@@ -328,7 +331,8 @@ class Tokenizer:
                     template.append(None)
                 elif isinstance(item, dict) and isinstance(item.get("SpecialToken"), dict):
                     name = item["SpecialToken"].get("id")
-                    ids = (specials.get(name) or {}).get("ids")
+                    special = specials.get(name) if isinstance(name, str) else None
+                    ids = special.get("ids") if isinstance(special, dict) else None
                     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
                         self._fail(f"field '{where}': special token {name!r} has no 'ids' in 'special_tokens'")
                     template.extend(ids)
@@ -345,7 +349,10 @@ class Tokenizer:
             self._fail(f"field '{where}' must be an object or null")
         kind = spec.get("type")
         if kind == "Sequence":
-            for i, part in enumerate(spec.get("decoders") or []):
+            decoders = spec.get("decoders") or []
+            if not isinstance(decoders, list):
+                self._fail(f"field '{where}.decoders' must be a list")
+            for i, part in enumerate(decoders):
                 self._check_decoder(part, f"{where}.decoders[{i}]")
         elif kind != "ByteLevel":
             self._fail(f"field '{where}': decoder type {kind!r} is not supported (ByteLevel)")
