@@ -211,8 +211,8 @@ def _patterns(value: Any, source: str, key: str) -> tuple[str, ...]:
     for i, pattern in enumerate(value):
         try:
             compile_pattern(pattern)
-        except re.error as exc:
-            raise _error(source, f"{key}[{i}]", f"invalid regular expression {pattern!r} ({exc})") from None
+        except (re.error, OverflowError, RecursionError) as exc:  # huge repeat counts, deep nesting
+            raise _error(source, f"{key}[{i}]", f"invalid regular expression {pattern[:80]!r} ({exc})") from None
     return tuple(value)
 
 
