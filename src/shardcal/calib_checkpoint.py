@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import CalibrationCheckpointError
+from .fsutil import check_creatable
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -147,13 +148,7 @@ class CalibrationCheckpoint:
         """Refuse a directory that cannot hold the checkpoint now, not after the first layer is calibrated."""
         if self.dir.exists() and not self.dir.is_dir():
             raise CalibrationCheckpointError(f"{self.dir}: exists and is not a directory")
-        ancestor = self.dir.absolute()
-        while not ancestor.exists() and ancestor != ancestor.parent:
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise CalibrationCheckpointError(f"{ancestor}: is not a directory; cannot create the checkpoint directory {self.dir}")
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise CalibrationCheckpointError(f"{ancestor}: not writable; cannot create the checkpoint directory {self.dir}")
+        check_creatable(self.dir, CalibrationCheckpointError, f"cannot create the checkpoint directory {self.dir}")
 
     def load(self) -> ResumeState | None:
         """The committed state, or None when the directory holds no checkpoint yet. Not collective."""

@@ -133,8 +133,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
-    import resource
-
     import torch.distributed as dist
 
     from .calibrate import calibrate

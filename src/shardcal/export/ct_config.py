@@ -152,7 +152,7 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         raise UnsupportedSpec("block_structure", "block quantization is not supported")
     if (kind, num_bits) == ("float", 4):
         if strategy != "tensor_group" or group_size != NVFP4_BLOCK_SIZE:
-            raise UnsupportedSpec("strategy", f"4-bit float is supported as nvfp4 only (strategy tensor_group, group_size 16)")
+            raise UnsupportedSpec("strategy", "4-bit float is supported as nvfp4 only (strategy tensor_group, group_size 16)")
         want = "local" if role == "input" else False
         if dynamic != want:
             raise UnsupportedSpec("dynamic", f"nvfp4 {role}s need dynamic = {want!r}, got {dynamic!r}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import ExportError
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
+from ..fsutil import check_creatable
 from ..layer_steps import world
 from ..quant.quantizer import TensorQuantizer
 from ..quant.recipe import Recipe, load_recipe
@@ -125,13 +126,7 @@ def check_destination(out_dir: str | Path, overwrite: bool = False) -> None:
     written. Checks only; creates nothing. Not collective."""
     out_dir = Path(out_dir).absolute()
     _check_destination(out_dir, overwrite)
-    ancestor = out_dir.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ExportError(f"{ancestor}: is not a directory; cannot export to {out_dir}")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ExportError(f"{ancestor}: not writable; cannot export to {out_dir}")
+    check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
 
 
 def _prepare(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) -> Path:
