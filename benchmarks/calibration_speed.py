@@ -6,7 +6,7 @@
    time of one plain FP forward of the whole model over the same data. Target <= 1.3.
 2. The same at 2 ranks (gloo; the model loaded sharded with load_pretrained; each rank half of the data).
 3. t(2L) / t(L): calibration time of random models with L and 2L layers (target <= 2.1: O(L) layer calls).
-4. Peak RSS per rank at 1 vs 2 ranks (load_pretrained + calibrate).
+4. Peak RSS per rank during calibration at 1 vs 2 ranks (model loaded with load_pretrained).
 """
 
 from __future__ import annotations
@@ -26,6 +26,29 @@ import torch.distributed as dist
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PeakRSS:
+    """The highest resident set size (MB) seen while the block runs, sampled every 10 ms by a thread."""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.is_set():
+            with open("/proc/self/statm") as f:
+                self.peak = max(self.peak, int(f.read().split()[1]) * page / 2**20)
+            self._stop.wait(0.01)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _fp_forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int) -> float:
@@ -56,9 +79,10 @@ def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> N
     t_fp = _fp_forward_seconds(model, _rank_slice(data, batch_size), batch_size)
     dist.barrier()
     start = time.perf_counter()
-    calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
+    with PeakRSS() as peak:
+        calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
     t_cal = time.perf_counter() - start
-    times = torch.tensor([t_fp, t_cal, load_rss, _rss_mb()], dtype=torch.float64)
+    times = torch.tensor([t_fp, t_cal, load_rss, peak.peak], dtype=torch.float64)
     gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, times)
     if dist.get_rank() == 0:
@@ -131,7 +155,7 @@ def main() -> None:
         ("calibration / FP forward, 2 ranks, FSDP2", f"{max(r[1] for r in two):.1f} s / {max(r[0] for r in two):.1f} s",
          max(r[1] for r in two) / max(r[0] for r in two), "<= 1.3"),
         (f"t(2L)/t(L), random model, L={args.layers}", f"{t_2l:.1f} s / {t_l:.1f} s", t_2l / t_l, "<= 2.1"),
-        ("peak RSS per rank, 2 ranks / 1 rank", f"{max(r[3] for r in two):.0f} MB / {one[0][3]:.0f} MB",
+        ("peak RSS per rank during calibrate, 2 ranks / 1 rank", f"{max(r[3] for r in two):.0f} MB / {one[0][3]:.0f} MB",
          max(r[3] for r in two) / one[0][3], "< 1"),
     ]
     print(f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, recipe w8a8-int8, "
@@ -139,7 +163,8 @@ def main() -> None:
     print(f"{'measurement':58} {'values':>22} {'ratio':>7}  target")
     for name, values, ratio, target in rows:
         print(f"{name:58} {values:>22} {ratio:7.2f}  {target}")
-    print(f"peak RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB")
+    print(f"peak RSS of the process after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks "
+          f"{', '.join(f'{r[2]:.0f}' for r in two)} MB (includes torch itself and the memory-mapped checkpoint pages)")
 
 
 if __name__ == "__main__":
