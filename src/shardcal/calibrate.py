@@ -31,7 +31,7 @@ from .health import rank_guard, report_phase
 from .layer_steps import LayerStep, layer_steps, world
 from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
 from .quant.quantizer import QuantMode
-from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, start_calibration_all
+from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, quantizer_mode, start_calibration_all
 from .registry import LayerActivationCollector, decoder_layer_prefix
 from .report import CalibrationReport, LayerReport, amax_summary
 
@@ -112,10 +112,9 @@ def _fallback_unobserved(layer: nn.Module, prefix: str) -> list[str]:
         for name, q in iter_quantizers(block.experts):
             role = name.split(".", 1)[1]  # "<expert>.<linear>.<quantizer>" -> "<linear>.<quantizer>"
             by_role.setdefault(role, []).append(q)
-        block_name = next(n for n, m in layer.named_modules(prefix=prefix) if m is block)
         for role, quantizers in by_role.items():
             seen = [q for q in quantizers if q.num_observed]
-            for e, q in enumerate(quantizers):
+            for q in quantizers:
                 if q.num_observed == 0 and q.amax is not None:
                     if seen:
                         amax = torch.stack([s.amax for s in seen]).amax(dim=0)
@@ -161,10 +160,15 @@ def _all_reduce_cpu(t: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor
 
 
 def _calibrate_layer(
-    step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int], algorithm: LayerAlgorithm
+    step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int], algorithm: LayerAlgorithm,
+    propagate: str = "fp",
 ) -> LayerReport:
     start = time.perf_counter()
     quantize_modules(step.layer, recipe, prefix=step.name)
+    reference: dict[int, torch.Tensor] | None = None
+    if algorithm.changes_weights:  # SQNR against the layer as it was, not against the algorithm's new weights
+        with quantizer_mode(step.layer, QuantMode.DISABLED):
+            reference = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     algorithm.before_weight_calibration(step, recipe, group)
     weights = [m.weight_quantizer for _, m in _weight_quantizers(step.layer, step.name)]
     for module_weight, q in zip((m.weight for _, m in _weight_quantizers(step.layer, step.name)), weights):
@@ -175,9 +179,14 @@ def _calibrate_layer(
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
     start_calibration_all(activation)
-    fp_outputs: list[torch.Tensor] | None = None
+    fp_outputs: Any = None
     moe = _AllExpertsObserve(step.layer) if calibrate_all_experts else None
-    for p in range(max(num_passes(activation), 1)):
+    # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
+    # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
+    passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
+    if passes == 0 and reference is None:
+        fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
+    for p in range(passes):
         begin_pass_all(activation, p)
         if moe is not None:
             moe.__enter__()
@@ -193,7 +202,7 @@ def _calibrate_layer(
     for q in weights:
         q.mode = QuantMode.QUANTIZE
     fallbacks = _fallback_unobserved(step.layer, step.name)
-    sqnr = _layer_sqnr(step, fp_outputs or [], local_sqnr, group)
+    sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,
         name=step.name,
@@ -293,7 +302,7 @@ def calibrate(
     data: Any,
     recipe: str | Path | Recipe,
     *,
-    propagate: str = "fp",
+    propagate: str | None = None,
     offload_activations: bool | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 1,
@@ -309,7 +318,8 @@ def calibrate(
     Collective under torch.distributed: every rank calls it with the same data; each rank computes on its own
     whole batches. ``data``: an int tensor ``[N, L]``, a list of them, or dicts with ``input_ids`` (and
     ``attention_mask``). ``propagate``: ``"fp"`` feeds each layer the full-precision outputs of the previous one
-    (one pass per layer); ``"qdq"`` feeds it the outputs with the previous layer's quantizers on.
+    (one pass per layer); ``"qdq"`` feeds it the outputs with the previous layer's quantizers on; None (default):
+    the recipe's algorithm's ``default_propagate`` (``"qdq"`` for GPTQ, else ``"fp"``).
     ``offload_activations``: keep the activation cache on CPU (default: when the model is on an accelerator).
     ``checkpoint_dir``: commit after every ``checkpoint_every`` layers; a rerun resumes there. ``sqnr_batches``:
     global batches on which each layer's output SQNR is measured (an extra quantized forward on them).
@@ -325,7 +335,7 @@ def calibrate(
 
 
 def _calibrate(
-    model: nn.Module, data: Any, recipe: str | Path | Recipe, *, propagate: str, offload_activations: bool | None,
+    model: nn.Module, data: Any, recipe: str | Path | Recipe, *, propagate: str | None, offload_activations: bool | None,
     checkpoint_dir: str | Path | None, checkpoint_every: int, batch_size: int, calibrate_all_experts: bool,
     sqnr_batches: int, progress: bool, report_path: str | Path | None, _interrupt_after: int | None,
 ) -> CalibrationReport:
@@ -333,6 +343,8 @@ def _calibrate(
     report_phase("calibrate: setup")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     algorithm = make_algorithm(recipe.algorithm)
+    if propagate is None:
+        propagate = algorithm.default_propagate
     layers = LayerActivationCollector.get_decoder_layers(model)
     if layers is None:
         raise ModelLayoutError(
@@ -380,7 +392,7 @@ def _calibrate(
             _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, algorithm)
             if _interrupt_after == step.index:
                 raise CalibrationInterrupted(f"interrupted after {step.index} layers (test hook)")
-        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr, algorithm)
+        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr, algorithm, propagate)
         report.layers.append(entry)
         if bar is not None:
             bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")

@@ -30,6 +30,8 @@ class LayerAlgorithm:
     name = "rtn"
     #: Whether the hooks modify the layer's parameters (written back to shards and checkpointed).
     changes_weights = False
+    #: The propagation ``calibrate`` uses when its caller does not choose one (``propagate=None``).
+    default_propagate = "fp"
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         self.params = dict(params or {})
@@ -58,3 +60,7 @@ def make_algorithm(table: Mapping[str, Any] | None) -> LayerAlgorithm:
 
         raise RecipeError(f"algorithm {name!r} is not implemented (available: {', '.join(sorted(ALGORITHMS))})")
     return ALGORITHMS[name](table)
+
+
+# Built-in algorithms (each registers itself and its recipe parameter validator).
+from . import awq, gptq, smoothquant  # noqa: E402,F401

@@ -1,0 +1,324 @@
+"""Shared machinery of the layer-wise algorithms: input statistics, exact cross-rank sums, parameter checks.
+
+* :class:`InputStats` runs a gathered decoder layer over this rank's cached batches with forward hooks on chosen
+  modules (their inputs, or a norm's output) and records per capture point what an algorithm asks for: the
+  per-channel ``max |x|``, the Gram matrix ``X^T X`` (GPTQ's Hessian), ``sum |x|``, the token count, and token
+  samples. Padding tokens are skipped where the captured tensor still has the batch's ``[batch, seq]`` layout
+  (MoE experts get flattened routed tokens, padding included). Hooks are removed afterwards and every quantizer
+  of the layer is disabled during the pass (an algorithm sees the full-precision function).
+* Merging is exact, so a result does not depend on how the batches are split over ranks: maxima with one
+  all-reduce MAX; sums with :class:`ExactSum`, a fixed-point accumulator in two float64 limbs whose partial sums
+  are exact in any order (one all-reduce SUM for all of them). Every rank calls :meth:`InputStats.merge`, also a
+  rank with no batches.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..quant.session import quantizer_mode
+from ..quant.spec import SpecError
+
+# ----------------------------------------------------------------------------------------------- collectives
+
+
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower() and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def all_reduce_(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """All-reduce ``t`` in place over ``group`` (``op``: ``"sum"`` or ``"max"``); a no-op when ``group`` is None."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    device = _comm_device(group, t.device)
+    moved = t if device == t.device else t.to(device)
+    dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    if moved is not t:
+        t.copy_(moved.to(t.device))
+    return t
+
+
+def broadcast_(t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+    """Broadcast ``t`` in place from group rank ``src``; a no-op when ``group`` is None."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    device = _comm_device(group, t.device)
+    moved = t.contiguous() if device == t.device else t.to(device).contiguous()
+    dist.broadcast(moved, src=dist.get_global_rank(group, src), group=group)
+    if moved is not t:
+        t.copy_(moved.to(t.device))
+    return t
+
+
+def group_rank_size(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group size; ``(0, 1)`` for None."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# ----------------------------------------------------------------------------------------------- exact sums
+
+#: Fraction bits of :class:`ExactSum`'s low limb: values are kept to 2**-36 (absolute), and up to 2**17 summands
+#: (batches) stay exact.
+FRAC_BITS = 36
+_FRAC = float(2**FRAC_BITS)
+
+
+class ExactSum:
+    """A sum of float64 tensors that is bit-identical whatever the order (and so the rank split) of the terms.
+
+    Each term ``x`` is split, deterministically, into an integer part ``floor(x)`` and a fraction rounded to a
+    multiple of 2**-36; both limbs hold integer-valued float64 numbers, whose sums are exact in any order as long
+    as they stay below 2**53 (``|sum| < 9e15``, fewer than 2**17 terms). The value is exact to 2**-37 per term.
+    """
+
+    def __init__(self, shape: Sequence[int], device: torch.device | str | None = None):
+        self.hi = torch.zeros(tuple(shape), dtype=torch.float64, device=device)
+        self.lo = torch.zeros(tuple(shape), dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.to(device=self.hi.device, dtype=torch.float64, copy=True)
+        hi = torch.floor(x)
+        self.hi += hi
+        self.lo += x.sub_(hi).mul_(_FRAC).round_()
+
+    def value(self) -> torch.Tensor:
+        return self.hi + self.lo / _FRAC
+
+    def limbs(self) -> list[torch.Tensor]:
+        return [self.hi, self.lo]
+
+
+def merge_exact(sums: Sequence[ExactSum], group: Any) -> None:
+    """All-reduce (SUM) every limb of ``sums`` in one collective; exact, so identical at any world size."""
+    if group is None or dist.get_world_size(group) == 1 or not sums:
+        return
+    limbs = [t for s in sums for t in s.limbs()]
+    flat = torch.cat([t.reshape(-1) for t in limbs])
+    all_reduce_(flat, "sum", group)
+    offset = 0
+    for t in limbs:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+# ----------------------------------------------------------------------------------------------- input statistics
+
+
+@dataclass
+class PointStats:
+    """Statistics of the tensor seen at one capture point (a Linear's input or a norm's output), over all ranks."""
+
+    dim: int
+    max: torch.Tensor | None = None  # [dim] float32, max |x| per channel
+    gram: ExactSum | None = None  # [dim, dim]: sum over tokens of x x^T
+    abssum: ExactSum | None = None  # [dim]: sum over tokens of |x|
+    count: ExactSum | None = None  # [1]: tokens seen
+    samples: list[torch.Tensor] | None = None  # this rank's: per batch, up to ``sample_tokens`` evenly spaced rows
+    _last: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.count.value().item()) if self.count is not None else 0
+
+    def hessian(self) -> torch.Tensor:
+        """``X^T X`` summed over every rank's tokens (float64)."""
+        return self.gram.value()
+
+    def mean_abs(self) -> torch.Tensor:
+        """Per-channel mean ``|x|`` over every rank's tokens (float64; zeros when no token was seen)."""
+        n = max(self.tokens, 1)
+        return self.abssum.value() / n
+
+
+class InputStats:
+    """Per-capture-point statistics of one decoder layer's inputs; see the module docstring.
+
+    ``points``: key -> ``(module, where)``, ``where`` being ``"input"`` (the first positional argument of the
+    module's forward, e.g. a Linear's input) or ``"output"`` (its result, e.g. a norm's). ``kinds``: a subset of
+    ``{"max", "gram", "abssum", "samples"}`` (the count is always kept; ``samples`` keeps, per batch, up to
+    ``sample_tokens`` evenly spaced token rows, the same rows whatever the rank split, and is not merged). Use::
+
+        stats = InputStats(points, {"gram"}); stats.collect(step); stats.merge(group); stats[key].hessian()
+    """
+
+    def __init__(self, points: Mapping[str, tuple[nn.Module, str]], kinds: set[str], sample_tokens: int = 128):
+        self.points = dict(points)
+        self.kinds = set(kinds)
+        self.sample_tokens = sample_tokens
+        self.stats: dict[str, PointStats] = {}
+        self._mask: torch.Tensor | None = None
+        self._cache: dict[int, list] = {}
+
+    def __getitem__(self, key: str) -> PointStats:
+        return self.stats[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.stats
+
+    def _dims(self) -> dict[str, int]:
+        dims = {}
+        for key, (module, where) in self.points.items():
+            if isinstance(module, nn.Linear):
+                dims[key] = module.in_features if where == "input" else module.out_features
+            elif getattr(module, "weight", None) is not None and where == "output":
+                dims[key] = int(module.weight.shape[-1])
+            else:
+                raise TypeError(f"capture point {key!r}: cannot tell the channel count of a {type(module).__name__}")
+        return dims
+
+    def _init(self, device: torch.device) -> None:
+        for key, dim in self._dims().items():
+            s = PointStats(dim)
+            s.count = ExactSum((1,), device)
+            if "max" in self.kinds:
+                s.max = torch.zeros(dim, dtype=torch.float32, device=device)
+            if "gram" in self.kinds:
+                s.gram = ExactSum((dim, dim), device)
+            if "abssum" in self.kinds:
+                s.abssum = ExactSum((dim,), device)
+            if "samples" in self.kinds:
+                s.samples = []
+            self.stats[key] = s
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as ``[tokens, channels]`` without padding tokens (when the mask's shape lines up)."""
+        mask = self._mask
+        if mask is not None and x.dim() == mask.dim() + 1 and tuple(x.shape[:-1]) == tuple(mask.shape):
+            return x[mask.to(device=x.device, dtype=torch.bool)]
+        return x.reshape(-1, x.shape[-1])
+
+    def _record(self, key: str, x: torch.Tensor) -> None:
+        s = self.stats[key]
+        x = x.detach()
+        # q/k/v (gate/up, a norm and its consumers) see the very same tensor object: work on it once per batch
+        entry = self._cache.get(id(x))
+        if entry is None or entry[0] is not x:
+            entry = [x, self._rows(x).float(), None]
+            self._cache[id(x)] = entry
+        rows = entry[1]
+        s.count.add(torch.tensor([float(rows.shape[0])], dtype=torch.float64))
+        if rows.shape[0] == 0:
+            return
+        if s.max is not None:
+            s.max = torch.maximum(s.max, rows.abs().amax(dim=0).to(s.max.device))
+        if s.abssum is not None:
+            s.abssum.add(rows.abs().sum(dim=0, dtype=torch.float64))
+        if s.samples is not None:
+            n = rows.shape[0]
+            k = min(n, self.sample_tokens)
+            index = torch.linspace(0, n - 1, k, device=rows.device).round().long()
+            s.samples.append(rows[index].clone())
+        if s.gram is not None:
+            if entry[2] is None:
+                entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly over batches
+            s.gram.add(entry[2])
+
+    def collect(self, step: Any) -> "InputStats":
+        """Run ``step.layer`` over this rank's cached batches (quantizers disabled) and record the statistics."""
+        self._init(step.device)
+        with ExitStack() as stack:
+            stack.enter_context(quantizer_mode(step.layer, "disabled"))
+            for key, (module, where) in self.points.items():
+                if where == "input":
+                    hook = module.register_forward_pre_hook(lambda m, args, key=key: self._record(key, args[0]))
+                else:
+                    hook = module.register_forward_hook(lambda m, args, out, key=key: self._record(key, out))
+                stack.callback(hook.remove)
+            for i, x in enumerate(step.inputs):
+                self._mask = x.token_mask
+                step.forward(i)
+                self._cache = {}
+        self._mask = None
+        return self
+
+    def merge(self, group: Any) -> "InputStats":
+        """Merge over ``group`` (collective; every rank calls it, in the same order of points): exact."""
+        maxima = [s.max for s in self.stats.values() if s.max is not None]
+        if maxima and group is not None:
+            flat = torch.cat(maxima)
+            all_reduce_(flat, "max", group)
+            offset = 0
+            for s in self.stats.values():
+                if s.max is not None:
+                    s.max = flat[offset : offset + s.dim].clone()
+                    offset += s.dim
+        sums = [e for s in self.stats.values() for e in (s.count, s.gram, s.abssum) if e is not None]
+        merge_exact(sums, group)
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+
+
+def check_params(algorithm: str, params: Mapping[str, Any], schema: Mapping[str, tuple[Any, Callable[[Any], str | None]]]) -> dict[str, Any]:
+    """``params`` completed with defaults; :class:`SpecError` naming the key for an unknown key or a bad value."""
+    unknown = sorted(set(params) - set(schema))
+    if unknown:
+        raise SpecError(unknown[0], f"unknown parameter for algorithm {algorithm!r} (known: {', '.join(schema)})")
+    out = {}
+    for key, (default, check) in schema.items():
+        value = params.get(key, default)
+        problem = check(value)
+        if problem:
+            raise SpecError(key, f"algorithm {algorithm!r}: {key} {problem}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def number(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            return "must be a number"
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        return None
+
+    return check
+
+
+def integer(lo: int) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return "must be an integer"
+        return f"must be at least {lo}" if v < lo else None
+
+    return check
+
+
+def boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def one_of(*choices: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
+
+    return check
+
+
+def subset_of(*choices: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+            return "must be a list of strings"
+        bad = [c for c in v if c not in choices]
+        if bad:
+            return f"has unknown entry {bad[0]!r} (known: {', '.join(choices)})"
+        if len(set(v)) != len(v):
+            return "has a duplicate entry"
+        return None
+
+    return check
+
+
+PROPAGATE = ("fp", "qdq")

@@ -1,0 +1,185 @@
+"""Where per-channel scales can be folded in a decoder layer without changing its function (SmoothQuant, AWQ).
+
+A :class:`Smoothing` is a producer whose output channels can be divided by ``s`` and the Linears that consume that
+output, whose input columns are multiplied by ``s`` to compensate. In our decoder layer (and any layer with the
+same module names) there are four kinds:
+
+============  =======================================  ==================================================
+kind          producer (divided by ``s``)               consumers (input columns times ``s``)
+============  =======================================  ==================================================
+``attn_in``   ``input_layernorm`` weight                ``q_proj``, ``k_proj``, ``v_proj``
+``mlp_in``    ``post_attention_layernorm`` weight       ``gate_proj``, ``up_proj`` — for a sparse MoE block
+                                                         every expert's gate/up (``w1``/``w3``), the shared
+                                                         expert's, and the unquantized router ``gate`` and
+                                                         ``shared_expert_gate`` (they read the same output)
+``v_o``       ``v_proj`` output rows (and bias)         ``o_proj``
+``up_down``   ``up_proj`` output rows (and bias)        ``down_proj`` (per expert in an MoE block)
+============  =======================================  ==================================================
+
+``v_o``: attention is linear in V (the softmax weights do not depend on it), so scaling V's channel ``(g, d)``
+(kv head ``g``, dim ``d``) scales ``o_proj``'s input channel ``j = h * head_dim + d`` of every query head ``h``
+that reads kv head ``g`` (``g = h // (num_heads / num_kv_heads)``, the ``repeat_interleave`` of GQA). One scale per
+V channel is therefore shared by the ``num_heads / num_kv_heads`` o_proj columns it feeds: the statistics of those
+columns are combined (max of maxima, mean of means). ``up_down``: ``act(gate(x)) * up(x)`` is linear in
+``up(x)``'s channels, so dividing up's rows scales down_proj's inputs channel by channel.
+
+Only RMSNorm / LayerNorm producers are used (``y = w * norm(x) [+ b]``); a layer with other names is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..models.decoder import RMSNorm
+from ..quant import QuantLinear
+
+KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
+
+
+def _is_norm(module: nn.Module | None) -> bool:
+    return isinstance(module, (RMSNorm, nn.LayerNorm)) and getattr(module, "weight", None) is not None
+
+
+@dataclass
+class Smoothing:
+    """One foldable (producer, consumers) pair; see the module docstring."""
+
+    kind: str
+    key: str
+    source: nn.Module
+    consumers: list[nn.Linear]
+    point: tuple[nn.Module, str]  # where the consumers' input statistics are captured
+    index: torch.Tensor | None = None  # consumer input channel -> producer channel (v_o); None: identity
+
+    @property
+    def source_is_norm(self) -> bool:
+        return _is_norm(self.source)
+
+    @property
+    def dim(self) -> int:
+        """Number of producer channels (scales)."""
+        return int(self.source.weight.shape[0])
+
+    def quantized(self, role: str) -> list[nn.Linear]:
+        """Consumers with a ``role`` (``weight`` / ``input``) quantizer."""
+        return [c for c in self.consumers if isinstance(c, QuantLinear) and getattr(c, f"{role}_quantizer") is not None]
+
+    def expand(self, s: torch.Tensor) -> torch.Tensor:
+        """Per-producer-channel values as per-consumer-input-channel values."""
+        return s if self.index is None else s[self.index.to(s.device)]
+
+    def reduce(self, per_input: torch.Tensor, how: str) -> torch.Tensor:
+        """Per-consumer-input-channel statistics combined per producer channel (``how``: ``max`` or ``mean``)."""
+        if self.index is None:
+            return per_input
+        index = self.index.to(per_input.device)
+        out = torch.zeros(self.dim, dtype=per_input.dtype, device=per_input.device)
+        if how == "max":
+            return out.scatter_reduce(0, index, per_input, reduce="amax", include_self=True)
+        return out.scatter_reduce(0, index, per_input, reduce="mean", include_self=False)
+
+    def weight_max(self, consumers: list[nn.Linear] | None = None) -> torch.Tensor:
+        """Per producer channel: max |w| over the (quantized) consumers' input columns (float32)."""
+        consumers = consumers if consumers is not None else self.consumers
+        col = torch.stack([c.weight.detach().abs().amax(dim=0).float() for c in consumers]).amax(dim=0)
+        return self.reduce(col, "max")
+
+    @torch.no_grad()
+    def fold(self, s: torch.Tensor) -> None:
+        """Divide the producer's channels by ``s`` and multiply the consumers' input columns by it (in place)."""
+        s = s.float()
+        src = self.source
+        if self.source_is_norm:
+            _scale_(src.weight, 1.0 / s.to(src.weight.device))
+            if getattr(src, "bias", None) is not None:
+                _scale_(src.bias, 1.0 / s.to(src.bias.device))
+        else:
+            _scale_(src.weight, (1.0 / s.to(src.weight.device))[:, None])
+            if src.bias is not None:
+                _scale_(src.bias, 1.0 / s.to(src.bias.device))
+        cols = self.expand(s)
+        for c in self.consumers:
+            _scale_(c.weight, cols.to(c.weight.device)[None, :])
+
+
+def _scale_(p: torch.Tensor, factor: torch.Tensor) -> None:
+    p.copy_((p.float() * factor).to(p.dtype))
+
+
+def _mlp_pair(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    """``(gate, up, down)`` of a gated MLP (``gate_proj/up_proj/down_proj`` or Mixtral's ``w1/w3/w2``)."""
+    for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        mods = [getattr(mlp, n, None) for n in names]
+        if all(isinstance(m, nn.Linear) for m in mods):
+            return mods[0], mods[1], mods[2]
+    return None
+
+
+def _v_o_index(attn: nn.Module) -> torch.Tensor | None:
+    heads, kv_heads, head_dim = (getattr(attn, n, None) for n in ("num_heads", "num_kv_heads", "head_dim"))
+    v, o = getattr(attn, "v_proj", None), getattr(attn, "o_proj", None)
+    if not all(isinstance(n, int) and n > 0 for n in (heads, kv_heads, head_dim)) or heads % kv_heads:
+        return None
+    if not isinstance(v, nn.Linear) or not isinstance(o, nn.Linear):
+        return None
+    if v.out_features != kv_heads * head_dim or o.in_features != heads * head_dim:
+        return None
+    j = torch.arange(o.in_features)
+    return (j // head_dim) // (heads // kv_heads) * head_dim + j % head_dim
+
+
+def warn_no_pairs(algorithm: str, layer_name: str, warned: set[str]) -> None:
+    """Warn once per algorithm instance that a layer with quantized Linears offers no foldable pair."""
+    if "no_pairs" not in warned:
+        warned.add("no_pairs")
+        import warnings
+
+        warnings.warn(
+            f"{algorithm}: {layer_name} has no foldable (norm or projection -> Linear) pair with our module names "
+            "(input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm, mlp.gate/up/down_proj); "
+            f"{algorithm} leaves such layers as they are",
+            stacklevel=3,
+        )
+
+
+def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: str = "") -> list[Smoothing]:
+    """The foldable pairs of ``layer`` of the given kinds, in the order attn_in, v_o, mlp_in, up_down."""
+    out: list[Smoothing] = []
+    names = {id(m): n for n, m in layer.named_modules(prefix=prefix)}
+    attn = getattr(layer, "self_attn", None)
+    norm1 = getattr(layer, "input_layernorm", None)
+    if attn is not None:
+        q, k, v = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+        if "attn_in" in kinds and _is_norm(norm1) and all(isinstance(m, nn.Linear) for m in (q, k, v)):
+            out.append(Smoothing("attn_in", names[id(norm1)], norm1, [q, k, v], (norm1, "output")))
+        index = _v_o_index(attn)
+        if "v_o" in kinds and index is not None:
+            out.append(Smoothing("v_o", names[id(attn.v_proj)], attn.v_proj, [attn.o_proj], (attn.o_proj, "input"), index))
+    ff = getattr(layer, "feed_forward", None)
+    if ff is None:
+        ff = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+    norm2 = getattr(layer, "post_attention_layernorm", None)
+    if ff is None:
+        return out
+    experts = getattr(ff, "experts", None)
+    mlps = list(experts) if isinstance(experts, nn.ModuleList) else [ff]
+    shared = getattr(ff, "shared_expert", None)
+    if isinstance(experts, nn.ModuleList) and shared is not None:
+        mlps.append(shared)
+    pairs = [(m, _mlp_pair(m)) for m in mlps]
+    pairs = [(m, p) for m, p in pairs if p is not None]
+    if not pairs:
+        return out
+    if "mlp_in" in kinds and _is_norm(norm2):
+        consumers = [lin for _, (g, u, _) in pairs for lin in (g, u)]
+        if isinstance(experts, nn.ModuleList):  # the router and the shared-expert gate read the same output
+            consumers += [m for m in (getattr(ff, "gate", None), getattr(ff, "shared_expert_gate", None)) if isinstance(m, nn.Linear)]
+        if all(c.in_features == norm2.weight.shape[0] for c in consumers):
+            out.append(Smoothing("mlp_in", names[id(norm2)], norm2, consumers, (norm2, "output")))
+    if "up_down" in kinds:
+        for _, (_, up, down) in pairs:
+            out.append(Smoothing("up_down", names[id(up)], up, [down], (down, "input")))
+    return out

@@ -1,0 +1,208 @@
+"""AWQ: activation-aware per-channel weight scaling (Lin et al., 2023), folded into the layer like SmoothQuant.
+
+For each foldable pair of the layer (:mod:`._mappings`; all four kinds by default) whose consumers quantize their
+weights, a grid search over the scale exponent ``r`` in ``{0, 1/grid, ..., (grid-1)/grid}``::
+
+    s = x_mean ** r / w_mean ** (1 - r)        (duo_scaling; ``x_mean ** r`` without it)
+    s = s / sqrt(max(s) * min(s))
+    loss(r) = sum over tokens and consumers of || Q(W diag(s)) diag(1/s) x - W x ||^2
+
+``x_mean`` is the mean ``|x|`` of each input channel over all calibration tokens, ``w_mean`` the mean over the
+consumers' rows of ``|W|`` normalised per quantization group (AutoAWQ's statistics); ``Q`` is the recipe's weight
+format and granularity with max scales. The loss is the consumers' output error summed over every rank's tokens:
+with ``H = sum_x x x^T`` it is ``sum_W tr(E H E^T)``, ``E = Q(W diag(s)) diag(1/s) - W``, and ``H`` is merged
+across ranks exactly (one all-reduce SUM; :class:`._common.ExactSum`) — the same number as all-reducing each rank's
+loss, but bit-identical at every world size, so every rank picks the same ``r``. The best ``s`` is folded into the
+producer (divided) and the consumers (multiplied), which keeps the layer's full-precision function.
+
+Then, with ``clip`` (default on), the weight scales are chosen activation-aware: for every quantization group
+(per-channel: every row) the amax ``c * max|w|``, ``c`` in ``{1, 1 - max_shrink/clip_grid, ...}`` down to
+``1 - max_shrink``, with the least output error ``e H_gg e^T`` on the group's block of the (smoothed) inputs'
+Hessian replaces the recipe observer's amax.
+
+The loss is measured on each pair's consumer Linears' outputs (for q/k/v the projections, not the attention output;
+for gate/up the projections, not the MLP output), which needs one pass over the data per layer for the Hessians
+and no forward per grid point. Recipe: ``[algorithm] name = "awq"``, ``grid`` (20), ``duo_scaling`` (true),
+``mappings`` (all), ``clip`` (true), ``clip_grid`` (20), ``max_shrink`` (0.5), ``propagate`` ("fp").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from . import LayerAlgorithm, register
+from ..quant import QuantLinear, TensorQuantizer
+from ..quant.formats import FORMATS, fake_quantize
+from ..quant.recipe import register_algorithm
+from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, subset_of
+from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+
+SCHEMA = {
+    "grid": (20, integer(1)),
+    "duo_scaling": (True, boolean),
+    "mappings": (list(KINDS), subset_of(*KINDS)),
+    "clip": (True, boolean),
+    "clip_grid": (20, integer(1)),
+    "max_shrink": (0.5, number(0.0, 1.0, hi_open=True)),
+    "propagate": ("fp", one_of(*PROPAGATE)),
+}
+
+
+def validate(params: dict[str, Any]) -> dict[str, Any]:
+    return check_params("awq", params, SCHEMA)
+
+
+def _max_qdq(w: torch.Tensor, q: TensorQuantizer) -> torch.Tensor:
+    """``w`` fake-quantized with the quantizer's format and granularity, amax = max |w| per slot."""
+    return fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+
+
+def _output_error(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``tr(E H E^T)`` in float64: the summed squared output error of a weight error ``E`` on inputs with Gram ``H``."""
+    return ((e @ h) * e).sum(dtype=torch.float64)
+
+
+def _w_mean(weights: list[torch.Tensor], quantizers: list[TensorQuantizer]) -> torch.Tensor:
+    """Per input column: mean over all rows of ``|w|`` divided by its quantization group's max (AutoAWQ)."""
+    parts = []
+    for w, q in zip(weights, quantizers):
+        lay = q.layout
+        if lay.group_size is not None:
+            a = lay.arrange(w.abs())
+            parts.append(lay.restore(a / (a.amax(dim=-1, keepdim=True) + 1e-6)))
+        else:
+            a = w.abs()
+            parts.append(a / (a.amax(dim=1, keepdim=True) + 1e-6))
+    return torch.cat(parts, dim=0).mean(dim=0)
+
+
+def _supported(q: TensorQuantizer) -> bool:
+    return FORMATS[q.spec.format].kind in ("int", "fp8") and not q.spec.dynamic
+
+
+class AWQ(LayerAlgorithm):
+    """See the module docstring."""
+
+    name = "awq"
+    changes_weights = True
+
+    def __init__(self, params: Mapping[str, Any] | None = None):
+        super().__init__(validate(dict(params or {})))
+        self.kinds = tuple(self.params["mappings"])
+        self.default_propagate = self.params["propagate"]
+        #: Per layer name: ``{smoothing key: best exponent r}`` of the last run (for inspection).
+        self.ratios: dict[str, dict[str, float]] = {}
+        self._clip_hessians: dict[int, tuple[nn.Linear, torch.Tensor]] = {}
+        self._warned: set[str] = set()
+
+    def _smoothings(self, step: Any) -> list[Smoothing]:
+        found = layer_smoothings(step.layer, self.kinds, prefix=step.name)
+        if not found and any(getattr(m, "weight_quantizer", None) is not None for m in step.layer.modules()):
+            warn_no_pairs(self.name, step.name, self._warned)
+        return [m for m in found if m.quantized("weight") and all(_supported(c.weight_quantizer) for c in m.quantized("weight"))]
+
+    def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        smoothings = self._smoothings(step)
+        linears = [
+            (n, m) for n, m in step.layer.named_modules(prefix=step.name)
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None and _supported(m.weight_quantizer)
+        ]
+        covered = {id(c): m.key for m in smoothings for c in m.consumers}
+        points = {m.key: m.point for m in smoothings}
+        if self.params["clip"]:
+            points.update({n: (m, "input") for n, m in linears if id(m) not in covered})
+        self._clip_hessians = {}
+        if not points:
+            return
+        stats = InputStats(points, {"gram", "abssum"}).collect(step).merge(group)
+        cols: dict[str, torch.Tensor] = {}  # smoothing key -> the consumers' input scales chosen
+        ratios = {}
+        for m in smoothings:
+            st = stats[m.key]
+            h = st.hessian().float()
+            r, s = self._search(m, h, m.reduce(st.mean_abs().float(), "mean"))
+            m.fold(s)
+            cols[m.key] = m.expand(s).to(h.device)
+            ratios[m.key] = r
+        self.ratios[step.name] = ratios
+        if self.params["clip"]:
+            for n, lin in linears:
+                key = covered.get(id(lin), n)
+                h = stats[key].hessian().float()
+                if key in cols:  # the consumer now sees x / s: H -> diag(1/s) H diag(1/s)
+                    inv = 1.0 / cols[key]
+                    h = h * inv[:, None] * inv[None, :]
+                self._clip_hessians[id(lin)] = (lin, h)
+        step.invalidate_outputs()
+
+    def _search(self, m: Smoothing, h: torch.Tensor, x_mean: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """``(best exponent r or -1 for no scaling, scales)`` for one pair."""
+        consumers = m.quantized("weight")
+        weights = [c.weight.detach().float() for c in consumers]
+        quantizers = [c.weight_quantizer for c in consumers]
+        h = h.to(weights[0].device)
+        w_mean = m.reduce(_w_mean(weights, quantizers), "mean").to(x_mean.device)
+        x_mean = x_mean.clamp(min=0)
+        best = (math.inf, -1.0, torch.ones_like(x_mean))
+        grid = self.params["grid"]
+        for i in range(-1, grid):  # -1: no scaling at all, so the search never does worse than plain rounding
+            r = i / grid
+            if i < 0:
+                s = torch.ones_like(x_mean)
+            elif self.params["duo_scaling"]:
+                s = (x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
+            else:
+                s = x_mean.pow(r).clamp(min=1e-4)
+            s = s / torch.sqrt(s.max() * s.min())
+            if not bool(torch.isfinite(s).all()):
+                continue
+            sc = m.expand(s).to(weights[0].device)
+            loss = sum(
+                float(_output_error(_max_qdq(w * sc[None, :], q) / sc[None, :] - w, h)) for w, q in zip(weights, quantizers)
+            )
+            if loss < best[0]:
+                best = (loss, r, s)
+        return best[1], best[2]
+
+    def after_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        if not self.params["clip"]:
+            return
+        for lin, h in self._clip_hessians.values():
+            amax = self._clip(lin.weight.detach().float(), lin.weight_quantizer, h.to(lin.weight.device))
+            if amax is not None:
+                lin.weight_quantizer.set_amax(amax)
+        self._clip_hessians = {}
+
+    def _clip(self, w: torch.Tensor, q: TensorQuantizer, h: torch.Tensor) -> torch.Tensor | None:
+        """Per group (per row for per-channel scales): the shrunk max amax with the least output error."""
+        lay = q.layout
+        if lay.kind == "group":
+            g = lay.group_size
+        elif lay.kind == "channel" and q.spec.axis in (0, -2) and w.dim() == 2:
+            g = w.shape[1]
+        else:
+            return None
+        out, n = w.shape
+        blocks = w.reshape(out, n // g, g)  # [out, groups, g]
+        hb = torch.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
+        wmax = blocks.abs().amax(dim=-1)  # [out, groups]
+        best_err = torch.full_like(wmax, math.inf, dtype=torch.float64)
+        best = wmax.clone()
+        steps = self.params["clip_grid"]
+        for i in range(int(math.floor(self.params["max_shrink"] * steps + 1e-9)) + 1):
+            amax = wmax * (1.0 - i / steps)
+            qdq = fake_quantize(w, amax.reshape(lay.amax_shape), q.spec, lay).reshape(out, n // g, g)
+            e = blocks - qdq
+            err = torch.einsum("ogi,gij,ogj->og", e, hb, e).double()
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, amax, best)
+        return best.reshape(lay.amax_shape)
+
+
+register("awq", AWQ)
+register_algorithm("awq", validate)

@@ -1,0 +1,276 @@
+"""GPTQ: error-compensating weight quantization from the layer inputs' second moments (Frantar et al., 2022).
+
+Per quantized Linear of the gathered layer:
+
+1. The Hessian ``H = sum_x x x^T`` of its inputs: this rank's cached batches run through the layer (every quantizer
+   off) with a forward pre-hook; one ``X^T X`` per batch (float32), accumulated across batches with an exact
+   fixed-point sum and all-reduced (SUM) in one collective, so ``H`` is bit-identical at every world size.
+   Padding tokens are skipped; an MoE expert sees the tokens routed to it.
+2. The update, on the unsharded weight: columns are quantized one at a time (in blocks of ``block_size``, optionally
+   in decreasing ``diag(H)`` order with ``act_order``) and each column's error is spread over the columns not yet
+   quantized through the upper Cholesky factor of ``(H + percdamp * mean(diag H) * I)^-1``. The scales are static:
+   the ones the weight quantizer calibrated (with the recipe's observer) before the update, so export keeps the
+   recipe's layout (``pack-quantized`` for int4 groups), and the weight left in the layer is GPTQ's quantized
+   result itself: the weight quantizer's fake quantization with its stored amax reproduces it exactly.
+3. Linear ``k`` of the layer (module order) is solved by rank ``k mod N`` and broadcast from there, so N ranks
+   share the solves. The runner writes the gathered weights back into the FSDP2 shards and checkpoints them.
+
+The simple per-layer variant: every Hessian of a layer comes from the layer's inputs with the layer's original
+weights (``o_proj``'s from the full-precision attention, not from already-quantized q/k/v; ``down_proj``'s from the
+full-precision gate/up). Between layers the inputs are propagated through the quantized layers
+(``propagate = "qdq"``, the default ``calibrate`` takes for this algorithm when the caller does not choose).
+
+Columns whose input is always zero (``H_jj = 0``: dead channels, experts that got no token) are rounded to nearest
+and pass no error on. Recipe: ``[algorithm] name = "gptq"``, ``block_size`` (128), ``percdamp`` (0.01),
+``act_order`` (false), ``static_groups`` (false), ``propagate`` ("qdq"), ``smooth`` (a table naming ``smoothquant`` or
+``awq`` with its parameters: that algorithm folds its scales first, in the same step, then GPTQ quantizes the
+smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from . import LayerAlgorithm, register
+from ..errors import RecipeError
+from ..quant import QuantLinear, TensorQuantizer
+from ..quant.formats import FORMATS, scale_from_amax
+from ..quant.recipe import register_algorithm
+from ..quant.spec import SpecError
+from ._common import PROPAGATE, InputStats, boolean, broadcast_, check_params, group_rank_size, integer, number, one_of
+
+SCHEMA = {
+    "block_size": (128, integer(1)),
+    "percdamp": (0.01, number(0.0, 1.0, lo_open=True)),
+    "act_order": (False, boolean),
+    "static_groups": (False, boolean),
+    "propagate": ("qdq", one_of(*PROPAGATE)),
+    "smooth": (None, lambda v: None if v is None or isinstance(v, dict) else "must be a table"),
+}
+#: Algorithms GPTQ can run first in the same step (``smooth = { name = ..., <its parameters> }``).
+SMOOTHERS = ("smoothquant", "awq")
+
+
+def validate(params: dict[str, Any]) -> dict[str, Any]:
+    out = check_params("gptq", params, SCHEMA)
+    if out["smooth"] is None:
+        del out["smooth"]
+        return out
+    from ..quant.recipe import ALGORITHMS as VALIDATORS
+
+    table = dict(out["smooth"])
+    name = table.pop("name", None)
+    if name not in SMOOTHERS:
+        raise SpecError("smooth.name", f"algorithm 'gptq': smooth.name must be one of {', '.join(map(repr, SMOOTHERS))}, got {name!r}")
+    try:
+        out["smooth"] = {"name": name, **VALIDATORS[name](table)}
+    except SpecError as exc:
+        raise SpecError(f"smooth.{exc.key}", str(exc)) from None
+    return out
+
+
+def check_quantizer(q: TensorQuantizer, name: str) -> None:
+    """GPTQ needs static per-element scales: int or fp8 formats, weight amax calibrated."""
+    spec = q.spec
+    if FORMATS[spec.format].kind not in ("int", "fp8"):
+        raise RecipeError(f"{name}: gptq supports int8, int4 and fp8_e4m3 weights, not {spec.format!r}")
+    if not q.calibrated or q.amax is None:
+        raise RecipeError(f"{name}: gptq needs a calibrated static weight quantizer")
+
+
+def element_scales(q: TensorQuantizer, weight: torch.Tensor) -> torch.Tensor:
+    """The quantizer's scale for every element of ``weight`` (float32, ``weight``'s shape)."""
+    lay = q.layout
+    arranged = lay.arrange(weight)
+    scale = scale_from_amax(lay.broadcast(q.amax.to(device=weight.device, dtype=torch.float32)), q.spec.format)
+    return lay.restore(scale.expand(arranged.shape)).contiguous()
+
+
+def _quantize_column(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Fake quantization of one column with its static scales: the same arithmetic as ``formats.fake_quantize``."""
+    f = FORMATS[fmt]
+    scaled = torch.clamp(w / scale, f.qmin, f.qmax)
+    q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
+    return q * scale
+
+
+def _upper_cholesky_of_inverse(h: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``U`` upper triangular with ``H^-1 = U^T U`` (``info`` != 0: not positive definite), from one Cholesky.
+
+    With ``J`` the reversal permutation and ``J H J = L L^T``: ``H^-1 = (J L^-T J)(J L^-1 J)`` and ``J L^-1 J`` is
+    upper triangular with a positive diagonal, i.e. the Cholesky factor of ``H^-1`` (no explicit inverse of H).
+    """
+    rev = torch.arange(h.shape[0] - 1, -1, -1, device=h.device)
+    chol, info = torch.linalg.cholesky_ex(h[rev][:, rev])
+    if int(info) != 0:
+        return chol, int(info)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.solve_triangular(chol, eye, upper=False)[rev][:, rev], 0
+
+
+def _inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1`` (float64), damping raised tenfold until H is positive definite."""
+    diag_mean = torch.mean(torch.diag(h))
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    damp = percdamp
+    for _ in range(6):
+        factor, info = _upper_cholesky_of_inverse(h + damp * diag_mean * eye)
+        if info == 0:
+            return factor
+        damp *= 10.0
+    raise torch.linalg.LinAlgError("the damped Hessian is not positive definite")
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """Run small-tensor loops on ``n`` threads (OpenMP overhead dominates tiny kernels, worse on a busy machine)."""
+    before = torch.get_num_threads()
+    if n is not None and n < before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _group_amax(spec: Any, values: torch.Tensor) -> torch.Tensor:
+    """The amax the recipe's observer gives one group of columns ``values`` [out, group] (shape [out, 1])."""
+    q = TensorQuantizer(spec, tuple(values.shape), device=values.device)
+    return q.calibrate_from(values).clone()
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    quantizer: TensorQuantizer,
+    *,
+    percdamp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    static_groups: bool = True,
+) -> torch.Tensor:
+    """GPTQ's quantized (dequantized values) ``weight`` [out, in] for inputs with Hessian ``hessian`` [in, in].
+
+    ``quantizer`` is the weight's calibrated quantizer. With ``static_groups`` its scales are used as they are;
+    without (per-group granularity, no ``act_order``) each group's scales are computed with the recipe's observer
+    when GPTQ reaches the group, from the group's columns as updated so far, and stored in the quantizer. Either
+    way ``quantizer(result) == result``. Returns a tensor of ``weight``'s dtype and device.
+    """
+    check_quantizer(quantizer, quantizer.name)
+    fmt = quantizer.spec.format
+    w = weight.detach().float()
+    group = quantizer.layout.group_size if not static_groups and not act_order else None
+    if group is not None:
+        block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
+    scale = element_scales(quantizer, w)
+    h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
+    out, n = w.shape
+    dead = torch.diag(h) == 0
+    if bool(dead.all()) and group is None:  # no input ever reached it: round to nearest
+        return _quantize_column(w, scale, fmt).to(weight.dtype)
+    h[dead, dead] = 1.0
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w, scale, h = w[:, perm], scale[:, perm], h[perm][:, perm]
+    small = w.device.type == "cpu" and out * block_size <= 1 << 20 and n <= 8192
+    amax = quantizer.amax.detach().clone() if group is not None else None
+    group_spec = dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None) if group else None
+    with _threads(1 if small else None):
+        hinv = _inverse_hessian_factor(h, percdamp).float()
+        # Work on the transposed weight: a column of W is a contiguous row here.
+        wt, st = w.T.clone(memory_format=torch.contiguous_format), scale.T.contiguous()
+        qt = torch.empty_like(wt)
+        for i1 in range(0, n, block_size):
+            i2 = min(i1 + block_size, n)
+            w1, h1 = wt[i1:i2], hinv[i1:i2, i1:i2]
+            err1 = torch.empty_like(w1)
+            diag = h1.diagonal().tolist()
+            for i in range(i2 - i1):
+                if group is not None and (i1 + i) % group == 0:
+                    g = (i1 + i) // group
+                    amax[:, g] = _group_amax(group_spec, w1[i : i + group].T).reshape(-1).to(amax.device)
+                    gs = scale_from_amax(amax[:, g], fmt).to(st.device)
+                    st[i1 + i : i1 + i + group] = gs
+                row = w1[i]
+                q = _quantize_column(row, st[i1 + i], fmt)
+                qt[i1 + i] = q
+                torch.sub(row, q, out=err1[i]).div_(diag[i])
+                if i + 1 < i2 - i1:
+                    w1[i + 1 :].addr_(h1[i, i + 1 :], err1[i], alpha=-1.0)
+            if i2 < n:
+                wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1.0)
+    if amax is not None:
+        quantizer.set_amax(amax)
+    q = qt.T
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    return q.contiguous().to(weight.dtype)
+
+
+class GPTQ(LayerAlgorithm):
+    """See the module docstring."""
+
+    name = "gptq"
+    changes_weights = True
+
+    def __init__(self, params: Mapping[str, Any] | None = None):
+        super().__init__(validate(dict(params or {})))
+        self.default_propagate = self.params["propagate"]
+        self.smoother: LayerAlgorithm | None = None
+        if "smooth" in self.params:
+            from . import ALGORITHMS
+
+            table = dict(self.params["smooth"])
+            self.smoother = ALGORITHMS[table.pop("name")](table)
+
+    def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        if self.smoother is not None:
+            self.smoother.before_weight_calibration(step, recipe, group)
+
+    def after_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        if self.smoother is not None:
+            self.smoother.after_weight_calibration(step, recipe, group)
+        targets = [
+            (n, m) for n, m in step.layer.named_modules(prefix=step.name)
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None
+        ]
+        if not targets:
+            return
+        for n, m in targets:
+            check_quantizer(m.weight_quantizer, n)
+        stats = InputStats({n: (m, "input") for n, m in targets}, {"gram"}).collect(step).merge(group)
+        rank, size = group_rank_size(group)
+        for k, (n, m) in enumerate(targets):
+            if k % size != rank:
+                continue
+            try:
+                q = gptq_quantize(
+                    m.weight, stats[n].hessian(), m.weight_quantizer,
+                    percdamp=self.params["percdamp"], block_size=self.params["block_size"], act_order=self.params["act_order"],
+                    static_groups=self.params["static_groups"],
+                )
+            except torch.linalg.LinAlgError:
+                warnings.warn(f"{n}: GPTQ's Hessian is not positive definite even with damping; rounding to nearest", stacklevel=2)
+                w = m.weight.detach().float()
+                q = _quantize_column(w, element_scales(m.weight_quantizer, w), m.weight_quantizer.spec.format).to(m.weight.dtype)
+            with torch.no_grad():
+                m.weight.copy_(q)
+        del stats
+        with torch.no_grad():
+            for k, (_, m) in enumerate(targets):
+                broadcast_(m.weight.data, k % size, group)
+                if not self.params["static_groups"]:  # in-order group scales were computed by the solver
+                    broadcast_(m.weight_quantizer.amax, k % size, group)
+        step.invalidate_outputs()
+
+
+register("gptq", GPTQ)
+register_algorithm("gptq", validate)

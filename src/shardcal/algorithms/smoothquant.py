@@ -1,0 +1,158 @@
+"""SmoothQuant: move activation outliers into the weights with per-channel scales folded into the layer.
+
+For each foldable pair of the layer (see :mod:`._mappings`: ``input_layernorm`` -> q/k/v, ``post_attention_layernorm``
+-> gate/up (all experts of an MoE block), ``v_proj`` -> ``o_proj``, ``up_proj`` -> ``down_proj``) whose consumers
+quantize their inputs::
+
+    s_j = act_max_j ** alpha / w_max_j ** (1 - alpha)
+
+with ``act_max_j`` the max ``|x_j|`` of the consumers' input channel ``j`` over all calibration tokens (this rank's
+cached inputs run through the layer with forward hooks, merged across ranks with one all-reduce MAX: exact) and
+``w_max_j`` the max ``|W[:, j]|`` over every quantized consumer (every expert's weights for an MoE block). The
+producer is divided by ``s`` (the norm's weight, or V's / up's output rows) and the consumers' input columns are
+multiplied by it: the layer computes the same function, with flatter activations. A channel that never fires, or
+whose weights are all zero, keeps ``s = 1``.
+
+With ``alpha_grid`` (a list of alphas), each pair gets its own alpha: the one whose smoothed consumers, weights and
+inputs fake-quantized as the recipe says (max scales; the static input amax is what a max observer records after
+smoothing, ``max_j act_max_j / s_j``), give the least squared output error on ``sample_tokens`` evenly spaced
+tokens of every batch. Each batch's loss is added to an exact accumulator and merged across ranks (one all-reduce
+SUM), so every rank picks the same alpha at every world size.
+
+Recipe: ``[algorithm] name = "smoothquant"``, ``alpha`` (0.5), ``alpha_grid`` ([]: off), ``sample_tokens`` (128),
+``mappings`` (which pairs; all four by default), ``propagate`` (``"fp"``: what ``calibrate`` uses when the caller
+does not choose).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from . import LayerAlgorithm, register
+from ..quant.formats import fake_quantize
+from ..quant.recipe import register_algorithm
+from ._common import PROPAGATE, ExactSum, InputStats, check_params, integer, merge_exact, number, one_of, subset_of
+from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+
+SCHEMA = {
+    "alpha": (0.5, number(0.0, 1.0)),
+    "alpha_grid": ([], lambda v: _grid_problem(v)),
+    "sample_tokens": (128, integer(1)),
+    "mappings": (list(KINDS), subset_of(*KINDS)),
+    "propagate": ("fp", one_of(*PROPAGATE)),
+}
+
+
+def _grid_problem(v: Any) -> str | None:
+    if not isinstance(v, list) or any(isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in v):
+        return "must be a list of numbers in [0, 1]"
+    return None
+
+
+def validate(params: dict[str, Any]) -> dict[str, Any]:
+    return check_params("smoothquant", params, SCHEMA)
+
+
+def smoothing_scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``act_max ** alpha / w_max ** (1 - alpha)`` per channel (float32), 1 where either is zero or not finite."""
+    act, w = act_max.double(), w_max.double()
+    s = act.pow(alpha) / w.pow(1.0 - alpha)
+    ok = (act > 0) & (w > 0) & torch.isfinite(s) & (s > 0)
+    s = torch.where(ok, s, torch.ones_like(s)).clamp(1e-5, 1e5)
+    return s.float()
+
+
+def _qdq_weight(c: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """``w`` through the consumer's weight format with max scales (unchanged when it has no weight quantizer)."""
+    q = getattr(c, "weight_quantizer", None)
+    return w if q is None else fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+
+
+def _qdq_input(c: nn.Module, x: torch.Tensor, act_max: torch.Tensor) -> torch.Tensor:
+    """``x`` through the consumer's input quantizer, its static amax being what a max observer would record."""
+    q = c.input_quantizer
+    amax = q.layout.amax_of(x) if q.spec.dynamic else q.layout.amax_of(act_max[None, :])
+    return fake_quantize(x, amax, q.spec, q.layout)
+
+
+class SmoothQuant(LayerAlgorithm):
+    """See the module docstring."""
+
+    name = "smoothquant"
+    changes_weights = True
+
+    def __init__(self, params: Mapping[str, Any] | None = None):
+        super().__init__(validate(dict(params or {})))
+        self.alpha = float(self.params["alpha"])
+        self.grid = [float(a) for a in self.params["alpha_grid"]]
+        self.kinds = tuple(self.params["mappings"])
+        self.default_propagate = self.params["propagate"]
+        #: Per layer name: ``{smoothing key: scales}`` of the last run (for inspection and tests).
+        self.scales: dict[str, dict[str, torch.Tensor]] = {}
+        #: Per layer name: ``{smoothing key: alpha}`` chosen (with ``alpha_grid``).
+        self.alphas: dict[str, dict[str, float]] = {}
+        self._warned: set[str] = set()
+
+    def smoothings(self, step: Any) -> list[Smoothing]:
+        found = layer_smoothings(step.layer, self.kinds, prefix=step.name)
+        if not found and any(getattr(m, "input_quantizer", None) is not None for m in step.layer.modules()):
+            warn_no_pairs(self.name, step.name, self._warned)
+        return [m for m in found if m.quantized("input")]
+
+    def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        smoothings = self.smoothings(step)
+        if not smoothings:  # the same on every rank (same layer, same recipe): no collective is skipped unevenly
+            return
+        kinds = {"max", "samples"} if self.grid else {"max"}
+        stats = InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"]).collect(step).merge(group)
+        maxima = [m.reduce(stats[m.key].max, "max") for m in smoothings]
+        w_maxima = [m.weight_max(m.quantized("weight") or m.quantized("input")).to(a.device) for m, a in zip(smoothings, maxima)]
+        alphas = [self.alpha] * len(smoothings)
+        if self.grid:
+            losses = ExactSum((len(smoothings), len(self.grid)), maxima[0].device)
+            for i, (m, act, w) in enumerate(zip(smoothings, maxima, w_maxima)):
+                losses_i = self._losses(m, act, w, stats[m.key].samples)
+                for j, per_batch in enumerate(losses_i):
+                    for loss in per_batch:
+                        onehot = torch.zeros(losses.hi.shape, dtype=torch.float64, device=losses.hi.device)
+                        onehot[i, j] = loss
+                        losses.add(onehot)
+            merge_exact([losses], group)
+            best = torch.argmin(losses.value(), dim=1).tolist()  # the first (smallest listed) alpha on a tie
+            alphas = [self.grid[b] for b in best]
+        applied = {}
+        for m, act, w, alpha in zip(smoothings, maxima, w_maxima, alphas):
+            s = smoothing_scales(act, w, alpha)
+            m.fold(s)
+            applied[m.key] = s.cpu()
+        self.scales[step.name] = applied
+        if self.grid:
+            self.alphas[step.name] = {m.key: a for m, a in zip(smoothings, alphas)}
+        step.invalidate_outputs()
+
+    @torch.no_grad()
+    def _losses(self, m: Smoothing, act_max: torch.Tensor, w_max: torch.Tensor, samples: list[torch.Tensor]) -> list[list[float]]:
+        """Per alpha of the grid, per sampled batch: the consumers' summed squared output error, W and input quantized."""
+        consumers = m.quantized("input")
+        weights = [c.weight.detach().float() for c in consumers]
+        refs = [[x.to(w.device) @ w.T for x in samples] for w in weights]
+        out = []
+        for alpha in self.grid:
+            sc = m.expand(smoothing_scales(act_max, w_max, alpha))
+            per_batch = [0.0] * len(samples)
+            for c, w, ref in zip(consumers, weights, refs):
+                sc_c = sc.to(w.device)
+                wq = _qdq_weight(c, w * sc_c[None, :])
+                amax_in = m.expand(act_max).to(w.device) / sc_c
+                for b, x in enumerate(samples):
+                    xq = _qdq_input(c, x.to(w.device) / sc_c[None, :], amax_in)
+                    per_batch[b] += float((xq @ wq.T - ref[b]).double().pow(2).sum())
+            out.append(per_batch)
+        return out
+
+
+register("smoothquant", SmoothQuant)
+register_algorithm("smoothquant", validate)
