@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(f"| {'recipe':<18} | {'algorithm':<11} | {'perplexity':>10} | {'x FP32':>6} | {'calib s':>7} | {'notes':<12} |")
-    print(f"|{'-' * 20}|{'-' * 13}|{'-' * 12}:|{'-' * 7}:|{'-' * 8}:|{'-' * 14}|")
+    print(f"|{'-' * 20}|{'-' * 13}|{'-' * 11}:|{'-' * 7}:|{'-' * 8}:|{'-' * 14}|")
     for name, algorithm, ppl, seconds, note in rows:
         secs = "" if seconds is None else f"{seconds:.1f}"
         print(f"| {name:<18} | {algorithm:<11} | {ppl:>10.3f} | {ppl / fp32:>6.3f} | {secs:>7} | {note:<12} |")

@@ -80,6 +80,18 @@ def test_smoothquant_pairs_and_gqa_v_o_mapping():
     assert v_o.index.tolist()[32:48] == list(range(16, 32))  # query head 2 reads kv head 1
 
 
+def test_layer_without_known_pairs_warns_and_is_left_alone():
+    from types import SimpleNamespace
+
+    from shardcal.algorithms.smoothquant import SmoothQuant
+    from shardcal.quant import quantize_modules
+
+    layer = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    quantize_modules(layer, _recipe("smoothquant", weight_only=False), prefix="blocks.0")
+    with pytest.warns(UserWarning, match="no foldable"):
+        assert SmoothQuant().smoothings(SimpleNamespace(layer=layer, name="blocks.0")) == []
+
+
 def test_smoothquant_reduces_w8a8_error_with_outlier_channels():
     data = _data(n=8)
     want = _logits(_model(outliers=True), data)
