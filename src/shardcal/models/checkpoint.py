@@ -7,7 +7,6 @@ naming the file and, where there is one, the tensor key.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
+from ..fsutil import read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -46,14 +46,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 def _read_index(index: Path, model_dir: Path) -> dict[str, Path]:
     """``{tensor name: shard path}`` from a sharded checkpoint's index, every shard checked to exist."""
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{index}: cannot be read ({exc.strerror or exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{index}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_object(index, CheckpointError)
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: field 'weight_map' must be a non-empty object mapping tensor names to files")

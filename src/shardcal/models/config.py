@@ -12,7 +12,6 @@ Qwen3's ``head_dim`` is 128).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..fsutil import read_json_object
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -150,15 +150,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{model_dir}: not a directory (expected a Hugging Face-format model directory)")
     if not path.is_file():
         raise ConfigError(f"{path}: missing (a model directory needs a config.json)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return _parse(raw, str(path))
+    return _parse(read_json_object(path, ConfigError), str(path))
 
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
