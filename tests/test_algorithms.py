@@ -20,6 +20,15 @@ from shardcal.quant import QuantizerSpec, TensorQuantizer, iter_quantizers, load
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread is faster (OpenMP overhead dominates small kernels), as in the gloo workers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model(cfg: dict = LLAMA, seed: int = 0, outliers: bool = False) -> CausalLM:
     model = CausalLM(ModelConfig.from_dict(cfg))
     randomize_(model, seed=seed)

@@ -14,9 +14,9 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,20 @@ def group_rank_size(group: Any) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+@contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Run loops of small-tensor kernels on ``n`` threads (None: unchanged). OpenMP's per-kernel overhead dominates
+    tiny kernels, much more so on a busy machine."""
+    before = torch.get_num_threads()
+    if n is not None and n < before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------- exact sums

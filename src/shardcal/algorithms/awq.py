@@ -38,7 +38,7 @@ from . import LayerAlgorithm, register
 from ..quant import QuantLinear, TensorQuantizer
 from ..quant.formats import FORMATS, fake_quantize
 from ..quant.recipe import register_algorithm
-from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, subset_of
+from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, subset_of, threads
 from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 
 SCHEMA = {
@@ -78,6 +78,11 @@ def _w_mean(weights: list[torch.Tensor], quantizers: list[TensorQuantizer]) -> t
             a = w.abs()
             parts.append(a / (a.amax(dim=1, keepdim=True) + 1e-6))
     return torch.cat(parts, dim=0).mean(dim=0)
+
+
+def _small(linears: list[nn.Linear]) -> bool:
+    """Small CPU weights: their kernels run faster on one thread."""
+    return all(m.weight.device.type == "cpu" for m in linears) and sum(m.weight.numel() for m in linears) <= 1 << 18
 
 
 def _supported(q: TensorQuantizer) -> bool:
@@ -124,7 +129,8 @@ class AWQ(LayerAlgorithm):
         for m in smoothings:
             st = stats[m.key]
             h = st.hessian().float()
-            r, s = self._search(m, h, m.reduce(st.mean_abs().float(), "mean"))
+            with threads(1 if _small(m.quantized("weight")) else None):
+                r, s = self._search(m, h, m.reduce(st.mean_abs().float(), "mean"))
             m.fold(s)
             cols[m.key] = m.expand(s).to(h.device)
             ratios[m.key] = r
@@ -172,7 +178,8 @@ class AWQ(LayerAlgorithm):
         if not self.params["clip"]:
             return
         for lin, h in self._clip_hessians.values():
-            amax = self._clip(lin.weight.detach().float(), lin.weight_quantizer, h.to(lin.weight.device))
+            with threads(1 if _small([lin]) else None):
+                amax = self._clip(lin.weight.detach().float(), lin.weight_quantizer, h.to(lin.weight.device))
             if amax is not None:
                 lin.weight_quantizer.set_amax(amax)
         self._clip_hessians = {}

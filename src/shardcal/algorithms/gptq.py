@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -42,7 +41,7 @@ from ..quant import QuantLinear, TensorQuantizer
 from ..quant.formats import FORMATS, scale_from_amax
 from ..quant.recipe import register_algorithm
 from ..quant.spec import SpecError
-from ._common import PROPAGATE, InputStats, boolean, broadcast_, check_params, group_rank_size, integer, number, one_of
+from ._common import PROPAGATE, InputStats, boolean, broadcast_, check_params, group_rank_size, integer, number, one_of, threads
 
 SCHEMA = {
     "block_size": (128, integer(1)),
@@ -126,19 +125,6 @@ def _inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     raise torch.linalg.LinAlgError("the damped Hessian is not positive definite")
 
 
-@contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """Run small-tensor loops on ``n`` threads (OpenMP overhead dominates tiny kernels, worse on a busy machine)."""
-    before = torch.get_num_threads()
-    if n is not None and n < before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
 def _group_amax(spec: Any, values: torch.Tensor) -> torch.Tensor:
     """The amax the recipe's observer gives one group of columns ``values`` [out, group] (shape [out, 1])."""
     q = TensorQuantizer(spec, tuple(values.shape), device=values.device)
@@ -183,7 +169,7 @@ def gptq_quantize(
     small = w.device.type == "cpu" and out * block_size <= 1 << 20 and n <= 8192
     amax = quantizer.amax.detach().clone() if group is not None else None
     group_spec = dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None) if group else None
-    with _threads(1 if small else None):
+    with threads(1 if small else None):
         hinv = _inverse_hessian_factor(h, percdamp).float()
         # Work on the transposed weight: a column of W is a contiguous row here.
         wt, st = w.T.clone(memory_format=torch.contiguous_format), scale.T.contiguous()
