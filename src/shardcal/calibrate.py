@@ -10,6 +10,7 @@ be interrupted and resumed bit-identically (see :mod:`shardcal.calib_checkpoint`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -100,7 +101,7 @@ class _AllExpertsObserve:
                 q._silenced_by_all_experts = False
 
 
-def _fallback_unobserved(layer: nn.Module, prefix: str) -> list[str]:
+def _fallback_unobserved(layer: nn.Module) -> list[str]:
     """Give activation quantizers that saw no data (unrouted experts) the max amax of their sibling experts.
 
     Every expert of a block reads the same normalised hidden states, so its siblings' input range is the best
@@ -188,20 +189,15 @@ def _calibrate_layer(
         fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
-        if moe is not None:
-            moe.__enter__()
-        try:
+        with moe if moe is not None else contextlib.nullcontext():
             outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
-        finally:
-            if moe is not None:
-                moe.__exit__(None, None, None)
         if p == 0:
             fp_outputs = outs
         end_pass_all(activation, group)  # collective, also for a rank with no batches
     finish_calibration_all(activation)
     for q in weights:
         q.mode = QuantMode.QUANTIZE
-    fallbacks = _fallback_unobserved(step.layer, step.name)
+    fallbacks = _fallback_unobserved(step.layer)
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,

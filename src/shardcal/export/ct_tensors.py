@@ -16,6 +16,7 @@ from ..quant.formats import (
     decode,
     nvfp4_global_scale,
     pack_int4_to_int32,
+    pack_to_int32,
     scale_from_amax,
     unpack_int4_from_int32,
 )
@@ -30,14 +31,7 @@ from .ct_config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
 def pack_int8_to_int32(values: torch.Tensor) -> torch.Tensor:
     """Four int8 values per int32 along the last dim (compressed-tensors' ``pack_to_int32(v, 8)``): each value
     offset by +128, element ``4k + j`` in bits ``8j .. 8j+7`` of word ``k``; the last dim is zero-padded."""
-    n = values.shape[-1]
-    words = -(-n // 4)
-    v = values.to(torch.int64) + 128
-    if words * 4 != n:
-        v = torch.nn.functional.pad(v, (0, words * 4 - n))
-    v = v.unflatten(-1, (words, 4))
-    packed = (v << torch.arange(0, 32, 8, device=v.device, dtype=torch.int64)).sum(dim=-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+    return pack_to_int32(values, 8)
 
 
 def unpack_int8_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:

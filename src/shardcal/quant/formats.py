@@ -144,13 +144,21 @@ def pack_int4_to_int32(values: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack_int4_to_int32 needs at least one dimension")
     if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
         raise ValueError("int4 values must lie in [-8, 7]")
+    return pack_to_int32(values, 4)
+
+
+def pack_to_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' ``pack_to_int32(values, bits)``: ``32 // bits`` values per int32 along the last dim,
+    each offset by ``2 ** (bits - 1)``, element ``k * per + j`` in bits ``bits*j ..`` of word ``k``; the last dim
+    is zero-padded to a whole word. Callers check the value range."""
+    per = 32 // bits
     n = values.shape[-1]
-    words = -(-n // 8)
-    v = values.to(torch.int64) + 8
-    if words * 8 != n:
-        v = torch.nn.functional.pad(v, (0, words * 8 - n))
-    v = v.unflatten(-1, (words, 8))
-    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
+    words = -(-n // per)
+    v = values.to(torch.int64) + 2 ** (bits - 1)
+    if words * per != n:
+        v = torch.nn.functional.pad(v, (0, words * per - n))
+    v = v.unflatten(-1, (words, per))
+    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
     packed = (v << shifts).sum(dim=-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
     return packed.to(torch.int32).contiguous()
