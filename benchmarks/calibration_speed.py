@@ -92,7 +92,7 @@ def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> N
 
 
 def _sharded(model_dir: str, data: torch.Tensor, batch_size: int, nproc: int) -> list[list[float]]:
-    from shardcal.distributed import launch
+    from shardcal.launcher import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

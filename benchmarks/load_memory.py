@@ -43,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    from shardcal.distributed import launch
+    from shardcal.launcher import launch
     from shardcal.models.gguf import embedded_model_dir
 
     model_dir = str(embedded_model_dir())

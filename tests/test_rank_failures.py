@@ -48,7 +48,7 @@ def _job(mode: str, layer: int) -> None:
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_launcher_names_failed_rank_and_layer(mode, capfd):
-    from shardcal.distributed import launch
+    from shardcal.launcher import launch
 
     start = time.monotonic()
     with pytest.raises(DistributedError) as info:

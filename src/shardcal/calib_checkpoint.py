@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .distributed import all_gather_strings, barrier
 from .errors import CalibrationCheckpointError
 from .fsutil import check_creatable
 
@@ -77,11 +77,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
 
 
 class CalibrationCheckpoint:
@@ -205,7 +200,7 @@ class CalibrationCheckpoint:
             mine[quant_name] = _sha256(self.dir / quant_name)
         entries = ";".join(f"{k}={v}" for k, v in sorted(mine.items()))
         files: dict[str, str] = {}
-        for gathered in _gather_strings_long(entries, self.world_size):
+        for gathered in all_gather_strings(entries):
             for entry in filter(None, gathered.split(";")):
                 name, digest = entry.split("=")
                 files[name] = digest
@@ -218,7 +213,7 @@ class CalibrationCheckpoint:
                 "report": report,
             }
             _atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
-        _barrier(self.world_size)
+        barrier()
         if previous is not None:  # the new manifest is in place: the old commit's own files can go
             for name in previous.get("files", {}):
                 if name not in files and (self.rank == 0 and name.startswith("quantizers-") or f"rank{self.rank:05d}" in name):
@@ -229,20 +224,3 @@ class CalibrationCheckpoint:
             return self._manifest()
         except CalibrationCheckpointError:
             return None
-
-
-def _gather_strings_long(value: str, world_size: int) -> list[str]:
-    """All ranks' ASCII strings (file digests), sent as uint8 tensors — no pickling between ranks."""
-    if world_size == 1:
-        return [value]
-    length = torch.tensor([len(value)], dtype=torch.int64)
-    lengths = [torch.zeros_like(length) for _ in range(world_size)]
-    dist.all_gather(lengths, length)
-    size = int(max(l.item() for l in lengths))
-    data = torch.zeros(size, dtype=torch.uint8)
-    raw = value.encode("ascii")
-    if raw:
-        data[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = [torch.zeros_like(data) for _ in range(world_size)]
-    dist.all_gather(out, data)
-    return [bytes(t[: int(n.item())].tolist()).decode("ascii") for t, n in zip(out, lengths)]

@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .algorithms import LayerAlgorithm, make_algorithm
 from .batches import Batch, data_fingerprint, make_batches, rank_batch_indices
 from .calib_checkpoint import CalibrationCheckpoint
+from .distributed import all_reduce_, dp_group, world
 from .errors import ModelLayoutError
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .layer_steps import LayerStep, layer_steps, world
+from .layer_steps import LayerStep, layer_steps
 from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
 from .quant.quantizer import QuantMode
 from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, quantizer_mode, start_calibration_all
@@ -39,11 +39,6 @@ from .report import CalibrationReport, LayerReport, amax_summary
 
 class CalibrationInterrupted(RuntimeError):
     """Raised by the ``_interrupt_after`` test hook once the checkpoint of that many layers is committed."""
-
-
-def _group() -> Any:
-    """The data-parallel group for statistics merges (None: single process, nothing to merge)."""
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
@@ -140,24 +135,11 @@ def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: lis
         reference = fp_outputs[i].double()
         sums[0] += reference.pow(2).sum().cpu()
         sums[1] += (quantized - reference).pow(2).sum().cpu()
-    if group is not None:
-        sums = _all_reduce_cpu(sums, group)
+    all_reduce_(sums, "sum", group)
     signal, noise = float(sums[0]), float(sums[1])
     if signal == 0.0:
         return None
     return math.inf if noise == 0.0 else 10.0 * math.log10(signal / noise)
-
-
-def _all_reduce_cpu(t: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
-    """All-reduce a small CPU tensor on the group's backend device (NCCL needs it on the GPU)."""
-    op = op if op is not None else dist.ReduceOp.SUM
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        moved = t.cuda()
-        dist.all_reduce(moved, op=op, group=group)
-        return moved.cpu()
-    dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 def _calibrate_layer(
@@ -245,11 +227,9 @@ def _fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_s
     checksum = torch.zeros(1, dtype=torch.float64)
     for i, (_, p) in enumerate(model.named_parameters()):
         local = p.to_local() if isinstance(p, DTensor) else p
-        if isinstance(p, DTensor) or dist.is_initialized() is False or dist.get_rank() == 0:
+        if isinstance(p, DTensor) or world()[0] == 0:
             checksum += local.detach().double().sum().cpu() * (i + 1)
-    group = _group()
-    if group is not None:
-        checksum = _all_reduce_cpu(checksum, group)
+    all_reduce_(checksum, "sum", dp_group())
     digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()  # noqa: E731
     return {
         "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
@@ -352,7 +332,7 @@ def _calibrate(
         data, batch_size, vocab_size=getattr(config, "vocab_size", None), max_positions=getattr(config, "max_position_embeddings", None)
     )
     rank, world_size = world()
-    group = _group()
+    group = dp_group()
     mine = rank_batch_indices(len(batches), rank, world_size)
     local_batches = [batches[i] for i in mine]
     local_sqnr = [j for j, i in enumerate(mine) if i < sqnr_batches]

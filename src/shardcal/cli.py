@@ -120,7 +120,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     import os
 
-    from .distributed import launch
+    from .launcher import launch
 
     options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -133,10 +133,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
-    import torch.distributed as dist
-
     from .calibrate import calibrate
-    from .distributed import init_distributed
+    from .distributed import all_gather_floats, init_distributed
     from .export import check_destination, export_checkpoint
     from .models import load_pretrained
     from .models.config import load_config
@@ -157,14 +155,7 @@ def calibrate_job(options: dict) -> dict:
     )
     seconds = time.perf_counter() - start
     export_checkpoint(model, out_dir, recipe=recipe, report=report, tokenizer_dir=model_dir, overwrite=args.overwrite)
-    peak = torch_peak_memory_mb()
-    peaks = [peak] * world
-    if world > 1:
-        import torch
-
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, torch.tensor([peak], dtype=torch.float64))
-        peaks = [float(t) for t in gathered]
+    peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
         plot = report.save_plot(out_dir / "calibration_sqnr.png") if out_dir.exists() else None
         sqnr = report.mean_sqnr_db
@@ -255,7 +246,7 @@ def _demo(args: argparse.Namespace) -> int:
     import tempfile
 
     from .calibration.data import token_blocks
-    from .distributed import launch
+    from .launcher import launch
     from .evaluate import generate_greedy, perplexity
     from .models import from_pretrained
     from .models.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
@@ -305,12 +296,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
-    import torch
-    import torch.distributed as dist
-
     from .calibrate import calibrate
     from .calibration.data import token_blocks
-    from .distributed import init_distributed
+    from .distributed import all_gather_floats, init_distributed
     from .evaluate import distributed_perplexity
     from .export import export_checkpoint
     from .models import load_pretrained
@@ -327,12 +315,10 @@ def demo_job(options: dict) -> None:
     seconds = time.perf_counter() - start
     fq_ppl = distributed_perplexity(model, eval_ids, batch_size=options["batch_size"])
     export_checkpoint(model, options["out"], recipe=options["recipe"], report=report, tokenizer_dir=model_dir, overwrite=True)
-    peak = torch.tensor([torch_peak_memory_mb()], dtype=torch.float64)
-    peaks = [torch.zeros_like(peak) for _ in range(world)]
-    dist.all_gather(peaks, peak)
+    peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
         Path(options["result"]).write_text(json.dumps({
-            "seconds": seconds, "fake_quant_ppl": fq_ppl, "peaks": [float(p) for p in peaks],
+            "seconds": seconds, "fake_quant_ppl": fq_ppl, "peaks": peaks,
             "mean_sqnr_db": report.mean_sqnr_db,
         }))
 

@@ -1,165 +1,281 @@
-"""Process groups for shardcal: join one started by torchrun, or start N local processes ourselves.
+"""Every process-group operation shardcal performs: joining a group, who this rank is, and every collective.
 
-``init_distributed()`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or, with
-none set, forms a one-process group so that the same code path (FSDP2 included) runs in a plain ``python``.
-``launch(fn, nproc)`` is what ``--nproc-per-node`` uses: it starts the processes, and if one of them fails it
-terminates the others and reports which rank failed, instead of leaving them waiting in a collective.
+No other module of the package calls a ``torch.distributed`` collective (a test checks). Having one home means one
+answer to "which device does this group communicate on":
+
+* ``init_distributed`` creates the default group with a backend per device (``"cpu:gloo,cuda:nccl"`` when CUDA is
+  present, else ``"gloo"``), so a small CPU tensor (a flag, a string, a peak-memory figure) can go through gloo
+  while the statistics of layers on the GPU go through NCCL;
+* :func:`comm_device` still moves a tensor when a group cannot carry it where it lives (a group a user created
+  with NCCL only, or gloo only with CUDA tensors), and the collectives here move it back afterwards.
+
+Every function works without a process group (one process): collectives are then no-ops and :func:`world` is
+``(0, 1)``. Strings and small JSON values travel as UTF-8 bytes in uint8 tensors: nothing is ever pickled.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
-import sys
-import time
-import traceback
-from typing import Any, Callable
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .errors import DistributedError
 
 #: Collectives give up after this long (seconds) unless SHARDCAL_TIMEOUT says otherwise.
 DEFAULT_TIMEOUT_S = 600
+#: The default group's backends when CUDA is present: CPU tensors through gloo, CUDA tensors through NCCL.
+CPU_AND_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+# ----------------------------------------------------------------------------------------------- the group
 
 
 def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait: ``SHARDCAL_TIMEOUT`` seconds, default :data:`DEFAULT_TIMEOUT_S`."""
     raw = os.environ.get("SHARDCAL_TIMEOUT", str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(raw)
     except ValueError:
         raise DistributedError(f"SHARDCAL_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise DistributedError(f"SHARDCAL_TIMEOUT={raw!r} must be a positive number of seconds")
     return datetime.timedelta(seconds=seconds)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for a rendezvous we start ourselves)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def default_backend() -> str:
+    """The backend :func:`init_distributed` asks for: gloo for CPU tensors, plus NCCL for CUDA tensors if present."""
+    return CPU_AND_CUDA_BACKEND if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join (or form) the default process group; return ``(rank, world_size)``. Idempotent.
 
-    Backend: NCCL when CUDA is available, else gloo. On CUDA each process uses device ``LOCAL_RANK``.
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); with none set, forms a
+    one-process group so that the same code path (FSDP2 included) runs in a plain ``python``. ``backend``
+    defaults to :func:`default_backend`. With CUDA, each process uses device ``LOCAL_RANK``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    backend = backend if backend is not None else default_backend()
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=collective_timeout())
     return dist.get_rank(), dist.get_world_size()
 
 
-def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, status_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SHARDCAL_STATUS_DIR=status_dir,
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+def destroy_distributed() -> None:
+    """Leave the default process group (no-op without one)."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default group, or ``(0, 1)`` without a process group."""
+    if is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def dp_group() -> Any:
+    """The data-parallel group statistics are merged over: the whole world, or None for a single process."""
+    return dist.group.WORLD if is_initialized() and dist.get_world_size() > 1 else None
+
+
+def group_rank_size(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` for None."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _active(group: Any) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def default_store() -> Any:
+    """The default group's key-value store (None without a process group or when torch exposes none)."""
+    if not is_initialized():
+        return None
     try:
-        init_distributed()
-        fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which ends the siblings
-        errors.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
-        errors.close()
-        errors.join_thread()  # flush the report before the hard exit
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nothing to report to
+        return None
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run ``fn(*args)`` in ``nproc`` local processes forming one process group.
+# ----------------------------------------------------------------------------------------------- devices
 
-    ``fn`` must be importable (module level). If any process fails, the others are terminated and a
-    :class:`DistributedError` names the first failed rank and its error.
+
+def backend_name(group: Any = None) -> str:
+    """The group's backend as torch spells it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    return str(dist.get_backend(group)).lower()
+
+
+def comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where a tensor on ``device`` must be for a collective over ``group``.
+
+    NCCL carries CUDA tensors only and gloo CPU tensors only; a group with both (``cpu:gloo,cuda:nccl``) takes each
+    where it is. A CPU tensor in an NCCL-only group goes to the current CUDA device, a CUDA tensor in a gloo-only
+    group to the CPU.
     """
-    if nproc < 1:
-        raise DistributedError(f"--nproc-per-node must be >= 1, got {nproc}")
-    import tempfile
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="shardcal-status-") as status_dir:
-        procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, errors, status_dir)) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        first_failed = _wait_for_first_failure(procs)
-        if first_failed is not None:
-            # Survivors notice a dead peer in their next collective and report on their own; give them a moment,
-            # then stop whoever is left (a rank stuck outside collectives would otherwise keep us waiting).
-            deadline = time.monotonic() + GRACE_S
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-        for p in procs:
-            p.join()
-        reports = []
-        while not errors.empty():
-            reports.append(errors.get())
-        if first_failed is None:
-            return
-        raise _origin_of_failure(procs, sorted(reports), first_failed, status_dir)
+    backend = backend_name(group)
+    has_cpu = "gloo" in backend or "mpi" in backend
+    has_cuda = "nccl" in backend
+    if device.type == "cpu" and not has_cpu and has_cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and not has_cuda and has_cpu:
+        return torch.device("cpu")
+    return device
 
 
-def _origin_of_failure(procs: list[Any], reports: list[tuple], first_failed: int, status_dir: str) -> DistributedError:
-    """The error that names the rank where the failure started (not a survivor that merely noticed it)."""
-    from .health import read_status_file
-
-    own = [r for r in reports if r[1] != "DistributedError"]
-    if own:  # a rank raised: its own error, its traceback once (unless it is a plain user error)
-        rank, kind, message, tb = own[0]
-        if kind not in _USER_ERRORS:
-            sys.stderr.write(f"--- rank {rank} traceback ---\n{tb}")
-        return DistributedError(f"rank {rank} failed: {message}" if kind in _USER_ERRORS else f"rank {rank} failed with {kind}: {message}")
-    reported = {r[0] for r in reports}
-    silent = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in reported]
-    silent.sort(key=lambda r: r != first_failed)  # the first to go is the likeliest origin
-    rank = silent[0] if silent else first_failed
-    if rank in reported:  # only survivors' reports: they name the failed rank themselves
-        return DistributedError(next(r[2] for r in reports if r[0] == rank))
-    status = read_status_file(status_dir, rank) or "no status recorded"
-    code = procs[rank].exitcode
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    return DistributedError(f"rank {rank} {how} (last status: {status}); the other ranks were stopped")
+def _to_comm(t: torch.Tensor, group: Any) -> torch.Tensor:
+    target = comm_device(group, t.device)
+    return t.contiguous() if target == t.device else t.to(target).contiguous()
 
 
-#: Seconds the launcher lets surviving ranks report a failed peer before it terminates them.
-GRACE_S = 15.0
+# ----------------------------------------------------------------------------------------------- tensor collectives
 
 
-def _wait_for_first_failure(procs: list[Any]) -> int | None:
-    """Block until all processes exit (None) or one exits non-zero (its rank)."""
-    while any(p.is_alive() for p in procs):
-        for r, p in enumerate(procs):
-            if not p.is_alive() and p.exitcode != 0:
-                return r
-        time.sleep(0.1)
-    for r, p in enumerate(procs):
-        if p.exitcode != 0:
-            return r
-    return None
+def all_reduce_(t: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """All-reduce ``t`` in place over ``group`` (``op``: sum, max or min); a no-op for None or a one-rank group."""
+    if not _active(group):
+        return t
+    moved = _to_comm(t, group)
+    dist.all_reduce(moved, op=_OPS[op], group=group)
+    if moved is not t:
+        t.copy_(moved.to(t.device))
+    return t
 
 
-#: Error classes whose message is enough (no traceback): shardcal's user-facing errors.
-_USER_ERRORS = {
-    "ShardcalError", "ConfigError", "CheckpointError", "TokenizerError", "RecipeError", "DataError",
-    "ModelLayoutError", "CalibrationCheckpointError", "ExportError", "DistributedError",
-}
+def all_reduce_many_(tensors: Sequence[torch.Tensor], op: str, group: Any, dtype: torch.dtype | None = None) -> int:
+    """All-reduce many tensors in place with one collective (flattened into one buffer); return how many were issued.
+
+    ``dtype``: the buffer's dtype (default: the tensors' common dtype, else float64). Every rank passes tensors of
+    the same shapes in the same order.
+    """
+    if not _active(group) or not tensors:
+        return 0
+    if dtype is None:
+        dtypes = {t.dtype for t in tensors}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    device = comm_device(group, tensors[0].device)
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    dist.all_reduce(flat, op=_OPS[op], group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+    return 1
+
+
+def broadcast_(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+    """Broadcast ``t`` in place from group rank ``src``; a no-op for None or a one-rank group."""
+    if not _active(group):
+        return t
+    moved = _to_comm(t, group)
+    dist.broadcast(moved, src=dist.get_global_rank(group, src), group=group)
+    if moved is not t:
+        t.copy_(moved.to(t.device))
+    return t
+
+
+def all_gather_tensors(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on every rank), on ``t``'s device; ``[t]`` for a single process."""
+    if not _active(group):
+        return [t]
+    moved = _to_comm(t, group)
+    out = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, moved, group=group)
+    return [o.to(t.device) for o in out]
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of ``group`` (default: the world) gets here; a no-op for a single process."""
+    if group is None:
+        group = dp_group()
+    if _active(group):
+        dist.barrier(group=group)
+
+
+# ----------------------------------------------------------------------------------------------- small values
+
+
+def all_gather_floats(value: float, group: Any = None) -> list[float]:
+    """Every rank's ``value`` (float64), e.g. a peak-memory figure; ``[value]`` for a single process."""
+    if group is None:
+        group = dp_group()
+    gathered = all_gather_tensors(torch.tensor([float(value)], dtype=torch.float64), group)
+    return [float(g) for g in gathered]
+
+
+def _encode(text: str) -> torch.Tensor:
+    raw = text.encode("utf-8")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor, length: int) -> str:
+    return bytes(data[:length].cpu().tolist()).decode("utf-8")
+
+
+def all_gather_strings(text: str, group: Any = None) -> list[str]:
+    """Every rank's string (UTF-8 bytes in uint8 tensors, never pickled); ``[text]`` for a single process."""
+    if group is None:
+        group = dp_group()
+    if not _active(group):
+        return [text]
+    data = _encode(text)
+    lengths = [int(n) for n in all_gather_tensors(torch.tensor([data.numel()], dtype=torch.int64), group)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    return [_decode(t, n) for t, n in zip(all_gather_tensors(padded, group), lengths)]
+
+
+def broadcast_string(text: str, src: int = 0, group: Any = None) -> str:
+    """Group rank ``src``'s string on every rank (what other ranks pass is ignored)."""
+    if group is None:
+        group = dp_group()
+    if not _active(group):
+        return text
+    mine = group_rank_size(group)[0] == src
+    data = _encode(text) if mine else torch.zeros(0, dtype=torch.uint8)
+    size = int(broadcast_(torch.tensor([data.numel()], dtype=torch.int64), src, group))
+    buffer = data if mine else torch.zeros(size, dtype=torch.uint8)
+    if size:
+        broadcast_(buffer, src, group)
+    return _decode(buffer, size)
+
+
+def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
+    """Group rank ``src``'s JSON-able ``value`` on every rank (what other ranks pass is ignored)."""
+    return json.loads(broadcast_string(json.dumps(value), src, group))
+
+
+def ranks_with_flag(flag: bool, group: Any = None) -> list[int]:
+    """The ranks of ``group`` (default: the world) whose ``flag`` is true, known on every rank; collective."""
+    if group is None:
+        group = dp_group()
+    rank, size = group_rank_size(group)
+    flags = torch.zeros(size, dtype=torch.int32)
+    flags[rank] = int(bool(flag))
+    all_reduce_(flags, "sum", group)
+    return [r for r in range(size) if int(flags[r])]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import all_reduce_, dp_group, world
 from .errors import DataError
 
 
@@ -80,12 +81,10 @@ def distributed_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size
     Every rank scores its own rows and the sums are all-reduced. A sharded forward is a collective, so every
     rank runs the same number of forwards: a rank that runs out of rows repeats a dummy one and ignores it.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    rank, world_size = world()
+    if world_size == 1:
         return perplexity(model, input_ids, batch_size=batch_size)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-input_ids.shape[0] // world)
+    per_rank = -(-input_ids.shape[0] // world_size)
     mine = input_ids[rank * per_rank : (rank + 1) * per_rank]
     forwards = -(-per_rank // batch_size)
     total, count = 0.0, 0
@@ -97,8 +96,5 @@ def distributed_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size
             continue
         nll, n = token_nll(model, batch, batch_size=batch_size)
         total, count = total + nll, count + n
-    sums = torch.tensor([total, float(count)], dtype=torch.float64)
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
-        sums = sums.cuda()
-    dist.all_reduce(sums)
+    sums = all_reduce_(torch.tensor([total, float(count)], dtype=torch.float64), "sum", dp_group())
     return math.exp(float(sums[0]) / float(sums[1]))

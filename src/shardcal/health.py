@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from .distributed import default_store, is_initialized, world
 from .errors import DistributedError, ShardcalError
 
 _KEY = "shardcal/status/{rank}"
@@ -29,17 +30,8 @@ _COLLECTIVE_FAILED = "collective-failed"
 _phase = "starting"
 
 
-def _store():  # noqa: ANN202 - torch's private Store type
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: nothing to report to
-        return None
-
-
 def _write(status: str) -> None:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = world()[0] if is_initialized() else int(os.environ.get("RANK", "0"))
     status_dir = os.environ.get(_STATUS_DIR_ENV)
     if status_dir:
         path = Path(status_dir) / f"rank{rank}.status"
@@ -49,7 +41,7 @@ def _write(status: str) -> None:
             os.replace(tmp, path)
         except OSError:
             pass
-    store = _store()
+    store = default_store()
     if store is not None:
         try:
             store.set(_KEY.format(rank=rank), status)
@@ -91,8 +83,8 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 def _diagnose(exc: BaseException) -> DistributedError:
     """Which rank failed or vanished, and in which phase, from the other ranks' records."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store = _store()
+    rank, size = world()
+    store = default_store()
     statuses: dict[int, str | None] = {}
     if store is not None:
         try:
@@ -100,7 +92,7 @@ def _diagnose(exc: BaseException) -> DistributedError:
             deadline = time.monotonic() + 3.0  # let the other survivors record that they are survivors
             while True:
                 statuses = {}
-                for other in range(world):
+                for other in range(size):
                     key = _KEY.format(rank=other)
                     statuses[other] = store.get(key).decode() if store.check([key]) else None
                 pending = [r for r, s in statuses.items() if r != rank and s is not None and s.startswith("running")]
@@ -129,7 +121,7 @@ def _diagnose(exc: BaseException) -> DistributedError:
 @contextlib.contextmanager
 def rank_guard() -> Iterator[None]:
     """Turn a peer's failure into a clear :class:`DistributedError`; record this rank's own failure for the peers."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = world()[1] > 1
     try:
         yield
     except BaseException as exc:

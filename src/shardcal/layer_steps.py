@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .batches import Batch
@@ -174,10 +173,3 @@ def compute_device(model: nn.Module) -> torch.device:
             return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
         return p.device
     return torch.device("cpu")
-
-
-def world() -> tuple[int, int]:
-    """``(rank, world_size)``, or ``(0, 1)`` without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

@@ -19,51 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..distributed import all_reduce_many_
 from ..quant.session import quantizer_mode
 from ..quant.spec import SpecError
-
-# ----------------------------------------------------------------------------------------------- collectives
-
-
-def _comm_device(group: Any, device: torch.device) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower() and device.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def all_reduce_(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-    """All-reduce ``t`` in place over ``group`` (``op``: ``"sum"`` or ``"max"``); a no-op when ``group`` is None."""
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    device = _comm_device(group, t.device)
-    moved = t if device == t.device else t.to(device)
-    dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
-    if moved is not t:
-        t.copy_(moved.to(t.device))
-    return t
-
-
-def broadcast_(t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
-    """Broadcast ``t`` in place from group rank ``src``; a no-op when ``group`` is None."""
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    device = _comm_device(group, t.device)
-    moved = t.contiguous() if device == t.device else t.to(device).contiguous()
-    dist.broadcast(moved, src=dist.get_global_rank(group, src), group=group)
-    if moved is not t:
-        t.copy_(moved.to(t.device))
-    return t
-
-
-def group_rank_size(group: Any) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group size; ``(0, 1)`` for None."""
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
 
 @contextmanager
 def threads(n: int | None) -> Iterator[None]:
@@ -114,16 +74,7 @@ class ExactSum:
 
 def merge_exact(sums: Sequence[ExactSum], group: Any) -> None:
     """All-reduce (SUM) every limb of ``sums`` in one collective; exact, so identical at any world size."""
-    if group is None or dist.get_world_size(group) == 1 or not sums:
-        return
-    limbs = [t for s in sums for t in s.limbs()]
-    flat = torch.cat([t.reshape(-1) for t in limbs])
-    all_reduce_(flat, "sum", group)
-    offset = 0
-    for t in limbs:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
-        offset += n
+    all_reduce_many_([t for s in sums for t in s.limbs()], "sum", group, dtype=torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------- input statistics
@@ -258,15 +209,7 @@ class InputStats:
 
     def merge(self, group: Any) -> "InputStats":
         """Merge over ``group`` (collective; every rank calls it, in the same order of points): exact."""
-        maxima = [s.max for s in self.stats.values() if s.max is not None]
-        if maxima and group is not None:
-            flat = torch.cat(maxima)
-            all_reduce_(flat, "max", group)
-            offset = 0
-            for s in self.stats.values():
-                if s.max is not None:
-                    s.max = flat[offset : offset + s.dim].clone()
-                    offset += s.dim
+        all_reduce_many_([s.max for s in self.stats.values() if s.max is not None], "max", group, dtype=torch.float32)
         sums = [e for s in self.stats.values() for e in (s.count, s.gram, s.abssum) if e is not None]
         merge_exact(sums, group)
         return self

@@ -41,7 +41,8 @@ from ..quant import QuantLinear, TensorQuantizer
 from ..quant.formats import FORMATS, scale_from_amax
 from ..quant.recipe import register_algorithm
 from ..quant.spec import SpecError
-from ._common import PROPAGATE, InputStats, boolean, broadcast_, check_params, group_rank_size, integer, number, one_of, threads
+from ..distributed import broadcast_, group_rank_size
+from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, threads
 
 SCHEMA = {
     "block_size": (128, integer(1)),

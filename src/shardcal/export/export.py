@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..distributed import broadcast_json, ranks_with_flag, world
 from ..errors import ExportError
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from ..fsutil import check_creatable
-from ..layer_steps import world
 from ..quant.quantizer import TensorQuantizer
 from ..quant.recipe import Recipe, load_recipe
 from .ct_tensors import encode_input, encode_weight
@@ -63,46 +62,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 
 class ExportInterrupted(RuntimeError):
     """Raised by the ``_fail_at_unit`` test hook on the rank that owns that unit."""
-
-
-# ----------------------------------------------------------------------------------------------- collectives
-
-
-def _group() -> Any:
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
-
-
-def _comm_device() -> torch.device:
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _failed_ranks(failed: bool) -> list[int]:
-    """Which ranks report failure (collective; a plain list without a process group)."""
-    rank, world_size = world()
-    if _group() is None:
-        return [rank] if failed else []
-    flags = torch.zeros(world_size, dtype=torch.int32, device=_comm_device())
-    flags[rank] = int(failed)
-    dist.all_reduce(flags)
-    return [r for r in range(world_size) if int(flags[r])]
-
-
-def _broadcast(message: tuple[str, str] | None) -> tuple[str, str]:
-    """Rank 0's ``(status, text)`` on every rank, sent as UTF-8 JSON in a byte tensor (no pickling)."""
-    if _group() is None:
-        return message
-    device = _comm_device()
-    payload = json.dumps(message).encode("utf-8") if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(data, src=0)
-    status, text = json.loads(bytes(data.cpu().tolist()).decode("utf-8"))
-    return status, text
 
 
 # ----------------------------------------------------------------------------------------------- destination
@@ -317,12 +276,12 @@ def export_checkpoint(
             prepared = ("ok", str(_prepare(out_dir, overwrite, tok_dir)))
         except ExportError as exc:
             prepared = ("error", str(exc))
-    prepared = _broadcast(prepared if rank == 0 else None)
+    prepared = tuple(broadcast_json(prepared if rank == 0 else None))
     if prepared[0] == "error":
         raise ExportError(prepared[1])
     staging = Path(prepared[1])
     try:
-        missing = _failed_ranks(not staging.is_dir())
+        missing = ranks_with_flag(not staging.is_dir())
         if missing:
             raise ExportError(
                 f"{staging}: the staging directory is not visible on rank(s) {missing}; export to a directory on a "
@@ -341,7 +300,7 @@ def export_checkpoint(
                                 _write_unit(model, plan, unit, writer)
                             except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
                                 error = exc
-                        failed = _failed_ranks(error is not None)
+                        failed = ranks_with_flag(error is not None)
                     if error is not None:
                         raise error
                     if failed:
@@ -359,9 +318,9 @@ def export_checkpoint(
             except ExportError as exc:
                 outcome = ("error", str(exc))
             except BaseException as exc:
-                _broadcast(("error", f"export to {out_dir} failed on rank 0: {exc!r}"))
+                broadcast_json(("error", f"export to {out_dir} failed on rank 0: {exc!r}"))
                 raise
-        outcome = _broadcast(outcome)
+        outcome = tuple(broadcast_json(outcome))
         if outcome[0] == "error":
             raise ExportError(outcome[1])
     except BaseException:

@@ -12,32 +12,20 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
+
+from ..distributed import all_reduce_many_
 
 #: A statistic to merge: ("max" | "sum", tensor), merged in place.
 Stat = tuple[str, torch.Tensor]
-
-_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-
-
-def _comm_device(group: Any, device: torch.device) -> torch.device:
-    """NCCL reduces only CUDA tensors; gloo takes the tensors where they are."""
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower() and device.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def merge_stats(stats: Sequence[Stat], group: Any) -> int:
     """All-reduce ``stats`` over ``group`` in place, one collective per reduce op; return how many were issued.
 
     ``group=None`` means no merge (one process, or statistics that are already global such as a full weight's).
+    Maxima of float32 tensors stay float32 (exact); everything else is reduced in float64.
     """
     if group is None or not stats:
-        return 0
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("merging observer statistics across ranks needs an initialised torch.distributed process group")
-    if dist.get_world_size(group) == 1:
         return 0
     issued = 0
     for op in ("max", "sum"):
@@ -45,13 +33,5 @@ def merge_stats(stats: Sequence[Stat], group: Any) -> int:
         if not tensors:
             continue
         dtype = torch.float32 if op == "max" and all(t.dtype == torch.float32 for t in tensors) else torch.float64
-        device = _comm_device(group, tensors[0].device)
-        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
-        dist.all_reduce(flat, op=_OPS[op], group=group)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view(t.shape))
-            offset += n
-        issued += 1
+        issued += all_reduce_many_(tensors, op, group, dtype=dtype)
     return issued
