@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from shardcal.errors import ShardcalError
-from shardcal.quant import Recipe, TensorQuantizer, load_recipe, shipped_recipes
+from shardcal.quant import TensorQuantizer
+from shardcal.recipes import Recipe, load_recipe, shipped_recipes
 
 
 def _model_dir(arg: str | None, cache_dir: str | None) -> Path:

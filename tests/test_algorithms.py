@@ -15,7 +15,8 @@ from shardcal.calibrate import CalibrationInterrupted, calibrate
 from shardcal.errors import RecipeError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
-from shardcal.quant import QuantizerSpec, TensorQuantizer, iter_quantizers, load_recipe, parse_recipe, set_quantizer_mode
+from shardcal.quant import QuantizerSpec, TensorQuantizer, iter_quantizers, set_quantizer_mode
+from shardcal.recipes import load_recipe, parse_recipe
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 
@@ -93,7 +94,7 @@ def test_layer_without_known_pairs_warns_and_is_left_alone():
     from types import SimpleNamespace
 
     from shardcal.algorithms.smoothquant import SmoothQuant
-    from shardcal.quant import quantize_modules
+    from shardcal.recipes import quantize_modules
 
     layer = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
     quantize_modules(layer, _recipe("smoothquant", weight_only=False), prefix="blocks.0")
@@ -131,7 +132,7 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(act_order):
     quantizer = TensorQuantizer(QuantizerSpec("int4", "group", group_size=128, observer="mse"), (96, 256))
     quantizer.calibrate_from(weight)
     amax = quantizer.amax.clone()
-    q = gptq_quantize(weight, x.double().T @ x.double(), quantizer, act_order=act_order)
+    q = gptq_quantize(weight, x.double().T @ x.double(), quantizer, act_order=act_order, static_groups=True)
     rtn = quantizer(weight)
     err = lambda w: (x @ (w - weight).T).pow(2).sum().item()  # noqa: E731
     assert err(q) < 0.8 * err(rtn), (err(q), err(rtn))
@@ -145,10 +146,10 @@ def test_gptq_dead_columns_and_unseen_expert_round_to_nearest():
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     quantizer = TensorQuantizer(QuantizerSpec("int4", "group", group_size=32), (8, 64))
     quantizer.calibrate_from(weight)
-    assert torch.equal(gptq_quantize(weight, torch.zeros(64, 64), quantizer), quantizer(weight))
+    assert torch.equal(gptq_quantize(weight, torch.zeros(64, 64), quantizer, static_groups=True), quantizer(weight))
     x = _correlated_inputs(512, 64)
     x[:, 10] = 0.0
-    q = gptq_quantize(weight, x.T @ x, quantizer)
+    q = gptq_quantize(weight, x.T @ x, quantizer, static_groups=True)
     assert torch.equal(q[:, 10], quantizer(weight)[:, 10]) and torch.isfinite(q).all()
 
 

@@ -16,7 +16,8 @@ from shardcal.calibrate import CalibrationInterrupted, calibrate
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
-from shardcal.quant import iter_quantizers, load_recipe, quantize_modules
+from shardcal.quant import iter_quantizers
+from shardcal.recipes import load_recipe, quantize_modules
 from shardcal.quant.session import begin_pass_all, end_pass_all, finish_calibration_all, start_calibration_all
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
@@ -75,7 +76,7 @@ observer = { name = "percentile", percentile = 99.9 }
 
 
 def _recipe(name: str):
-    from shardcal.quant import parse_recipe
+    from shardcal.recipes import parse_recipe
 
     return parse_recipe(TWO_PASS, "two-pass.toml") if name == "two-pass" else name
 

@@ -267,7 +267,7 @@ granularity = "channel"
 def test_weight_only_recipe_quantizes_at_export(tmp_path):
     """A plain model exported with a weight-only recipe equals calibrate + export with it, tensor for tensor;
     int8 weight-only is compressed-tensors' pack-quantized with four int8 per int32."""
-    from shardcal.quant import parse_recipe
+    from shardcal.recipes import parse_recipe
 
     recipe = parse_recipe(W8A16, "w8a16.toml")
     model = _model()

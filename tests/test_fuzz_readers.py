@@ -50,7 +50,7 @@ from shardcal.errors import (
 from shardcal.models import from_pretrained, load_config
 from shardcal.models.checkpoint import CheckpointReader
 from shardcal.models.tokenizer import Tokenizer
-from shardcal.quant.recipe import parse_recipe, recipe_from_dict
+from shardcal.recipes import parse_recipe, recipe_from_dict
 
 from _tiny_models import TINY_CONFIGS, make_tiny_checkpoint
 from test_gguf_tokenizer import byte_level_tokenizer_json

@@ -12,20 +12,8 @@ from _dist import run_on_ranks
 from shardcal.errors import RecipeError, ShardcalError
 from shardcal.models import CausalLM, DecoderLayer, ModelConfig
 from shardcal.models.rope import RotaryEmbedding
-from shardcal.quant import (
-    CalibrationSession,
-    NotCalibratedError,
-    QuantizerSpec,
-    QuantLinear,
-    TensorQuantizer,
-    fake_quantize,
-    iter_quantizers,
-    load_recipe,
-    parse_recipe,
-    quantize_modules,
-    quantizer_mode,
-    set_quantizer_mode,
-)
+from shardcal.quant import CalibrationSession, NotCalibratedError, QuantizerSpec, QuantLinear, TensorQuantizer, fake_quantize, iter_quantizers, quantizer_mode, set_quantizer_mode
+from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 
 LLAMA = {
     "model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

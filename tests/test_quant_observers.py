@@ -7,16 +7,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_on_ranks
-from shardcal.quant import (
-    CalibrationSession,
-    QuantizerSpec,
-    TensorQuantizer,
-    begin_pass_all,
-    end_pass_all,
-    fake_quantize,
-    finish_calibration_all,
-    start_calibration_all,
-)
+from shardcal.quant import CalibrationSession, QuantizerSpec, TensorQuantizer, begin_pass_all, end_pass_all, fake_quantize, finish_calibration_all, start_calibration_all
 from shardcal.quant.granularity import Layout
 
 HIDDEN = 32

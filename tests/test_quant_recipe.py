@@ -4,9 +4,10 @@ import pytest
 
 import shardcal
 from shardcal.errors import RecipeError
-from shardcal.quant import QuantizerSpec, Recipe, load_recipe, parse_recipe, register_algorithm, shipped_recipes
-from shardcal.quant.recipe import ALGORITHMS
-from shardcal.quant.spec import SpecError
+from shardcal.quant import QuantizerSpec
+from shardcal.recipes import Recipe, load_recipe, parse_recipe, shipped_recipes
+from shardcal.algorithms import ALGORITHMS, LayerAlgorithm, make_algorithm, register_algorithm
+from shardcal.params import integer, number
 
 
 def test_shipped_recipes():
@@ -93,21 +94,38 @@ def test_malformed_toml(tmp_path):
         load_recipe(f)
 
 
-def test_register_algorithm_extension_point():
-    def check(params):
-        unknown = set(params) - {"alpha"}
-        if unknown:
-            raise SpecError(sorted(unknown)[0], "unknown parameter")
-        return {"alpha": params.get("alpha", 0.5)}
+class _Scaled(LayerAlgorithm):
+    """A user's algorithm: one class with its name, schema and hooks."""
 
-    register_algorithm("smoothquant-test", check)
+    name = "scaled-test"
+    schema = {"alpha": (0.5, number(0.0, 1.0)), "steps": (2, integer(1))}
+
+
+def test_register_algorithm_extension_point():
+    assert "scaled-test" not in ALGORITHMS  # nothing registers on import
+    register_algorithm(_Scaled)
     try:
-        r = parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "smoothquant-test"\n')
-        assert r.algorithm == {"name": "smoothquant-test", "alpha": 0.5}
-        with pytest.raises(RecipeError, match="'algorithm.beta'"):
-            parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "smoothquant-test"\nbeta = 1\n')
+        r = parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "scaled-test"\nsteps = 3\n')
+        assert r.algorithm == {"name": "scaled-test", "alpha": 0.5, "steps": 3}
+        algorithm = make_algorithm(r.algorithm)
+        assert isinstance(algorithm, _Scaled) and algorithm.params == {"alpha": 0.5, "steps": 3}
+        with pytest.raises(RecipeError, match="'algorithm.beta': unknown parameter 'beta' for algorithm 'scaled-test'"):
+            parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "scaled-test"\nbeta = 1\n')
+        with pytest.raises(RecipeError, match="'algorithm.alpha': algorithm 'scaled-test': alpha must be in"):
+            parse_recipe('[weight]\nformat = "int8"\n[algorithm]\nname = "scaled-test"\nalpha = 2\n')
     finally:
-        ALGORITHMS.pop("smoothquant-test")
+        ALGORITHMS.pop("scaled-test")
+    with pytest.raises(TypeError):
+        register_algorithm(lambda params: params)
+
+
+def test_one_registry_defaults_agree():
+    """The recipe's defaults are the algorithm's own: a recipe without parameters builds the same object."""
+    from shardcal.algorithms.gptq import DEFAULTS, GPTQ
+
+    r = parse_recipe('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n[algorithm]\nname = "gptq"\n')
+    assert {k: r.algorithm[k] for k in DEFAULTS} == DEFAULTS
+    assert make_algorithm(r.algorithm).params == GPTQ().params
 
 
 def test_spec_round_trips_through_dict():

@@ -16,7 +16,7 @@ from .errors import ShardcalError
 from .export import export_checkpoint
 from .fsdp2_utils import fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
 from .layer_steps import LayerStep, layer_steps
-from .quant import load_recipe
+from .recipes import load_recipe
 from .registry import LayerActivationCollector
 from .report import CalibrationReport
 

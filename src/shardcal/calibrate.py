@@ -30,7 +30,9 @@ from .errors import ModelLayoutError
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
 from .layer_steps import LayerStep, layer_steps
-from .quant import QuantLinear, Recipe, TensorQuantizer, load_recipe, quantize_modules
+from .quant.linear import QuantLinear
+from .quant.quantizer import TensorQuantizer
+from .recipes import Recipe, load_recipe, quantize_modules
 from .quant.quantizer import QuantMode
 from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, quantizer_mode, start_calibration_all
 from .registry import LayerActivationCollector, decoder_layer_prefix
@@ -320,7 +322,7 @@ def _calibrate(
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     algorithm = make_algorithm(recipe.algorithm)
     if propagate is None:
-        propagate = algorithm.default_propagate
+        propagate = algorithm.propagate
     layers = LayerActivationCollector.get_decoder_layers(model)
     if layers is None:
         raise ModelLayoutError(

@@ -138,7 +138,7 @@ def calibrate_job(options: dict) -> dict:
     from .export import check_destination, export_checkpoint
     from .models import load_pretrained
     from .models.config import load_config
-    from .quant import load_recipe
+    from .recipes import load_recipe
 
     args = argparse.Namespace(**options)
     rank, world = init_distributed()
@@ -251,7 +251,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .models import from_pretrained
     from .models.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
     from .models.tokenizer import Tokenizer
-    from .quant import load_recipe
+    from .recipes import load_recipe
 
     if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
         raise DataError("--num-samples and --eval-samples must be >= 1 and --seq-len >= 2")

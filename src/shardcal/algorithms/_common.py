@@ -23,7 +23,6 @@ from torch import nn
 
 from ..distributed import all_reduce_many_
 from ..quant.session import quantizer_mode
-from ..quant.spec import SpecError
 
 @contextmanager
 def threads(n: int | None) -> Iterator[None]:
@@ -213,69 +212,3 @@ class InputStats:
         sums = [e for s in self.stats.values() for e in (s.count, s.gram, s.abssum) if e is not None]
         merge_exact(sums, group)
         return self
-
-
-# ----------------------------------------------------------------------------------------------- parameters
-
-
-def check_params(algorithm: str, params: Mapping[str, Any], schema: Mapping[str, tuple[Any, Callable[[Any], str | None]]]) -> dict[str, Any]:
-    """``params`` completed with defaults; :class:`SpecError` naming the key for an unknown key or a bad value."""
-    unknown = sorted(set(params) - set(schema))
-    if unknown:
-        raise SpecError(unknown[0], f"unknown parameter for algorithm {algorithm!r} (known: {', '.join(schema)})")
-    out = {}
-    for key, (default, check) in schema.items():
-        value = params.get(key, default)
-        problem = check(value)
-        if problem:
-            raise SpecError(key, f"algorithm {algorithm!r}: {key} {problem}, got {value!r}")
-        out[key] = value
-    return out
-
-
-def number(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-            return "must be a number"
-        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
-            return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        return None
-
-    return check
-
-
-def integer(lo: int) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return "must be an integer"
-        return f"must be at least {lo}" if v < lo else None
-
-    return check
-
-
-def boolean(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "must be true or false"
-
-
-def one_of(*choices: str) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
-
-    return check
-
-
-def subset_of(*choices: str) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
-            return "must be a list of strings"
-        bad = [c for c in v if c not in choices]
-        if bad:
-            return f"has unknown entry {bad[0]!r} (known: {', '.join(choices)})"
-        if len(set(v)) != len(v):
-            return "has a duplicate entry"
-        return None
-
-    return check
-
-
-PROPAGATE = ("fp", "qdq")

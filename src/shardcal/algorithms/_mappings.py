@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..models.decoder import RMSNorm
-from ..quant import QuantLinear
+from ..quant.linear import QuantLinear
 
 KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
 

@@ -34,26 +34,14 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from . import LayerAlgorithm, register
-from ..quant import QuantLinear, TensorQuantizer
+from ..layer_steps import PROPAGATE_MODES
+from ..params import boolean, integer, number, one_of, subset_of
 from ..quant.formats import FORMATS, fake_quantize
-from ..quant.recipe import register_algorithm
-from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, subset_of, threads
+from ..quant.linear import QuantLinear
+from ..quant.quantizer import TensorQuantizer
+from ._common import InputStats, threads
 from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
-
-SCHEMA = {
-    "grid": (20, integer(1)),
-    "duo_scaling": (True, boolean),
-    "mappings": (list(KINDS), subset_of(*KINDS)),
-    "clip": (True, boolean),
-    "clip_grid": (20, integer(1)),
-    "max_shrink": (0.5, number(0.0, 1.0, hi_open=True)),
-    "propagate": ("fp", one_of(*PROPAGATE)),
-}
-
-
-def validate(params: dict[str, Any]) -> dict[str, Any]:
-    return check_params("awq", params, SCHEMA)
+from .base import LayerAlgorithm
 
 
 def _max_qdq(w: torch.Tensor, q: TensorQuantizer) -> torch.Tensor:
@@ -93,12 +81,20 @@ class AWQ(LayerAlgorithm):
     """See the module docstring."""
 
     name = "awq"
+    schema = {
+        "grid": (20, integer(1)),
+        "duo_scaling": (True, boolean),
+        "mappings": (list(KINDS), subset_of(*KINDS)),
+        "clip": (True, boolean),
+        "clip_grid": (20, integer(1)),
+        "max_shrink": (0.5, number(0.0, 1.0, hi_open=True)),
+        "propagate": ("fp", one_of(*PROPAGATE_MODES)),
+    }
     changes_weights = True
 
     def __init__(self, params: Mapping[str, Any] | None = None):
-        super().__init__(validate(dict(params or {})))
+        super().__init__(params)
         self.kinds = tuple(self.params["mappings"])
-        self.default_propagate = self.params["propagate"]
         #: Per layer name: ``{smoothing key: best exponent r}`` of the last run (for inspection).
         self.ratios: dict[str, dict[str, float]] = {}
         self._clip_hessians: dict[int, tuple[nn.Linear, torch.Tensor]] = {}
@@ -209,7 +205,3 @@ class AWQ(LayerAlgorithm):
             best_err = torch.where(better, err, best_err)
             best = torch.where(better, amax, best)
         return best.reshape(lay.amax_shape)
-
-
-register("awq", AWQ)
-register_algorithm("awq", validate)

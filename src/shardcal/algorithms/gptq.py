@@ -35,43 +35,22 @@ from typing import Any, Mapping
 
 import torch
 
-from . import LayerAlgorithm, register
-from ..errors import RecipeError
-from ..quant import QuantLinear, TensorQuantizer
-from ..quant.formats import FORMATS, scale_from_amax
-from ..quant.recipe import register_algorithm
-from ..quant.spec import SpecError
 from ..distributed import broadcast_, group_rank_size
-from ._common import PROPAGATE, InputStats, boolean, check_params, integer, number, one_of, threads
+from ..errors import RecipeError
+from ..layer_steps import PROPAGATE_MODES
+from ..params import SpecError, boolean, integer, number, one_of, table_or_none
+from ..quant.formats import FORMATS, scale_from_amax
+from ..quant.linear import QuantLinear
+from ..quant.quantizer import TensorQuantizer
+from ._common import InputStats, threads
+from .awq import AWQ
+from .base import LayerAlgorithm
+from .smoothquant import SmoothQuant
 
-SCHEMA = {
-    "block_size": (128, integer(1)),
-    "percdamp": (0.01, number(0.0, 1.0, lo_open=True)),
-    "act_order": (False, boolean),
-    "static_groups": (False, boolean),
-    "propagate": ("qdq", one_of(*PROPAGATE)),
-    "smooth": (None, lambda v: None if v is None or isinstance(v, dict) else "must be a table"),
-}
+#: GPTQ's parameter defaults: the recipe schema's and :func:`gptq_quantize`'s, one source for both.
+DEFAULTS: dict[str, Any] = {"block_size": 128, "percdamp": 0.01, "act_order": False, "static_groups": False}
 #: Algorithms GPTQ can run first in the same step (``smooth = { name = ..., <its parameters> }``).
-SMOOTHERS = ("smoothquant", "awq")
-
-
-def validate(params: dict[str, Any]) -> dict[str, Any]:
-    out = check_params("gptq", params, SCHEMA)
-    if out["smooth"] is None:
-        del out["smooth"]
-        return out
-    from ..quant.recipe import ALGORITHMS as VALIDATORS
-
-    table = dict(out["smooth"])
-    name = table.pop("name", None)
-    if name not in SMOOTHERS:
-        raise SpecError("smooth.name", f"algorithm 'gptq': smooth.name must be one of {', '.join(map(repr, SMOOTHERS))}, got {name!r}")
-    try:
-        out["smooth"] = {"name": name, **VALIDATORS[name](table)}
-    except SpecError as exc:
-        raise SpecError(f"smooth.{exc.key}", str(exc)) from None
-    return out
+SMOOTHERS: dict[str, type[LayerAlgorithm]] = {cls.name: cls for cls in (SmoothQuant, AWQ)}
 
 
 def check_quantizer(q: TensorQuantizer, name: str) -> None:
@@ -138,10 +117,10 @@ def gptq_quantize(
     hessian: torch.Tensor,
     quantizer: TensorQuantizer,
     *,
-    percdamp: float = 0.01,
-    block_size: int = 128,
-    act_order: bool = False,
-    static_groups: bool = True,
+    percdamp: float = DEFAULTS["percdamp"],
+    block_size: int = DEFAULTS["block_size"],
+    act_order: bool = DEFAULTS["act_order"],
+    static_groups: bool = DEFAULTS["static_groups"],
 ) -> torch.Tensor:
     """GPTQ's quantized (dequantized values) ``weight`` [out, in] for inputs with Hessian ``hessian`` [in, in].
 
@@ -206,17 +185,39 @@ class GPTQ(LayerAlgorithm):
     """See the module docstring."""
 
     name = "gptq"
+    schema = {
+        "block_size": (DEFAULTS["block_size"], integer(1)),
+        "percdamp": (DEFAULTS["percdamp"], number(0.0, 1.0, lo_open=True)),
+        "act_order": (DEFAULTS["act_order"], boolean),
+        "static_groups": (DEFAULTS["static_groups"], boolean),
+        "propagate": ("qdq", one_of(*PROPAGATE_MODES)),
+        "smooth": (None, table_or_none),
+    }
     changes_weights = True
+    default_propagate = "qdq"
+
+    @classmethod
+    def validate(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().validate(params)
+        if out["smooth"] is None:
+            del out["smooth"]
+            return out
+        table = dict(out["smooth"])
+        name = table.pop("name", None)
+        if name not in SMOOTHERS:
+            raise SpecError("smooth.name", f"algorithm 'gptq': smooth.name must be one of {', '.join(map(repr, SMOOTHERS))}, got {name!r}")
+        try:
+            out["smooth"] = {"name": name, **SMOOTHERS[name].validate(table)}
+        except SpecError as exc:
+            raise SpecError(f"smooth.{exc.key}", str(exc)) from None
+        return out
 
     def __init__(self, params: Mapping[str, Any] | None = None):
-        super().__init__(validate(dict(params or {})))
-        self.default_propagate = self.params["propagate"]
+        super().__init__(params)
         self.smoother: LayerAlgorithm | None = None
         if "smooth" in self.params:
-            from . import ALGORITHMS
-
             table = dict(self.params["smooth"])
-            self.smoother = ALGORITHMS[table.pop("name")](table)
+            self.smoother = SMOOTHERS[table.pop("name")](table)
 
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         if self.smoother is not None:
@@ -257,7 +258,3 @@ class GPTQ(LayerAlgorithm):
                 if not self.params["static_groups"]:  # in-order group scales were computed by the solver
                     broadcast_(m.weight_quantizer.amax, k % size, group)
         step.invalidate_outputs()
-
-
-register("gptq", GPTQ)
-register_algorithm("gptq", validate)

@@ -31,29 +31,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from . import LayerAlgorithm, register
+from ..layer_steps import PROPAGATE_MODES
+from ..params import integer, number, number_list, one_of, subset_of
 from ..quant.formats import fake_quantize
-from ..quant.recipe import register_algorithm
-from ._common import PROPAGATE, ExactSum, InputStats, check_params, integer, merge_exact, number, one_of, subset_of
+from ._common import ExactSum, InputStats, merge_exact
 from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
-
-SCHEMA = {
-    "alpha": (0.5, number(0.0, 1.0)),
-    "alpha_grid": ([], lambda v: _grid_problem(v)),
-    "sample_tokens": (128, integer(1)),
-    "mappings": (list(KINDS), subset_of(*KINDS)),
-    "propagate": ("fp", one_of(*PROPAGATE)),
-}
-
-
-def _grid_problem(v: Any) -> str | None:
-    if not isinstance(v, list) or any(isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in v):
-        return "must be a list of numbers in [0, 1]"
-    return None
-
-
-def validate(params: dict[str, Any]) -> dict[str, Any]:
-    return check_params("smoothquant", params, SCHEMA)
+from .base import LayerAlgorithm
 
 
 def smoothing_scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -82,14 +65,20 @@ class SmoothQuant(LayerAlgorithm):
     """See the module docstring."""
 
     name = "smoothquant"
+    schema = {
+        "alpha": (0.5, number(0.0, 1.0)),
+        "alpha_grid": ([], number_list(0.0, 1.0)),
+        "sample_tokens": (128, integer(1)),
+        "mappings": (list(KINDS), subset_of(*KINDS)),
+        "propagate": ("fp", one_of(*PROPAGATE_MODES)),
+    }
     changes_weights = True
 
     def __init__(self, params: Mapping[str, Any] | None = None):
-        super().__init__(validate(dict(params or {})))
+        super().__init__(params)
         self.alpha = float(self.params["alpha"])
         self.grid = [float(a) for a in self.params["alpha_grid"]]
         self.kinds = tuple(self.params["mappings"])
-        self.default_propagate = self.params["propagate"]
         #: Per layer name: ``{smoothing key: scales}`` of the last run (for inspection and tests).
         self.scales: dict[str, dict[str, torch.Tensor]] = {}
         #: Per layer name: ``{smoothing key: alpha}`` chosen (with ``alpha_grid``).
@@ -152,7 +141,3 @@ class SmoothQuant(LayerAlgorithm):
                     per_batch[b] += float((xq @ wq.T - ref[b]).double().pow(2).sum())
             out.append(per_batch)
         return out
-
-
-register("smoothquant", SmoothQuant)
-register_algorithm("smoothquant", validate)

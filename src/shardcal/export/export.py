@@ -35,7 +35,7 @@ from ..errors import ExportError
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from ..fsutil import check_creatable
 from ..quant.quantizer import TensorQuantizer
-from ..quant.recipe import Recipe, load_recipe
+from ..recipes import Recipe, load_recipe
 from .ct_tensors import encode_input, encode_weight
 from .plan import ExportPlan, QuantModule, Unit, build_plan
 from .shards import RankShardWriter, header_bytes

@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import ExportError
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
-from ..quant.recipe import Recipe
+from ..recipes import Recipe
 from ..quant.spec import QuantizerSpec
 from ..registry import LayerActivationCollector, decoder_layer_prefix
 from . import ct_config

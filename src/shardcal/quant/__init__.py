@@ -8,8 +8,9 @@ insertion and TOML recipes. See docs/quantization.md.
 - :mod:`.merge` — one all-reduce per reduce op for many quantizers' statistics.
 - :mod:`.quantizer` — ``TensorQuantizer`` (modes, calibration passes, amax buffer).
 - :mod:`.session` — the pass protocol over many quantizers (what the layer runner calls).
-- :mod:`.linear` — ``QuantLinear`` and ``quantize_modules`` (in place; works before or after ``fully_shard``).
-- :mod:`.recipe` — ``Recipe`` and ``load_recipe``.
+- :mod:`.linear` — ``QuantLinear`` (in place; works before or after ``fully_shard``).
+
+Recipes (which modules get which quantizers, and the algorithm) are a layer above: :mod:`shardcal.recipes`.
 """
 
 from .formats import (
@@ -25,11 +26,10 @@ from .formats import (
     unpack_int4_from_int32,
 )
 from .granularity import Layout
-from .linear import QuantLinear, quantize_modules, quantized_modules
+from .linear import QuantLinear, quantized_modules
 from .merge import merge_stats
 from .observers import OBSERVERS, MaxObserver, MseObserver, Observer, PercentileObserver
 from .quantizer import NotCalibratedError, QuantMode, TensorQuantizer
-from .recipe import DEFAULT_EXCLUDES, Recipe, load_recipe, parse_recipe, register_algorithm, shipped_recipes
 from .session import (
     CalibrationSession,
     begin_pass_all,
@@ -41,11 +41,10 @@ from .session import (
     set_quantizer_mode,
     start_calibration_all,
 )
-from .spec import FORMATS, GRANULARITIES, QuantizerSpec, SpecError
+from .spec import FORMATS, GRANULARITIES, OBSERVER_KINDS, QuantizerSpec, SpecError
 
 __all__ = [
     "CalibrationSession",
-    "DEFAULT_EXCLUDES",
     "FORMATS",
     "GRANULARITIES",
     "Layout",
@@ -53,12 +52,12 @@ __all__ = [
     "MseObserver",
     "NotCalibratedError",
     "OBSERVERS",
+    "OBSERVER_KINDS",
     "Observer",
     "PercentileObserver",
     "QuantLinear",
     "QuantMode",
     "QuantizerSpec",
-    "Recipe",
     "SpecError",
     "TensorQuantizer",
     "begin_pass_all",
@@ -68,20 +67,15 @@ __all__ = [
     "fake_quantize",
     "finish_calibration_all",
     "iter_quantizers",
-    "load_recipe",
     "merge_stats",
     "num_passes",
     "nvfp4_global_scale",
     "pack_fp4_to_uint8",
     "pack_int4_to_int32",
-    "parse_recipe",
-    "quantize_modules",
     "quantized_modules",
     "quantizer_mode",
-    "register_algorithm",
     "scales_from_amax",
     "set_quantizer_mode",
-    "shipped_recipes",
     "sqnr_db",
     "start_calibration_all",
     "unpack_fp4_from_uint8",

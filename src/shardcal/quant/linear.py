@@ -1,4 +1,4 @@
-"""``QuantLinear`` and ``quantize_modules``: quantizers inserted into a model's ``nn.Linear`` modules in place.
+"""``QuantLinear``: quantizers inserted into a model's ``nn.Linear`` modules in place.
 
 Insertion changes the module's class (``module.__class__ = QuantLinear``) and adds ``input_quantizer``,
 ``weight_quantizer`` and ``output_quantizer`` submodules (``None`` where the recipe has no such quantizer). The
@@ -6,25 +6,19 @@ module object, its parameters and their names stay the same: ``...q_proj.weight`
 the state dict only gains the quantizers' ``amax`` buffers (``...q_proj.input_quantizer.amax``), and FSDP2,
 which keeps references to the module objects and re-registers the unsharded parameters on them, keeps working.
 
-Insert before or after ``fully_shard``; after is what the runner does (it calls ``quantize_modules`` on each
+Insert before or after ``fully_shard``; after is what the runner does (it calls ``shardcal.recipes.quantize_modules`` on each
 sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
 local shard's device for a DTensor weight); the weight quantizer's shape is the full (global) weight shape.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RecipeError
 from .quantizer import TensorQuantizer
 from .spec import QuantizerSpec
-
-if TYPE_CHECKING:
-    from .recipe import Recipe
 
 _QUANT_CLASSES: dict[type, type] = {}
 
@@ -103,28 +97,6 @@ def _quant_class(cls: type) -> type:
     if cls not in _QUANT_CLASSES:
         _QUANT_CLASSES[cls] = type(f"Quant{cls.__name__}", (QuantLinear, cls), {"__module__": cls.__module__})
     return _QUANT_CLASSES[cls]
-
-
-def quantize_modules(module: nn.Module, recipe: "Recipe", prefix: str = "") -> list[str]:
-    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets.
-
-    ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
-    that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
-    Returns the full names of the targeted modules. A shape that does not fit the recipe (a group size that does
-    not divide ``in_features``) raises :class:`RecipeError` naming the recipe file and the module.
-    """
-    targets = [
-        (name, sub) for name, sub in module.named_modules(prefix=prefix)
-        if isinstance(sub, nn.Linear) and recipe.matches(name)
-    ]
-    for name, sub in targets:
-        if isinstance(sub, QuantLinear):
-            continue
-        try:
-            QuantLinear.from_linear(sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>")
-        except ValueError as exc:
-            raise RecipeError(f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}") from None
-    return [name for name, _ in targets]
 
 
 def quantized_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, QuantLinear]]:

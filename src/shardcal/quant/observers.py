@@ -24,16 +24,14 @@ data's device first, so only amax-sized tensors move.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .formats import qdq_arranged
 from .granularity import Layout
-from .spec import QuantizerSpec, SpecError
-
-#: A statistic to merge across ranks: ("max" | "sum", tensor). The merge writes the result back in place.
-Stat = tuple[str, torch.Tensor]
+from .merge import Stat
+from .spec import OBSERVER_KINDS, QuantizerSpec
 
 
 class Observer:
@@ -41,14 +39,12 @@ class Observer:
 
     name: ClassVar[str] = ""
     num_passes: ClassVar[int] = 1
-    #: Parameter name -> (default, checker returning an error message or None).
-    params_schema: ClassVar[dict[str, tuple[Any, Any]]] = {}
 
     def __init__(self, spec: QuantizerSpec, layout: Layout, device: torch.device | str | None = None):
         self.spec = spec
         self.layout = layout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.params = validate_observer(self.name, dict(spec.observer_params))
+        self.params = dict(spec.observer_params)  # checked and completed with defaults by the spec
         self.reset()
 
     def reset(self) -> None:
@@ -90,55 +86,19 @@ class Observer:
         """The calibrated amax (float32, the layout's amax shape), after the last pass."""
         return self.amax.clone()
 
-    @classmethod
-    def validate(cls, params: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(params) - set(cls.params_schema))
-        if unknown:
-            known = ", ".join(cls.params_schema) or "none"
-            raise SpecError(f"observer.{unknown[0]}", f"unknown parameter {unknown[0]!r} for observer {cls.name!r} (known: {known})")
-        out = {}
-        for key, (default, check) in cls.params_schema.items():
-            value = params.get(key, default)
-            problem = check(value)
-            if problem:
-                raise SpecError(f"observer.{key}", f"observer {cls.name!r}: {key} {problem}, got {value!r}")
-            out[key] = value
-        return out
-
-
-def _number(lo: float, hi: float, lo_open: bool = True, hi_open: bool = False) -> Any:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return "must be a number"
-        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
-            return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        return None
-
-    return check
-
-
-def _integer(lo: int) -> Any:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return "must be an integer"
-        return f"must be at least {lo}" if v < lo else None
-
-    return check
-
 
 class MaxObserver(Observer):
     """Running ``max |x|`` per amax slot; merged with MAX (bit-exact)."""
 
     name = "max"
-    num_passes = 1
+    num_passes = OBSERVER_KINDS[name].num_passes
 
 
 class PercentileObserver(Observer):
     """The given percentile of ``|x|`` per slot, read off a histogram over a range agreed across ranks."""
 
     name = "percentile"
-    num_passes = 2
-    params_schema = {"percentile": (99.99, _number(0.0, 100.0)), "bins": (2048, _integer(2))}
+    num_passes = OBSERVER_KINDS[name].num_passes
 
     def reset(self) -> None:
         super().reset()
@@ -178,12 +138,7 @@ class MseObserver(Observer):
     """The candidate amax (a fraction of the max) with the least quantization error over all data, per slot."""
 
     name = "mse"
-    num_passes = 2
-    params_schema = {
-        "grid": (100, _integer(1)),
-        "max_shrink": (0.2, _number(0.0, 1.0, lo_open=False, hi_open=True)),
-        "norm": (2.0, _number(0.0, 16.0)),
-    }
+    num_passes = OBSERVER_KINDS[name].num_passes
 
     def reset(self) -> None:
         super().reset()
@@ -220,13 +175,6 @@ class MseObserver(Observer):
 
 
 OBSERVERS: dict[str, type[Observer]] = {cls.name: cls for cls in (MaxObserver, PercentileObserver, MseObserver)}
-
-
-def validate_observer(name: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` checked and completed with defaults; :class:`SpecError` for an unknown observer or parameter."""
-    if name not in OBSERVERS:
-        raise SpecError("observer", f"unknown observer {name!r} (known: {', '.join(OBSERVERS)})")
-    return OBSERVERS[name].validate(params)
 
 
 def make_observer(spec: QuantizerSpec, layout: Layout, device: torch.device | str | None = None) -> Observer:

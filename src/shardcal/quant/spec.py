@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..params import Schema, SpecError, check_params, integer, number
+
 #: Number formats, in the names recipes use.
 FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")
 #: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim.
@@ -19,12 +21,43 @@ GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group")
 NVFP4_BLOCK_SIZE = 16
 
 
-class SpecError(ValueError):
-    """A quantizer spec field has a bad value; ``key`` names the field (``observer.bins`` for observer params)."""
+@dataclass(frozen=True)
+class ObserverKind:
+    """What an observer is, as plain data: how many passes over the data it needs and which parameters it takes.
 
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
+    The observers themselves (:mod:`shardcal.quant.observers`) implement these; a spec is checked against this
+    table, so a recipe naming an unknown observer or parameter fails before anything is built.
+    """
+
+    name: str
+    num_passes: int
+    params: Schema
+
+
+#: Observers by name (see :mod:`shardcal.quant.observers` for what each computes).
+OBSERVER_KINDS: dict[str, ObserverKind] = {
+    kind.name: kind
+    for kind in (
+        ObserverKind("max", 1, {}),
+        ObserverKind("percentile", 2, {"percentile": (99.99, number(0.0, 100.0, lo_open=True)), "bins": (2048, integer(2))}),
+        ObserverKind(
+            "mse",
+            2,
+            {
+                "grid": (100, integer(1)),
+                "max_shrink": (0.2, number(0.0, 1.0, hi_open=True)),
+                "norm": (2.0, number(0.0, 16.0, lo_open=True)),
+            },
+        ),
+    )
+}
+
+
+def validate_observer(name: Any, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` checked and completed with defaults; :class:`SpecError` for an unknown observer or parameter."""
+    if name not in OBSERVER_KINDS:
+        raise SpecError("observer", f"unknown observer {name!r} (known: {', '.join(OBSERVER_KINDS)})")
+    return check_params(f"observer {name!r}", params, OBSERVER_KINDS[name].params, key_prefix="observer.")
 
 
 @dataclass(frozen=True)
@@ -80,8 +113,6 @@ class QuantizerSpec:
             raise SpecError("dynamic", f"dynamic must be true or false, got {self.dynamic!r}")
         if self.dynamic and self.format == "nvfp4":
             raise SpecError("dynamic", "nvfp4 block scales are always computed at run time; its global amax is calibrated (dynamic = false)")
-        from .observers import validate_observer  # observers need formats, which need this module
-
         params = validate_observer(self.observer, dict(self.observer_params))
         object.__setattr__(self, "observer_params", params)
 

@@ -19,11 +19,14 @@
     symmetric = true             # only true
     dynamic = false              # activations only: amax from each tensor at run time
 
-    [algorithm]                  # optional; reserved for layer-wise algorithms (smoothquant, gptq, awq)
-    name = "rtn"                 # round-to-nearest: the only one so far
+    [algorithm]                  # optional: rtn (default), smoothquant, gptq, awq, with their parameters
+    name = "rtn"
 
-Shipped recipes live in ``calibration/recipes/`` (package ``shardcal.calibration``); :func:`load_recipe` takes a
-shipped name or a path. Every problem is a :class:`RecipeError` naming the file and the key.
+A recipe is the layer above both quantizer specs (:mod:`shardcal.quant`) and algorithms
+(:mod:`shardcal.algorithms`): its ``[algorithm]`` table is checked by the algorithm registry. Shipped recipes live
+in the top-level ``calibration/recipes/`` folder of a source checkout, and in ``shardcal/calibration/recipes/`` of
+an installed wheel; :func:`load_recipe` takes a shipped name or a path. Every problem is a :class:`RecipeError`
+naming the file and the key.
 """
 
 from __future__ import annotations
@@ -31,17 +34,21 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..errors import RecipeError
-from .spec import QuantizerSpec, SpecError
+from torch import nn
+
+from .algorithms import validate_algorithm
+from .errors import RecipeError
+from .params import SpecError
+from .quant.linear import QuantLinear
+from .quant.spec import QuantizerSpec
 
 #: Modules never quantized unless ``default_excludes = false``: the LM head, MoE routers, vision towers.
 DEFAULT_EXCLUDES: tuple[str, ...] = (
@@ -62,22 +69,6 @@ ROLES: tuple[str, ...] = ("weight", "input", "output")
 _TOP_KEYS = ("name", "description", "targets", "algorithm") + ROLES
 _TARGET_KEYS = ("include", "exclude", "default_excludes")
 _QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
-
-
-def _no_params(params: dict[str, Any]) -> dict[str, Any]:
-    if params:
-        key = sorted(params)[0]
-        raise SpecError(key, "unknown parameter for algorithm 'rtn' (it takes none)")
-    return params
-
-
-#: Algorithm name -> validator of its parameters (returns them completed; raises SpecError naming the key).
-ALGORITHMS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"rtn": _no_params}
-
-
-def register_algorithm(name: str, validate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Make ``[algorithm] name = "<name>"`` valid; ``validate`` checks the table's other keys."""
-    ALGORITHMS[name] = validate
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -139,37 +130,60 @@ class Recipe:
 # ----------------------------------------------------------------------------------------------- loading
 
 
+def shipped_recipes_dir() -> Path:
+    """The folder of shipped recipe TOML files: inside the installed package, or the source checkout's
+    top-level ``calibration/recipes``."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "calibration" / "recipes", package.parents[1] / "calibration" / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    raise RecipeError(f"the shipped recipes are missing (looked in {package / 'calibration' / 'recipes'}); reinstall shardcal")
+
+
 def shipped_recipes() -> list[str]:
-    """Names of the recipes shipped in ``shardcal.calibration/recipes``."""
-    folder = resources.files("shardcal.calibration").joinpath("recipes")
-    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+    """Names of the shipped recipes (``w8a8-int8``, ``fp8``, ...), sorted."""
+    return sorted(p.stem for p in shipped_recipes_dir().glob("*.toml"))
+
+
+def shipped_recipe_path(name: str) -> Path:
+    """The TOML file of shipped recipe ``name`` (with or without ``.toml``); :class:`RecipeError` if unknown."""
+    stem = name[: -len(".toml")] if name.endswith(".toml") else name
+    shipped = shipped_recipes()
+    if stem not in shipped and stem != name:
+        raise RecipeError(f"{name}: no such recipe file, and no shipped recipe is called {stem!r} (shipped: {', '.join(shipped)})")
+    if stem not in shipped:
+        raise RecipeError(f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own")
+    return shipped_recipes_dir() / f"{stem}.toml"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read recipe ({exc})") from None
 
 
 def load_recipe(name_or_path: "str | Path | Recipe") -> Recipe:
-    """A shipped recipe by name (``"w8a8-int8"``, ``"fp8"``, ``"w4a16"``, ``"nvfp4"``) or a TOML file by path.
+    """A shipped recipe by name (``"w8a8-int8"``, also ``"w8a8-int8.toml"``) or a TOML file by path.
 
-    A string with a path separator or a ``.toml`` suffix is a path. Raises :class:`RecipeError` naming the file
-    and key for anything wrong.
+    A string with a path separator, or an existing file, is a path; a bare name ending in ``.toml`` that is no file
+    here is looked up among the shipped recipes. Raises :class:`RecipeError` naming the file and key for anything
+    wrong.
     """
     if isinstance(name_or_path, Recipe):
         return name_or_path
-    text_name = str(name_or_path)
-    if isinstance(name_or_path, Path) or text_name.endswith(".toml") or "/" in text_name or "\\" in text_name:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise RecipeError(f"{path}: no such recipe file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RecipeError(f"{path}: cannot read recipe ({exc})") from None
-        return parse_recipe(text, source=str(path), default_name=path.stem)
-    shipped = shipped_recipes()
-    if text_name not in shipped:
-        raise RecipeError(
-            f"unknown recipe {text_name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
-        )
-    res = resources.files("shardcal.calibration").joinpath("recipes", f"{text_name}.toml")
-    return parse_recipe(res.read_text(encoding="utf-8"), source=str(res), default_name=text_name)
+    text = str(name_or_path)
+    path = Path(name_or_path)
+    is_path = isinstance(name_or_path, Path) or "/" in text or "\\" in text
+    if path.is_file():
+        return parse_recipe(_read(path), source=str(path), default_name=path.stem)
+    if is_path:
+        hint = ""
+        if path.stem in shipped_recipes():
+            hint = f"; {path.stem!r} is also the name of a shipped recipe (pass it without a folder)"
+        raise RecipeError(f"{path}: no such recipe file{hint}")
+    shipped = shipped_recipe_path(text)
+    return parse_recipe(_read(shipped), source=str(shipped), default_name=shipped.stem)
 
 
 def parse_recipe(text: str, source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
@@ -266,14 +280,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
     if not specs:
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
-    algorithm = dict(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
-    if "name" not in algorithm:
-        raise _error(source, "algorithm.name", f"missing (known: {', '.join(ALGORITHMS)})")
-    algo_name = _typed(algorithm.pop("name"), (str,), source, "algorithm.name", "a string")
-    if algo_name not in ALGORITHMS:
-        raise _error(source, "algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(ALGORITHMS)})")
     try:
-        params = ALGORITHMS[algo_name](algorithm)
+        algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
     except SpecError as exc:
         raise _error(source, f"algorithm.{exc.key}", str(exc)) from None
     return Recipe(
@@ -282,7 +290,32 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         include=include,
         exclude=exclude,
         default_excludes=default_excludes,
-        algorithm={"name": algo_name, **params},
+        algorithm=algorithm,
         source=source,
         **specs,
     )
+
+
+# ----------------------------------------------------------------------------------------------- applying
+
+
+def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> list[str]:
+    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets.
+
+    ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
+    that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
+    Returns the full names of the targeted modules. A shape that does not fit the recipe (a group size that does
+    not divide ``in_features``) raises :class:`RecipeError` naming the recipe file and the module.
+    """
+    targets = [
+        (name, sub) for name, sub in module.named_modules(prefix=prefix)
+        if isinstance(sub, nn.Linear) and recipe.matches(name)
+    ]
+    for name, sub in targets:
+        if isinstance(sub, QuantLinear):
+            continue
+        try:
+            QuantLinear.from_linear(sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>")
+        except ValueError as exc:
+            raise RecipeError(f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}") from None
+    return [name for name, _ in targets]
