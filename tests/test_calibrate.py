@@ -12,7 +12,7 @@ from torch import nn
 
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.calibrate import CalibrationInterrupted, calibrate
+from shardcal.runner import CalibrationInterrupted, calibrate
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig

@@ -125,8 +125,8 @@ def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
 
 
 def test_eval_text_files(capsys, tiny_dir, tmp_path):
-    from shardcal.calibration.data import load_token_data
-    from shardcal.models.tokenizer import Tokenizer
+    from shardcal.data import load_token_data
+    from shardcal.io.tokenizer import Tokenizer
 
     text = "The theater is in the city. " * 40
     (tmp_path / "doc.txt").write_text(text)
@@ -146,8 +146,8 @@ def test_eval_text_files(capsys, tiny_dir, tmp_path):
 
 
 def test_txt_is_tokenized_in_pieces_exactly_as_a_whole(tiny_dir, tmp_path):
-    from shardcal.calibration.data import _text_stream, load_token_data
-    from shardcal.models.tokenizer import Tokenizer
+    from shardcal.data import _text_stream, load_token_data
+    from shardcal.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tiny_dir)
     lines = ["Line one.", "  indented 123", "", "\tTabbed\r", "x" * 50, "'s the end", "<|endoftext|>next", "trailing  "]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory):
     from shardcal.models import from_pretrained
-    from shardcal.models.tokenizer import Tokenizer
+    from shardcal.io.tokenizer import Tokenizer
 
     model_dir = embedded_model_dir_for_tests(tmp_path_factory)
     return from_pretrained(model_dir), Tokenizer.from_dir(model_dir)
@@ -38,7 +38,7 @@ def test_greedy_completion_names_paris(smollm):
 
 
 def test_perplexity_on_held_out_wikipedia(smollm):
-    from shardcal.calibration.data import token_blocks
+    from shardcal.data import token_blocks
     from shardcal.evaluate import perplexity
 
     model, tokenizer = smollm
@@ -49,7 +49,7 @@ def test_perplexity_on_held_out_wikipedia(smollm):
 
 
 def test_token_blocks_are_deterministic_and_splits_disjoint(smollm):
-    from shardcal.calibration.data import load_wiki_texts, split_texts, token_blocks
+    from shardcal.data import load_wiki_texts, split_texts, token_blocks
 
     _, tokenizer = smollm
     texts = load_wiki_texts()

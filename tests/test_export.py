@@ -15,7 +15,7 @@ from torch import nn
 
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.calibrate import calibrate
+from shardcal.runner import calibrate
 from shardcal.errors import CheckpointError, ExportError
 from shardcal.export import ExportInterrupted, check_destination, export_checkpoint
 from shardcal.models import CausalLM, ModelConfig, from_pretrained

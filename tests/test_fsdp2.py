@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from _dist import run_on_ranks
 from shardcal.errors import DistributedError, ModelLayoutError
-from shardcal.fsdp2_utils import _auxiliary_modules, _fsdp2_wrap_modules, fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
+from shardcal.fsdp2_utils import auxiliary_modules, fsdp2_units, fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
 from shardcal.models.config import ModelConfig
 from shardcal.models.decoder import CausalLM
 
@@ -236,8 +236,8 @@ def _toy_vlm_checks() -> dict:
     model = ToyVLM()
     model.load_state_dict(ref.state_dict())
     pixels, ids = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(2)), _ids(seq=8)
-    aux = [name for name, _ in _auxiliary_modules(model)]
-    replicated = _fsdp2_wrap_modules(model, replicate=[model.model.vision_tower])
+    aux = [name for name, _ in auxiliary_modules(model)]
+    replicated = fsdp2_units(model, replicate=[model.model.vision_tower])
     layers = fsdp2_wrap(model)
     with torch.no_grad():
         diff = _max_diff(ref(pixels, ids), model(pixels, ids))
@@ -248,7 +248,7 @@ def _toy_vlm_checks() -> dict:
     )
 
 
-def test_auxiliary_modules_get_own_units():
+def testauxiliary_modules_get_own_units():
     for r in run_on_ranks(2, _toy_vlm_checks):
         assert r["aux"] == ["mtp", "model.vision_tower", "model.multi_modal_projector"]
         assert {"", "mtp", "model.vision_tower", "model.multi_modal_projector", "model.language_model.layers.0", "lm_head"} <= r["units"]

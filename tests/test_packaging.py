@@ -15,5 +15,11 @@ def test_every_subpackage_is_listed():
     listed = set(config["packages"])
     found = {"shardcal." + ".".join(p.parent.relative_to(ROOT / "src" / "shardcal").parts) for p in (ROOT / "src" / "shardcal").rglob("__init__.py")}
     found = {name.rstrip(".") for name in found}
-    assert found | {"shardcal.calibration"} == listed
-    assert config["package-data"]["shardcal.calibration"] == ["recipes/*.toml"]
+    assert found | {"shardcal.calibration.recipes"} == listed
+    assert config["package-data"]["shardcal.calibration.recipes"] == ["*.toml"]
+
+
+def test_calibration_folder_holds_recipes_only():
+    """What users read, copy and edit: TOML recipes, no Python."""
+    files = [p for p in (ROOT / "calibration").rglob("*") if p.is_file()]
+    assert files and all(p.suffix == ".toml" and p.parent.name == "recipes" for p in files), files

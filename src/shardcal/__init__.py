@@ -5,36 +5,47 @@ Public API (see docs/api.md):
 - :class:`LayerActivationCollector` — where a model keeps its decoder layers (registry).
 - :func:`fsdp2_wrap`, :func:`fsdp2_root_unsharded`, :func:`layer_unsharded` — FSDP2 sharding for layer-wise use.
 - :func:`layer_steps` — the layer-stepping primitive other layer-wise algorithms build on.
-- :func:`calibrate` — the calibration runner; :func:`load_recipe` — quantization recipes.
+- :func:`calibrate` with :class:`CalibrationOptions` — the calibration runner; :func:`load_recipe` — recipes.
 - :func:`export_checkpoint` — compressed-tensors export (streamed, distributed, atomic).
-- :mod:`shardcal.models` — pure-torch decoder models: ``from_pretrained``, ``load_pretrained``.
+- :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
+
+Names are resolved on first use (PEP 562), so ``import shardcal`` (and ``shardcal --help``) does not import torch.
 """
 
-from . import errors
-from .calibrate import calibrate
-from .errors import ShardcalError
-from .export import export_checkpoint
-from .fsdp2_utils import fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
-from .layer_steps import LayerStep, layer_steps
-from .recipes import load_recipe
-from .registry import LayerActivationCollector
-from .report import CalibrationReport
+from typing import Any
 
 __version__ = "0.1.0"
 
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "CalibrationOptions": "shardcal.runner",
+    "CalibrationReport": "shardcal.report",
+    "LayerActivationCollector": "shardcal.registry",
+    "LayerStep": "shardcal.steps",
+    "ShardcalError": "shardcal.errors",
+    "calibrate": "shardcal.runner",
+    "export_checkpoint": "shardcal.export.export",
+    "from_pretrained": "shardcal.loading.plain",
+    "fsdp2_root_unsharded": "shardcal.fsdp2_utils",
+    "fsdp2_wrap": "shardcal.fsdp2_utils",
+    "layer_steps": "shardcal.steps",
+    "layer_unsharded": "shardcal.fsdp2_utils",
+    "load_pretrained": "shardcal.loading.sharded",
+    "load_recipe": "shardcal.recipes",
+}
 
-__all__ = [
-    "CalibrationReport",
-    "LayerActivationCollector",
-    "LayerStep",
-    "ShardcalError",
-    "calibrate",
-    "errors",
-    "export_checkpoint",
-    "fsdp2_root_unsharded",
-    "fsdp2_wrap",
-    "layer_steps",
-    "layer_unsharded",
-    "load_recipe",
-    "__version__",
-]
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # resolved once
+        return value
+    raise AttributeError(f"module 'shardcal' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -71,7 +71,7 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
 
 def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple["torch.Tensor", str]:  # noqa: F821
     """Token blocks for ``--data`` (or the Wikipedia ``split``) and a description of where they came from."""
-    from .calibration import data as data_mod
+    from . import data as data_mod
 
     if args.num_samples is not None and args.num_samples < 1:
         raise DataError(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -91,7 +91,7 @@ def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split:
 
 
 def _tokenizer(model_dir: Path):
-    from .models.tokenizer import Tokenizer
+    from .io.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 
@@ -133,10 +133,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
-    from .calibrate import calibrate
+    from .runner import calibrate
     from .distributed import all_gather_floats, init_distributed
     from .export import check_destination, export_checkpoint
-    from .models import load_pretrained
+    from .loading.sharded import load_pretrained
     from .models.config import load_config
     from .recipes import load_recipe
 
@@ -189,7 +189,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 @command("eval", help="perplexity of a model on held-out text or a data file", arguments=_eval_arguments)
 def _eval(args: argparse.Namespace) -> int:
     from .evaluate import perplexity
-    from .models import from_pretrained
+    from .loading.plain import from_pretrained
 
     model_dir = Path(args.model_dir)
     model = from_pretrained(model_dir)
@@ -216,7 +216,7 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command("import-gguf", help="convert a GGUF file into a Hugging Face-format model directory", arguments=_import_arguments)
 def _import_gguf(args: argparse.Namespace) -> int:
-    from .models.gguf import import_gguf
+    from .io.gguf import import_gguf
 
     start = time.perf_counter()
     out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite)
@@ -245,12 +245,12 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .calibration.data import token_blocks
+    from .data import token_blocks
     from .launcher import launch
     from .evaluate import generate_greedy, perplexity
-    from .models import from_pretrained
-    from .models.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
-    from .models.tokenizer import Tokenizer
+    from .loading.plain import from_pretrained
+    from .io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
+    from .io.tokenizer import Tokenizer
     from .recipes import load_recipe
 
     if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
@@ -296,13 +296,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
-    from .calibrate import calibrate
-    from .calibration.data import token_blocks
+    from .runner import calibrate
+    from .data import token_blocks
     from .distributed import all_gather_floats, init_distributed
     from .evaluate import distributed_perplexity
     from .export import export_checkpoint
-    from .models import load_pretrained
-    from .models.tokenizer import Tokenizer
+    from .loading.sharded import load_pretrained
+    from .io.tokenizer import Tokenizer
 
     rank, world = init_distributed()
     model_dir = Path(options["model_dir"])

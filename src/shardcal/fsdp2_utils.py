@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .errors import DistributedError, ModelLayoutError
@@ -83,7 +84,7 @@ def _refuse_distributed(model: nn.Module) -> None:
             )
 
 
-def _auxiliary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def auxiliary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules beside the decoder stack that deserve their own FSDP unit.
 
     Rules: a child of the root, or of the root's ``model`` child, whose attribute name is one of
@@ -120,7 +121,7 @@ def _untied_output_head(model: nn.Module) -> nn.Module | None:
     return head
 
 
-def _fsdp2_wrap_modules(model: nn.Module, replicate: Iterable[nn.Module] = ()) -> list[nn.Module]:
+def fsdp2_units(model: nn.Module, replicate: Iterable[nn.Module] = ()) -> list[nn.Module]:
     """The modules to give FSDP units of their own, in wrapping order.
 
     Decoder layers, then auxiliary modules, then an untied ``lm_head``: calibration gathers the root group to
@@ -129,7 +130,7 @@ def _fsdp2_wrap_modules(model: nn.Module, replicate: Iterable[nn.Module] = ()) -
     out, e.g. a vision tower that an expert-parallel loader wants to keep replicated.
     """
     skip = {id(m) for r in replicate for m in r.modules()}
-    candidates = [*_decoder_layers_or_raise(model), *(m for _, m in _auxiliary_modules(model))]
+    candidates = [*_decoder_layers_or_raise(model), *(m for _, m in auxiliary_modules(model))]
     head = _untied_output_head(model)
     if head is not None:
         candidates.append(head)
@@ -231,7 +232,7 @@ def fsdp2_wrap(
     """Shard ``model`` with FSDP2 for layer-by-layer use; return its decoder layers.
 
     Every decoder layer becomes an FSDP unit (``reshard_after_forward=True``), then auxiliary modules
-    (:func:`_auxiliary_modules`), then — with ``shard_root`` — the root, which keeps the embeddings, final norm
+    (:func:`auxiliary_modules`), then — with ``shard_root`` — the root, which keeps the embeddings, final norm
     and lm_head sharded instead of replicated. Parameters off the dominant dtype are ignored by FSDP2 and kept
     replicated on the shards' device. Models that are already wrapped or distributed by another loader are
     refused.
@@ -250,7 +251,7 @@ def fsdp2_wrap(
     pin = mesh.device_type != "cpu"
     kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     with _keep_architectures(model):
-        for module in _fsdp2_wrap_modules(model):
+        for module in fsdp2_units(model):
             if module is getattr(model, "lm_head", None) and not shard_root:
                 continue  # shard_root=False: everything outside the decoder stack stays replicated
             fully_shard(module, reshard_after_forward=True, **kwargs)
@@ -336,16 +337,24 @@ def sync_unsharded_to_shards(layer: nn.Module) -> int:
     """
     if not isinstance(layer, FSDPModule):
         return 0
-    from .models.sharded import _local_rows
-
     written = 0
     with torch.no_grad():
         for group in layer._get_fsdp_state()._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
                 full = fsdp_param.unsharded_param
-                start, stop = _local_rows(fsdp_param.sharded_param)
+                start, stop = local_rows(fsdp_param.sharded_param)
                 local = fsdp_param.sharded_param.to_local()
                 if stop > start:
                     local.copy_(full[start:stop].to(local.dtype))
                 written += 1
     return written
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """The global row range ``[start, stop)`` that this rank's shard of a dim-0 sharded DTensor holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(offset[1:]):
+        raise NotImplementedError("only dim-0 sharding is supported")
+    return offset[0], offset[0] + shape[0]

@@ -1,4 +1,4 @@
-"""Layer-wise PTQ algorithms that run inside :func:`shardcal.calibrate`, one decoder layer at a time: the registry.
+"""Layer-wise PTQ algorithms that run inside :func:`shardcal.runner`, one decoder layer at a time: the registry.
 
 Each algorithm is one class (:class:`~.base.LayerAlgorithm` and its subclasses) carrying its recipe name, its
 parameter schema, its validation and its constructor. :data:`ALGORITHMS` lists the built-in classes; recipe

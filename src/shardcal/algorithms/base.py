@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
 
-from ..layer_steps import LayerStep
+from ..steps import LayerStep
 from ..params import Schema, check_params
 
 

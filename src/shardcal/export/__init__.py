@@ -2,8 +2,6 @@
 
 - :func:`export_checkpoint` — a calibrated (plain or FSDP2-sharded) model -> a checkpoint directory that vLLM and
   transformers (with compressed-tensors) load; streamed layer by layer, writing shared across ranks, atomic.
-- :func:`load_quantized_into` — such a directory -> fake-quant ``QuantLinear`` modules (``models.from_pretrained``
-  calls it), with logits equal to the calibrated model's.
 
 Modules: :mod:`.ct_config` (specs <-> compressed-tensors config, formats, tensor layouts), :mod:`.ct_tensors`
 (encode / decode one Linear), :mod:`.plan` (which tensor goes where, decided up front), :mod:`.shards` (streaming
@@ -12,6 +10,5 @@ docs/export-format.md.
 """
 
 from .export import DEFAULT_MAX_SHARD_BYTES, ExportInterrupted, check_destination, export_checkpoint
-from .reload import load_quantized_into
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportInterrupted", "check_destination", "export_checkpoint", "load_quantized_into"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportInterrupted", "check_destination", "export_checkpoint"]

@@ -1,6 +1,6 @@
 """``load_quantized_into``: a compressed-tensors checkpoint -> fake-quant ``QuantLinear`` modules.
 
-``shardcal.models.from_pretrained`` calls it when config.json has a ``quantization_config``. The quantizer specs
+``from_pretrained`` calls it when config.json has a ``quantization_config``. The quantizer specs
 come from the config (no recipe needed). Each quantized Linear gets its weight dequantized from the stored
 integers / FP8 / E2M1 codes and scales — the exact values the calibrated model computed with — and its input
 quantizer's amax chosen so that the scale it derives equals the stored ``input_scale`` (``input_global_scale`` for
@@ -18,22 +18,14 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..export import ct_config
+from ..export.ct_config import NVFP4_PACK_QUANTIZED, Scheme
+from ..export.ct_tensors import amax_for_global_scale, amax_for_scale, decode_weight
 from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
-from ..models.loading import IGNORED_KEY_SUFFIXES, router_weight_names
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode
-from . import ct_config
-from .ct_config import NVFP4_PACK_QUANTIZED, Scheme
-from .ct_tensors import amax_for_global_scale, amax_for_scale, decode_weight
-
-_SHOWN = 5
-
-
-def _named(keys: list[str]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
-
+from .build import IGNORED_KEY_SUFFIXES, named_keys, router_weight_names
 
 def _schemes_by_module(model: nn.Module, schemes: list[Scheme], ignore: list[str], source: str) -> dict[str, Scheme]:
     found: dict[str, Scheme] = {}
@@ -89,11 +81,11 @@ def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: t
         expected = set(plain) | {f"{n}.{s}" for n, layout in layouts.items() for s in layout}
         missing = [k for k in [*plain, *(f"{n}.{s}" for n, lo in layouts.items() for s in lo)] if k not in reader]
         if missing:
-            raise CheckpointError(f"{reader.source}: {len(missing)} tensor(s) are missing: {_named(missing)}")
+            raise CheckpointError(f"{reader.source}: {len(missing)} tensor(s) are missing: {named_keys(missing)}")
         unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
         if unexpected:
             raise CheckpointError(
-                f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {_named(unexpected)} "
+                f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} "
                 f"(not part of this {cfg.model_type} model with its quantization_config)"
             )
         for name, shape in plain.items():

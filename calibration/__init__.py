@@ -1,1 +1,0 @@
-"""Recipes shipped with shardcal (``recipes/*.toml``) and calibration-data helpers."""

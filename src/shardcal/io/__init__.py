@@ -1,0 +1,2 @@
+"""Reading and writing formats beside the model checkpoint: GGUF import (:mod:`.gguf`) and the byte-level BPE
+tokenizer (:mod:`.tokenizer`)."""
