@@ -11,7 +11,22 @@ from torch import nn
 
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.runner import CalibrationInterrupted, calibrate
+from shardcal.faults import armed
+from shardcal.runner import calibrate
+
+
+class CalibrationInterrupted(RuntimeError):
+    """Raised at the ``calibrate.committed`` fault point by the tests below."""
+
+
+def _interrupt_after(layers: int):
+    """Stop a run once the checkpoint of ``layers`` completed layers is committed."""
+
+    def stop(completed_layers: int) -> None:
+        if completed_layers == layers:
+            raise CalibrationInterrupted(f"interrupted after {completed_layers} layers (injected)")
+
+    return armed("calibrate.committed", stop)
 from shardcal.errors import RecipeError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
@@ -230,7 +245,8 @@ def _gptq_resume_run(directory: str, interrupt: int | None) -> dict:
     model = _model(dict(LLAMA, num_hidden_layers=4))
     fsdp2_wrap(model)
     try:
-        calibrate(model, _data(n=6), _recipe("gptq"), batch_size=2, progress=False, checkpoint_dir=directory, _interrupt_after=interrupt)
+        with _interrupt_after(interrupt):
+            calibrate(model, _data(n=6), _recipe("gptq"), batch_size=2, progress=False, checkpoint_dir=directory)
     except CalibrationInterrupted:
         return dict(interrupted=True)
     return dict(interrupted=False, state=_state(model), logits=_logits(model, _data(n=2, seed=9)))

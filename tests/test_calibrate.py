@@ -12,7 +12,22 @@ from torch import nn
 
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.runner import CalibrationInterrupted, calibrate
+from shardcal.faults import armed
+from shardcal.runner import calibrate
+
+
+class CalibrationInterrupted(RuntimeError):
+    """Raised at the ``calibrate.committed`` fault point by the tests below."""
+
+
+def _interrupt_after(layers: int):
+    """Stop a run once the checkpoint of ``layers`` completed layers is committed."""
+
+    def stop(completed_layers: int) -> None:
+        if completed_layers == layers:
+            raise CalibrationInterrupted(f"interrupted after {completed_layers} layers (injected)")
+
+    return armed("calibrate.committed", stop)
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
@@ -156,7 +171,8 @@ def _resume_run(directory: str, interrupt: int | None) -> dict:
     fsdp2_wrap(model)
     data = _data(n=6)
     try:
-        report = calibrate(model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory, _interrupt_after=interrupt, propagate="qdq")
+        with _interrupt_after(interrupt):
+            report = calibrate(model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory, propagate="qdq")
     except CalibrationInterrupted:
         return dict(interrupted=True)
     with torch.no_grad():

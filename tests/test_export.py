@@ -17,9 +17,24 @@ from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 from shardcal.runner import calibrate
 from shardcal.errors import CheckpointError, ExportError
-from shardcal.export import ExportInterrupted, check_destination, export_checkpoint
+from shardcal.export import check_destination, export_checkpoint
+from shardcal.faults import armed
 from shardcal.models import CausalLM, ModelConfig, from_pretrained
 from shardcal.quant import QuantLinear, QuantizerSpec, TensorQuantizer, quantized_modules
+
+class ExportInterrupted(RuntimeError):
+    """Raised at the ``export.unit`` fault point by the tests below."""
+
+
+def _fail_at(index: int):
+    """An ``export.unit`` action: fail on the rank that owns unit ``index``, before it writes it."""
+
+    def fail(unit: int, unit_name: str) -> None:
+        if unit == index:
+            raise ExportInterrupted(f"export interrupted at unit {unit} ({unit_name}) (injected)")
+
+    return armed("export.unit", fail)
+
 
 RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4")
 # in_features 128 / 256: multiples of w4a16's group of 128 and of nvfp4's blocks of 16
@@ -344,13 +359,13 @@ def test_destination_errors_and_overwrite(exported, tmp_path):
 
 def test_interrupted_export_leaves_nothing(exported, tmp_path):
     model, _ = exported("w8a8-int8")
-    with pytest.raises(ExportInterrupted):
-        export_checkpoint(model, tmp_path / "out", _fail_at_unit=1)
+    with pytest.raises(ExportInterrupted), _fail_at(1):
+        export_checkpoint(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old.txt").write_text("old")
-    with pytest.raises(ExportInterrupted):  # with overwrite: the old export stays until the new one is complete
-        export_checkpoint(model, tmp_path / "out", overwrite=True, _fail_at_unit=2)
+    with pytest.raises(ExportInterrupted), _fail_at(2):  # with overwrite: the old export stays until the new one is complete
+        export_checkpoint(model, tmp_path / "out", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "old.txt").is_file()
 
 
@@ -376,7 +391,8 @@ def _export_on_ranks(recipe: str, data: torch.Tensor, folder: str) -> dict:
     calibrate(moe, data, "nvfp4", batch_size=2, progress=False)
     export_checkpoint(moe, Path(folder) / "moe")
     try:  # unit 1 (layer 1) belongs to rank 1: it fails there, every rank stops
-        export_checkpoint(model, Path(folder) / "interrupted", _fail_at_unit=1)
+        with _fail_at(1):
+            export_checkpoint(model, Path(folder) / "interrupted")
         failure = None
     except (ExportInterrupted, ExportError) as exc:
         failure = type(exc).__name__

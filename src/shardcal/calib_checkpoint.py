@@ -17,15 +17,20 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from .distributed import all_gather_strings, barrier
+from .batches import Batch, data_fingerprint
+from .distributed import all_gather_strings, all_reduce_, barrier, dp_group, world
 from .errors import CalibrationCheckpointError
 from .fsutil import check_creatable
+from .quant.quantizer import QuantMode
+from .quant.session import iter_quantizers
+from .recipes import Recipe, quantize_modules
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -224,3 +229,84 @@ class CalibrationCheckpoint:
             return self._manifest()
         except CalibrationCheckpointError:
             return None
+
+
+# ----------------------------------------------------------------------------------------------- model state
+
+
+def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The calibrated amax of every quantizer in the named layers (identical on every rank)."""
+    modules = dict(model.named_modules())
+    return {
+        f"{n}.amax": q.amax.detach().cpu().clone()
+        for layer_name in layer_names
+        for n, q in iter_quantizers(modules[layer_name], layer_name)
+        if q.amax is not None
+    }
+
+
+def restore_quantizers(model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]) -> None:
+    """Insert the recipe's quantizers into the named layers and set their amax from ``state``."""
+    modules = dict(model.named_modules())
+    for layer_name in layer_names:
+        quantize_modules(modules[layer_name], recipe, prefix=layer_name)
+        for n, q in iter_quantizers(modules[layer_name], layer_name):
+            if q.amax is None:
+                continue
+            key = f"{n}.amax"
+            if key not in state:
+                raise CalibrationCheckpointError(f"calibration checkpoint lacks quantizer state {key!r}")
+            q.set_amax(state[key].to(q.amax.device))
+            q.mode = QuantMode.QUANTIZE
+
+
+def run_fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: model (config, shapes, a weight checksum), recipe, data, world."""
+    from torch.distributed.tensor import DTensor
+
+    config = getattr(model, "config", None)
+    raw = getattr(config, "raw", None) or {}
+    shapes = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    checksum = torch.zeros(1, dtype=torch.float64)
+    for i, (_, p) in enumerate(model.named_parameters()):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) or world()[0] == 0:
+            checksum += local.detach().double().sum().cpu() * (i + 1)
+    all_reduce_(checksum, "sum", dp_group())
+    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()  # noqa: E731
+    return {
+        "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
+        "model_weights": repr(float(checksum)),
+        "recipe": digest(recipe.to_dict()),
+        "data": data_fingerprint(batches),
+        "world_size": world_size,
+        "options": digest(options),
+    }
+
+
+def local_weight_shards(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """This rank's part of every parameter of the named layers (its shard of a DTensor, else the whole tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    modules = dict(model.named_modules())
+    out = {}
+    for layer_name in layer_names:
+        for n, p in modules[layer_name].named_parameters(prefix=layer_name):
+            out[n] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+    return out
+
+
+def restore_weight_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Copy checkpointed local parts back into the parameters (inverse of :func:`local_weight_shards`)."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in shards.items():
+            if name not in params:
+                raise CalibrationCheckpointError(f"calibration checkpoint holds weights for {name!r}, which the model lacks")
+            p = params[name]
+            target = p.to_local() if isinstance(p, DTensor) else p
+            if tuple(target.shape) != tuple(value.shape):
+                raise CalibrationCheckpointError(f"calibration checkpoint weights {name!r} have shape {list(value.shape)}, expected {list(target.shape)}")
+            target.copy_(value)

@@ -133,12 +133,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
-    from .runner import calibrate
     from .distributed import all_gather_floats, init_distributed
     from .export import check_destination, export_checkpoint
     from .loading.sharded import load_pretrained
     from .models.config import load_config
+    from .options import CalibrationOptions
     from .recipes import load_recipe
+    from .runner import calibrate
 
     args = argparse.Namespace(**options)
     rank, world = init_distributed()
@@ -149,10 +150,10 @@ def calibrate_job(options: dict) -> dict:
     ids, source = load_data(args, model_dir, cfg.vocab_size, split="calib")
     start = time.perf_counter()
     model = load_pretrained(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
-    report = calibrate(
-        model, ids, recipe, propagate=args.propagate, batch_size=args.batch_size, checkpoint_dir=args.checkpoint_dir,
-        progress=rank == 0,
+    options = CalibrationOptions(
+        propagate=args.propagate, batch_size=args.batch_size, checkpoint_dir=args.checkpoint_dir, progress=rank == 0
     )
+    report = calibrate(model, ids, recipe, options)
     seconds = time.perf_counter() - start
     export_checkpoint(model, out_dir, recipe=recipe, report=report, tokenizer_dir=model_dir, overwrite=args.overwrite)
     peaks = all_gather_floats(torch_peak_memory_mb())

@@ -44,5 +44,9 @@ class ExportError(ShardcalError):
     """An export destination cannot be written (exists, not writable) or the model cannot be exported."""
 
 
+class UsageError(ShardcalError):
+    """An option or argument has a value outside what it accepts (a batch size of 0, an unknown option name)."""
+
+
 class DistributedError(ShardcalError):
     """Another rank failed, or a collective timed out."""

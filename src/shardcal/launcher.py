@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .distributed import destroy_distributed, free_port, init_distributed, is_initialized
+from . import errors
 from .errors import DistributedError
 from .health import read_status_file
 
@@ -118,7 +119,4 @@ def _wait_for_first_failure(procs: list[Any]) -> int | None:
 
 
 #: Error classes whose message is enough (no traceback): shardcal's user-facing errors.
-_USER_ERRORS = {
-    "ShardcalError", "ConfigError", "CheckpointError", "TokenizerError", "RecipeError", "DataError",
-    "ModelLayoutError", "CalibrationCheckpointError", "ExportError", "DistributedError",
-}
+_USER_ERRORS = {cls.__name__ for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.ShardcalError)}

@@ -5,42 +5,52 @@ quantizers, calibrate weight quantizers from the full weights, run the layer ove
 with activation observers collecting (one pass, or two for percentile / mse), merge the statistics across
 ranks in one collective per reduce op, measure the layer's output SQNR, and move on. Data are split across
 ranks by whole batches, so the result does not depend on the world size. With ``checkpoint_dir`` the run can
-be interrupted and resumed bit-identically (see :mod:`shardcal.calib_checkpoint`).
+be interrupted and resumed bit-identically (see :mod:`shardcal.calib_checkpoint`). Options: :class:`CalibrationOptions`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .algorithms import LayerAlgorithm, make_algorithm
-from .batches import Batch, data_fingerprint, make_batches, rank_batch_indices
-from .calib_checkpoint import CalibrationCheckpoint
+from .batches import Batch, make_batches, rank_batch_indices
+from .calib_checkpoint import (
+    CalibrationCheckpoint,
+    local_weight_shards,
+    quantizer_state,
+    restore_quantizers,
+    restore_weight_shards,
+    run_fingerprint,
+)
 from .distributed import all_reduce_, dp_group, world
-from .errors import ModelLayoutError
+from .errors import CalibrationCheckpointError, ModelLayoutError
+from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .steps import LayerStep, layer_steps
+from .options import CalibrationOptions
 from .quant.linear import QuantLinear
-from .quant.quantizer import TensorQuantizer
+from .quant.quantizer import QuantMode, TensorQuantizer
+from .quant.session import (
+    begin_pass_all,
+    end_pass_all,
+    finish_calibration_all,
+    iter_quantizers,
+    num_passes,
+    quantizer_mode,
+    start_calibration_all,
+)
 from .recipes import Recipe, load_recipe, quantize_modules
-from .quant.quantizer import QuantMode
-from .quant.session import begin_pass_all, end_pass_all, finish_calibration_all, iter_quantizers, num_passes, quantizer_mode, start_calibration_all
 from .registry import LayerActivationCollector, decoder_layer_prefix
 from .report import CalibrationReport, LayerReport, amax_summary
-
-
-class CalibrationInterrupted(RuntimeError):
-    """Raised by the ``_interrupt_after`` test hook once the checkpoint of that many layers is committed."""
+from .steps import LayerStep, compute_device, embed_batches, layer_steps
 
 
 def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
@@ -193,84 +203,6 @@ def _calibrate_layer(
     )
 
 
-def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The calibrated amax of every quantizer in the named layers (identical on every rank)."""
-    modules = dict(model.named_modules())
-    return {
-        f"{n}.amax": q.amax.detach().cpu().clone()
-        for layer_name in layer_names
-        for n, q in iter_quantizers(modules[layer_name], layer_name)
-        if q.amax is not None
-    }
-
-
-def restore_quantizers(model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]) -> None:
-    """Insert the recipe's quantizers into the named layers and set their amax from ``state``."""
-    modules = dict(model.named_modules())
-    for layer_name in layer_names:
-        quantize_modules(modules[layer_name], recipe, prefix=layer_name)
-        for n, q in iter_quantizers(modules[layer_name], layer_name):
-            if q.amax is None:
-                continue
-            key = f"{n}.amax"
-            if key not in state:
-                raise ModelLayoutError(f"calibration checkpoint lacks quantizer state {key!r}")
-            q.set_amax(state[key].to(q.amax.device))
-            q.mode = QuantMode.QUANTIZE
-
-
-def _fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_size: int, options: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: model (config, shapes, a weight checksum), recipe, data, world."""
-    from torch.distributed.tensor import DTensor
-
-    config = getattr(model, "config", None)
-    raw = getattr(config, "raw", None) or {}
-    shapes = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    checksum = torch.zeros(1, dtype=torch.float64)
-    for i, (_, p) in enumerate(model.named_parameters()):
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if isinstance(p, DTensor) or world()[0] == 0:
-            checksum += local.detach().double().sum().cpu() * (i + 1)
-    all_reduce_(checksum, "sum", dp_group())
-    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()  # noqa: E731
-    return {
-        "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
-        "model_weights": repr(float(checksum)),
-        "recipe": digest(recipe.to_dict()),
-        "data": data_fingerprint(batches),
-        "world_size": world_size,
-        "options": digest(options),
-    }
-
-
-def local_weight_shards(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """This rank's part of every parameter of the named layers (its shard of a DTensor, else the whole tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    modules = dict(model.named_modules())
-    out = {}
-    for layer_name in layer_names:
-        for n, p in modules[layer_name].named_parameters(prefix=layer_name):
-            out[n] = (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
-    return out
-
-
-def restore_weight_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
-    """Copy checkpointed local parts back into the parameters (inverse of :func:`local_weight_shards`)."""
-    from torch.distributed.tensor import DTensor
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in shards.items():
-            if name not in params:
-                raise ModelLayoutError(f"calibration checkpoint holds weights for {name!r}, which the model lacks")
-            p = params[name]
-            target = p.to_local() if isinstance(p, DTensor) else p
-            if tuple(target.shape) != tuple(value.shape):
-                raise ModelLayoutError(f"calibration checkpoint weights {name!r} have shape {list(value.shape)}, expected {list(target.shape)}")
-            target.copy_(value)
-
-
 def _local_activations(inputs: list) -> list[torch.Tensor]:
     return [x.hidden_states for x in inputs]
 
@@ -279,50 +211,31 @@ def calibrate(
     model: nn.Module,
     data: Any,
     recipe: str | Path | Recipe,
-    *,
-    propagate: str | None = None,
-    offload_activations: bool | None = None,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int = 1,
-    batch_size: int = 8,
-    calibrate_all_experts: bool = True,
-    sqnr_batches: int = 1,
-    progress: bool = True,
-    report_path: str | Path | None = None,
-    _interrupt_after: int | None = None,
+    options: CalibrationOptions | None = None,
+    **changes: Any,
 ) -> CalibrationReport:
     """Calibrate ``model`` (plain or FSDP2-sharded) layer by layer on ``data`` with ``recipe``; return the report.
 
-    Collective under torch.distributed: every rank calls it with the same data; each rank computes on its own
-    whole batches. ``data``: an int tensor ``[N, L]``, a list of them, or dicts with ``input_ids`` (and
-    ``attention_mask``). ``propagate``: ``"fp"`` feeds each layer the full-precision outputs of the previous one
-    (one pass per layer); ``"qdq"`` feeds it the outputs with the previous layer's quantizers on; None (default):
-    the recipe's algorithm's ``default_propagate`` (``"qdq"`` for GPTQ, else ``"fp"``).
-    ``offload_activations``: keep the activation cache on CPU (default: when the model is on an accelerator).
-    ``checkpoint_dir``: commit after every ``checkpoint_every`` layers; a rerun resumes there. ``sqnr_batches``:
-    global batches on which each layer's output SQNR is measured (an extra quantized forward on them).
-    Afterwards the model's targeted Linears are fake-quant ``QuantLinear`` modules in quantize mode. If another
-    rank fails, this one raises a :class:`~shardcal.errors.DistributedError` naming that rank and its layer.
+    ``options`` (:class:`~shardcal.options.CalibrationOptions`) says how; keyword ``changes`` override single
+    fields (``calibrate(model, ids, "fp8", batch_size=4)``). Collective under torch.distributed: every rank calls it
+    with the same data; each rank computes on its own whole batches. ``data``: an int tensor ``[N, L]``, a list of
+    them, or dicts with ``input_ids`` (and ``attention_mask``). Afterwards the model's targeted Linears are
+    fake-quant ``QuantLinear`` modules in quantize mode. If another rank fails, this one raises a
+    :class:`~shardcal.errors.DistributedError` naming that rank and its layer.
     """
+    options = (options or CalibrationOptions()).replace(**changes)
     with rank_guard():
-        return _calibrate(
-            model, data, recipe, propagate=propagate, offload_activations=offload_activations, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, batch_size=batch_size, calibrate_all_experts=calibrate_all_experts,
-            sqnr_batches=sqnr_batches, progress=progress, report_path=report_path, _interrupt_after=_interrupt_after,
-        )
+        return _calibrate(model, data, recipe, options)
 
 
-def _calibrate(
-    model: nn.Module, data: Any, recipe: str | Path | Recipe, *, propagate: str | None, offload_activations: bool | None,
-    checkpoint_dir: str | Path | None, checkpoint_every: int, batch_size: int, calibrate_all_experts: bool,
-    sqnr_batches: int, progress: bool, report_path: str | Path | None, _interrupt_after: int | None,
-) -> CalibrationReport:
+def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options: CalibrationOptions) -> CalibrationReport:
     t0 = time.perf_counter()
     report_phase("calibrate: setup")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     algorithm = make_algorithm(recipe.algorithm)
-    if propagate is None:
-        propagate = algorithm.propagate
+    if options.propagate is None:
+        options = options.replace(propagate=algorithm.propagate)
+    propagate = options.propagate
     layers = LayerActivationCollector.get_decoder_layers(model)
     if layers is None:
         raise ModelLayoutError(
@@ -331,21 +244,22 @@ def _calibrate(
         )
     config = getattr(model, "config", None)
     batches = make_batches(
-        data, batch_size, vocab_size=getattr(config, "vocab_size", None), max_positions=getattr(config, "max_position_embeddings", None)
+        data, options.batch_size, vocab_size=getattr(config, "vocab_size", None),
+        max_positions=getattr(config, "max_position_embeddings", None),
     )
     rank, world_size = world()
     group = dp_group()
     mine = rank_batch_indices(len(batches), rank, world_size)
     local_batches = [batches[i] for i in mine]
-    local_sqnr = [j for j, i in enumerate(mine) if i < sqnr_batches]
+    local_sqnr = [j for j, i in enumerate(mine) if i < options.sqnr_batches]
     prefix = decoder_layer_prefix(model, layers)
     names = [f"{prefix}.{i}" for i in range(len(layers))]
 
     checkpoint = None
     resume = None
-    if checkpoint_dir is not None:
-        options = {"propagate": propagate, "batch_size": batch_size, "calibrate_all_experts": calibrate_all_experts, "sqnr_batches": sqnr_batches}
-        checkpoint = CalibrationCheckpoint(checkpoint_dir, _fingerprint(model, recipe, batches, world_size, options), rank, world_size)
+    if options.checkpoint_dir is not None:
+        fingerprint = run_fingerprint(model, recipe, batches, world_size, options.fingerprint())
+        checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
         resume = checkpoint.load()
     report = CalibrationReport(
         recipe=recipe.name, propagate=propagate, world_size=world_size, num_batches=len(batches),
@@ -359,18 +273,20 @@ def _calibrate(
         report.layers = [LayerReport(**entry) for entry in resume.report]
         report.resumed_from_layer = start
         if start < len(layers):
-            initial = _restore_inputs(model, local_batches, resume.activations, offload_activations)
+            initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
 
-    bar = _progress_bar(len(layers), start, progress and rank == 0)
-    steps = layer_steps(model, local_batches, propagate=propagate, offload_activations=offload_activations, start=start, initial_inputs=initial)
+    bar = _progress_bar(len(layers), start, options.progress and rank == 0)
+    steps = layer_steps(
+        model, local_batches, propagate=propagate, offload_activations=options.offload_activations, start=start,
+        initial_inputs=initial,
+    )
     report_phase("calibrate: embedding")
     for step in steps:
         report_phase(f"calibrate {step.name}")
-        if checkpoint is not None and step.index > start and step.index % checkpoint_every == 0:
+        if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
             _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, algorithm)
-            if _interrupt_after == step.index:
-                raise CalibrationInterrupted(f"interrupted after {step.index} layers (test hook)")
-        entry = _calibrate_layer(step, recipe, group, calibrate_all_experts, local_sqnr, algorithm, propagate)
+            fault_point("calibrate.committed", completed_layers=step.index)
+        entry = _calibrate_layer(step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate)
         report.layers.append(entry)
         if bar is not None:
             bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
@@ -380,8 +296,8 @@ def _calibrate(
     if checkpoint is not None and start < len(layers):
         _commit(checkpoint, model, names, len(layers), [], report, algorithm)
     report.seconds = time.perf_counter() - t0
-    if report_path is not None and rank == 0:
-        report.save_json(report_path)
+    if options.report_path is not None and rank == 0:
+        report.save_json(options.report_path)
     return report
 
 
@@ -400,13 +316,9 @@ def _commit(
 
 def _restore_inputs(model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None) -> list:
     """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
-    from .steps import compute_device, embed_batches
-
     device = compute_device(model)
     cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
     if len(activations) != len(local_batches):
-        from .errors import CalibrationCheckpointError
-
         raise CalibrationCheckpointError(
             f"calibration checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
         )

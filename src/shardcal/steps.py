@@ -23,10 +23,10 @@ from torch import nn
 
 from .batches import Batch
 from .errors import ModelLayoutError
+from .options import PROPAGATE_MODES
 from .fsdp2_utils import fsdp2_root_unsharded, layer_unsharded
 from .registry import LayerActivationCollector, decoder_layer_prefix
 
-PROPAGATE_MODES = ("fp", "qdq")
 
 
 @dataclass

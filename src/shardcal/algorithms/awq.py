@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..steps import PROPAGATE_MODES
+from ..options import PROPAGATE_MODES
 from ..params import boolean, integer, number, one_of, subset_of
 from ..quant.formats import FORMATS, fake_quantize
 from ..quant.linear import QuantLinear

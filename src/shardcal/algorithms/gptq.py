@@ -37,7 +37,7 @@ import torch
 
 from ..distributed import broadcast_, group_rank_size
 from ..errors import RecipeError
-from ..steps import PROPAGATE_MODES
+from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
 from ..quant.formats import FORMATS, scale_from_amax
 from ..quant.linear import QuantLinear

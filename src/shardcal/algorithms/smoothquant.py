@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..steps import PROPAGATE_MODES
+from ..options import PROPAGATE_MODES
 from ..params import integer, number, number_list, one_of, subset_of
 from ..quant.formats import fake_quantize
 from ._common import ExactSum, InputStats, merge_exact

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..distributed import broadcast_json, ranks_with_flag, world
 from ..errors import ExportError
+from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from ..fsutil import check_creatable
 from ..quant.quantizer import TensorQuantizer
@@ -58,10 +59,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-class ExportInterrupted(RuntimeError):
-    """Raised by the ``_fail_at_unit`` test hook on the rank that owns that unit."""
 
 
 # ----------------------------------------------------------------------------------------------- destination
@@ -248,7 +245,6 @@ def export_checkpoint(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_dir: str | Path | None = None,
-    _fail_at_unit: int | None = None,
 ) -> Path:
     """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a compressed-tensors checkpoint.
 
@@ -295,8 +291,7 @@ def export_checkpoint(
                     with _gathered(model, unit):
                         if unit.owner == rank:
                             try:
-                                if _fail_at_unit == unit.index:
-                                    raise ExportInterrupted(f"export interrupted at unit {unit.index} ({unit.name}) (test hook)")
+                                fault_point("export.unit", unit=unit.index, unit_name=unit.name)
                                 _write_unit(model, plan, unit, writer)
                             except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
                                 error = exc
