@@ -32,7 +32,7 @@ def _current_rss_mb() -> float:
 class PeakRSS:
     """The highest resident set size (MB) seen while the block runs, sampled every 10 ms by a thread."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         import threading
 
         self.peak, self._stop = 0.0, threading.Event()
@@ -113,10 +113,10 @@ def _single_plain(model_dir: str, data: torch.Tensor, batch_size: int) -> tuple[
 
 def _scaling(layers: int, data: torch.Tensor, batch_size: int) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _tiny_models import TINY_CONFIGS, randomize_
-
     from shardcal import calibrate
     from shardcal.models import CausalLM, ModelConfig
+
+    from _tiny_models import TINY_CONFIGS, randomize_
 
     cfg = dict(TINY_CONFIGS["llama"], hidden_size=256, intermediate_size=768, num_hidden_layers=layers, vocab_size=512)
     model = CausalLM(ModelConfig.from_dict(cfg))
@@ -153,20 +153,37 @@ def main() -> None:
 
     rows = [
         ("calibration / FP forward, 1 process, plain model", f"{t_cal:.1f} s / {t_fp:.1f} s", t_cal / t_fp, "<= 1.3"),
-        ("calibration / FP forward, 1 rank, FSDP2 (load_pretrained)", f"{one[0][1]:.1f} s / {one[0][0]:.1f} s", one[0][1] / one[0][0], "<= 1.3"),
-        ("calibration / FP forward, 2 ranks, FSDP2", f"{max(r[1] for r in two):.1f} s / {max(r[0] for r in two):.1f} s",
-         max(r[1] for r in two) / max(r[0] for r in two), "<= 1.3"),
+        (
+            "calibration / FP forward, 1 rank, FSDP2 (load_pretrained)",
+            f"{one[0][1]:.1f} s / {one[0][0]:.1f} s",
+            one[0][1] / one[0][0],
+            "<= 1.3",
+        ),
+        (
+            "calibration / FP forward, 2 ranks, FSDP2",
+            f"{max(r[1] for r in two):.1f} s / {max(r[0] for r in two):.1f} s",
+            max(r[1] for r in two) / max(r[0] for r in two),
+            "<= 1.3",
+        ),
         (f"t(2L)/t(L), random model, L={args.layers}", f"{t_2l:.1f} s / {t_l:.1f} s", t_2l / t_l, "<= 2.1"),
-        ("peak RSS growth per rank during calibrate, 2 ranks / 1 rank", f"{max(r[3] for r in two):.0f} MB / {one[0][3]:.0f} MB",
-         max(r[3] for r in two) / one[0][3], "< 1"),
+        (
+            "peak RSS growth per rank during calibrate, 2 ranks / 1 rank",
+            f"{max(r[3] for r in two):.0f} MB / {one[0][3]:.0f} MB",
+            max(r[3] for r in two) / one[0][3],
+            "< 1",
+        ),
     ]
-    print(f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, recipe w8a8-int8, "
-          f"{os.cpu_count()} CPU cores, torch {torch.__version__}")
+    print(
+        f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, recipe w8a8-int8, "
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}"
+    )
     print(f"{'measurement':58} {'values':>22} {'ratio':>7}  target")
     for name, values, ratio, target in rows:
         print(f"{name:58} {values:>22} {ratio:7.2f}  {target}")
-    print(f"RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB "
-          "(includes torch itself and the memory-mapped checkpoint pages; see load_memory.py for the load alone)")
+    print(
+        f"RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB "
+        "(includes torch itself and the memory-mapped checkpoint pages; see load_memory.py for the load alone)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ def _rank(model_dir: str, out: str, sharded: bool) -> None:
     model = load_pretrained(model_dir) if sharded else from_pretrained(model_dir)
     grown = _peak_mb() - base
     plan = getattr(model, "_shardcal_distribution_plan", None) or {}
-    total = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 if not plan else plan["model_bytes"] / 2**20
+    total = (
+        sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if not plan
+        else plan["model_bytes"] / 2**20
+    )
     read = plan.get("bytes_read", total * 2**20) / 2**20
     rows = torch.tensor([grown, read, total], dtype=torch.float64)
     gathered = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
@@ -43,14 +47,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    from shardcal.launcher import launch
     from shardcal.io.gguf import embedded_model_dir
+    from shardcal.launcher import launch
 
     model_dir = str(embedded_model_dir())
     print(f"SmolLM2-135M (float32) from {model_dir}")
     print(f"{'load':34} {'rank':>4} {'peak RSS growth':>16} {'bytes read':>11} {'model':>9}")
-    for name, nproc, sharded in (("from_pretrained, 1 process", 1, False), ("load_pretrained, 1 rank", 1, True),
-                                 (f"load_pretrained, {args.nproc} ranks", args.nproc, True)):
+    for name, nproc, sharded in (
+        ("from_pretrained, 1 process", 1, False),
+        ("load_pretrained, 1 rank", 1, True),
+        (f"load_pretrained, {args.nproc} ranks", args.nproc, True),
+    ):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             launch(_rank, nproc, model_dir, out, sharded)

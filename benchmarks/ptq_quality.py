@@ -25,7 +25,7 @@ import torch
 DEFAULT_RECIPES = ["fp8", "w8a8-int8", "w8a8-int8-sq", "w8a8-int8-sq-gptq", "w4a16", "w4a16-gptq", "w4a16-awq"]
 
 
-def _fit_group_size(recipe, model):  # noqa: ANN001, ANN202
+def _fit_group_size(recipe, model):
     """The recipe, with its weight group size lowered to a power of two dividing every targeted Linear's input."""
     spec = recipe.weight
     if spec is None or spec.granularity != "group":
@@ -51,16 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     from shardcal import calibrate, load_recipe
     from shardcal.data import token_blocks
     from shardcal.evaluate import perplexity
-    from shardcal.models import from_pretrained
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
+    from shardcal.models import from_pretrained
 
     model_dir = embedded_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     calib = token_blocks(tokenizer, args.samples, args.seq_len, split="calib")
     held_out = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
-    print(f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} tokens, eval {args.eval_samples} x {args.seq_len}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} tokens, eval {args.eval_samples} x {args.seq_len}, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     rows = []
     model = from_pretrained(model_dir).eval()
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: perplexity {ppl:.3f}, calibration {seconds:.1f} s", flush=True)
 
     print()
-    print(f"| {'recipe':<18} | {'algorithm':<11} | {'perplexity':>10} | {'x FP32':>6} | {'calib s':>7} | {'notes':<12} |")
+    print(
+        f"| {'recipe':<18} | {'algorithm':<11} | {'perplexity':>10} | {'x FP32':>6} | {'calib s':>7} | {'notes':<12} |"
+    )
     print(f"|{'-' * 20}|{'-' * 13}|{'-' * 11}:|{'-' * 7}:|{'-' * 8}:|{'-' * 14}|")
     for name, algorithm, ppl, seconds, note in rows:
         secs = "" if seconds is None else f"{seconds:.1f}"

@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", nargs="?", help="HF-format model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--recipes", nargs="+", default=None, help="recipe names or files (default: all shipped)")
     parser.add_argument("--group64", action="store_true", help="also show int4 group recipes with group size 64")
-    parser.add_argument("--cache-dir", default=None, help="where to import the embedded model (default: shardcal's cache)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="where to import the embedded model (default: shardcal's cache)"
+    )
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     try:
@@ -90,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"model: {model_dir} ({len(linears)} Linear modules)")
-    print(f"{'recipe':<22} {'weight':<34} {'modules':>7} {'skipped':>7} {'SQNR dB':>8} {'mean':>7} {'min':>7} {'time s':>7}")
+    print(
+        f"{'recipe':<22} {'weight':<34} {'modules':>7} {'skipped':>7} {'SQNR dB':>8} {'mean':>7} {'min':>7} {'time s':>7}"
+    )
     rows = [(r.name, r) for r in recipes]
     for label, recipe in list(rows) if args.group64 else []:
         if recipe.weight is not None and recipe.weight.format == "int4" and recipe.weight.granularity == "group":
@@ -99,9 +103,19 @@ def main(argv: list[str] | None = None) -> int:
                 rows.insert(rows.index((label, recipe)) + 1, (f"{label} (g64, extra)", variant))
     for label, recipe in rows:
         w = recipe.weight
-        desc = "-" if w is None else f"{w.format} {w.granularity}" + (
-            f" g{w.group_size}" if w.granularity == "group" else f" axis {w.axis}" if w.granularity == "channel" else ""
-        ) + f" {w.observer}"
+        desc = (
+            "-"
+            if w is None
+            else f"{w.format} {w.granularity}"
+            + (
+                f" g{w.group_size}"
+                if w.granularity == "group"
+                else f" axis {w.axis}"
+                if w.granularity == "channel"
+                else ""
+            )
+            + f" {w.observer}"
+        )
         t0 = time.perf_counter()
         m = measure(recipe, linears)
         print(

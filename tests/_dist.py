@@ -13,11 +13,12 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
-_POOLS: dict[int, "RankPool"] = {}
+_POOLS: dict[int, RankPool] = {}
 
 
 def _free_port() -> int:
@@ -28,8 +29,12 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import datetime
 
@@ -45,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - report everything to the parent
+        except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 

@@ -7,31 +7,18 @@ import importlib.util
 
 import pytest
 import torch
+from _injected import CalibrationInterrupted, interrupt_after
 from torch import nn
 
-from _dist import run_on_ranks
-from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.faults import armed
-from shardcal.runner import calibrate
-
-
-class CalibrationInterrupted(RuntimeError):
-    """Raised at the ``calibrate.committed`` fault point by the tests below."""
-
-
-def _interrupt_after(layers: int):
-    """Stop a run once the checkpoint of ``layers`` completed layers is committed."""
-
-    def stop(completed_layers: int) -> None:
-        if completed_layers == layers:
-            raise CalibrationInterrupted(f"interrupted after {completed_layers} layers (injected)")
-
-    return armed("calibrate.committed", stop)
 from shardcal.errors import RecipeError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import QuantizerSpec, TensorQuantizer, iter_quantizers, set_quantizer_mode
 from shardcal.recipes import load_recipe, parse_recipe
+from shardcal.runner import calibrate
+
+from _dist import run_on_ranks
+from _tiny_models import TINY_CONFIGS, randomize_
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 
@@ -67,7 +54,9 @@ def _recipe(algorithm: str, weight_only: bool = True, **params) -> object:
         quant = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\nobserver = "mse"\n'
     else:
         quant = '[weight]\nformat = "int8"\ngranularity = "channel"\naxis = 0\n[input]\nformat = "int8"\n'
-    return parse_recipe(f'name = "t-{algorithm}"\n{quant}[algorithm]\nname = "{algorithm}"\n{extra}', f"t-{algorithm}.toml")
+    return parse_recipe(
+        f'name = "t-{algorithm}"\n{quant}[algorithm]\nname = "{algorithm}"\n{extra}', f"t-{algorithm}.toml"
+    )
 
 
 def _logits(model: nn.Module, data: torch.Tensor) -> torch.Tensor:
@@ -149,7 +138,7 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(act_order):
     amax = quantizer.amax.clone()
     q = gptq_quantize(weight, x.double().T @ x.double(), quantizer, act_order=act_order, static_groups=True)
     rtn = quantizer(weight)
-    err = lambda w: (x @ (w - weight).T).pow(2).sum().item()  # noqa: E731
+    err = lambda w: (x @ (w - weight).T).pow(2).sum().item()
     assert err(q) < 0.8 * err(rtn), (err(q), err(rtn))
     assert torch.equal(quantizer(q), q)  # static groups: the quantizer's scales reproduce GPTQ's result exactly
     assert torch.equal(quantizer.amax, amax)
@@ -178,7 +167,9 @@ def test_gptq_calibrate_defaults_to_qdq_and_beats_rtn():
         errors[algorithm] = (_logits(model, data) - want).pow(2).mean().item()
     assert reports["gptq"].propagate == "qdq" and reports["rtn"].propagate == "fp"
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
-    assert all(l.sqnr_db is not None and l.sqnr_db < 60 for l in reports["gptq"].layers)  # measured vs the FP layer
+    assert all(
+        layer_report.sqnr_db is not None and layer_report.sqnr_db < 60 for layer_report in reports["gptq"].layers
+    )  # measured vs the FP layer
 
 
 # ------------------------------------------------------------------------------------ AWQ
@@ -202,7 +193,10 @@ def test_awq_beats_rtn_and_keeps_the_fp_function_before_quantization():
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in model.named_parameters()}
+    out = {
+        n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
     out.update({f"{n}.amax": q.amax.detach().clone() for n, q in iter_quantizers(model) if q.amax is not None})
     return out
 
@@ -215,7 +209,13 @@ def _calibrated_states(cases: list[tuple[str, bool, str, dict]]) -> list[dict]:
         model = _model(cfg, outliers=model_type == "llama")
         fsdp2_wrap(model)
         report = calibrate(model, _data(n=5), _recipe(algorithm, weight_only, **params), batch_size=2, progress=False)
-        results.append(dict(state=_state(model), logits=_logits(model, _data(n=2, seed=9)), sqnr=[l.sqnr_db for l in report.layers]))
+        results.append(
+            dict(
+                state=_state(model),
+                logits=_logits(model, _data(n=2, seed=9)),
+                sqnr=[layer_report.sqnr_db for layer_report in report.layers],
+            )
+        )
     return results
 
 
@@ -245,7 +245,7 @@ def _gptq_resume_run(directory: str, interrupt: int | None) -> dict:
     model = _model(dict(LLAMA, num_hidden_layers=4))
     fsdp2_wrap(model)
     try:
-        with _interrupt_after(interrupt):
+        with interrupt_after(interrupt):
             calibrate(model, _data(n=6), _recipe("gptq"), batch_size=2, progress=False, checkpoint_dir=directory)
     except CalibrationInterrupted:
         return dict(interrupted=True)
@@ -285,7 +285,12 @@ def test_export_reloads_with_equal_logits(algorithm, tmp_path):
 
 
 def test_shipped_recipes_and_parameter_errors():
-    for name, algorithm in (("w8a8-int8-sq", "smoothquant"), ("w4a16-gptq", "gptq"), ("w4a16-awq", "awq"), ("w8a8-int8-sq-gptq", "gptq")):
+    for name, algorithm in (
+        ("w8a8-int8-sq", "smoothquant"),
+        ("w4a16-gptq", "gptq"),
+        ("w4a16-awq", "awq"),
+        ("w8a8-int8-sq-gptq", "gptq"),
+    ):
         assert load_recipe(name).algorithm["name"] == algorithm
     assert load_recipe("w4a16-gptq").algorithm["propagate"] == "qdq"
     assert load_recipe("w8a8-int8-sq-gptq").algorithm["smooth"]["name"] == "smoothquant"

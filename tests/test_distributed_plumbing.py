@@ -15,10 +15,28 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shardcal"
 
 #: torch.distributed functions that communicate (a collective or point-to-point).
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 }
 
 
@@ -61,7 +79,9 @@ def test_default_group_has_gloo_beside_nccl_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: asked.setdefault("device", device))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, timeout: asked.setdefault("backend", backend))
+    monkeypatch.setattr(
+        distributed.dist, "init_process_group", lambda backend, timeout: asked.setdefault("backend", backend)
+    )
     monkeypatch.setattr(distributed.dist, "get_rank", lambda *a: 0)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda *a: 1)
     monkeypatch.setenv("RANK", "0")
@@ -111,7 +131,9 @@ def _small_value_collectives() -> dict:
         "json": distributed.broadcast_json({"from": rank, "list": [rank]}, src=1),
         "flags": distributed.ranks_with_flag(rank == 1),
         "floats": distributed.all_gather_floats(float(rank) + 0.5),
-        "max": distributed.all_reduce_(torch.tensor([float(rank), -float(rank)]), "max", distributed.dp_group()).tolist(),
+        "max": distributed.all_reduce_(
+            torch.tensor([float(rank), -float(rank)]), "max", distributed.dp_group()
+        ).tolist(),
     }
 
 

@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from test_gguf_tokenizer import embedded_available, embedded_model_dir_for_tests
 
 pytestmark = pytest.mark.skipif(
@@ -22,8 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory):
-    from shardcal.models import from_pretrained
     from shardcal.io.tokenizer import Tokenizer
+    from shardcal.models import from_pretrained
 
     model_dir = embedded_model_dir_for_tests(tmp_path_factory)
     return from_pretrained(model_dir), Tokenizer.from_dir(model_dir)

@@ -10,36 +10,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from _injected import ExportInterrupted, fail_export_at
 from safetensors import safe_open
 from torch import nn
 
-from _dist import run_on_ranks
-from _tiny_models import TINY_CONFIGS, randomize_
-from shardcal.runner import calibrate
 from shardcal.errors import CheckpointError, ExportError
 from shardcal.export import check_destination, export_checkpoint
-from shardcal.faults import armed
 from shardcal.models import CausalLM, ModelConfig, from_pretrained
-from shardcal.quant import QuantLinear, QuantizerSpec, TensorQuantizer, quantized_modules
+from shardcal.quant import QuantizerSpec, QuantLinear, TensorQuantizer, quantized_modules
+from shardcal.runner import calibrate
 
-class ExportInterrupted(RuntimeError):
-    """Raised at the ``export.unit`` fault point by the tests below."""
-
-
-def _fail_at(index: int):
-    """An ``export.unit`` action: fail on the rank that owns unit ``index``, before it writes it."""
-
-    def fail(unit: int, unit_name: str) -> None:
-        if unit == index:
-            raise ExportInterrupted(f"export interrupted at unit {unit} ({unit_name}) (injected)")
-
-    return armed("export.unit", fail)
-
+from _dist import run_on_ranks
+from _tiny_models import TINY_CONFIGS, randomize_
 
 RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4")
 # in_features 128 / 256: multiples of w4a16's group of 128 and of nvfp4's blocks of 16
 CFG = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256, head_dim=32, num_hidden_layers=2)
-FORMAT = {"w8a8-int8": "int-quantized", "fp8": "float-quantized", "w4a16": "pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
+FORMAT = {
+    "w8a8-int8": "int-quantized",
+    "fp8": "float-quantized",
+    "w4a16": "pack-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+}
 
 
 def _model(cfg: dict = CFG, seed: int = 0) -> CausalLM:
@@ -73,7 +65,11 @@ def _umask() -> int:
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +100,20 @@ def test_export_layout(recipe, exported):
     model, out = exported(recipe)
     files = sorted(p.name for p in out.iterdir())
     shards = [f for f in files if f.endswith(".safetensors")]
-    assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "generation_config.json", "calibration_report.json"} <= set(files)
+    assert len(shards) > 1 and shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
+    assert {
+        "config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "generation_config.json",
+        "calibration_report.json",
+    } <= set(files)
     assert not [f for f in files if f.startswith(".")]
-    assert (out.stat().st_mode & 0o777) == 0o777 & ~_umask() and (out / "calibration_report.json").stat().st_mode & 0o044
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~_umask() and (
+        out / "calibration_report.json"
+    ).stat().st_mode & 0o044
     config = json.loads((out / "config.json").read_text())
     assert {k: v for k, v in config.items() if k != "quantization_config"} == {**CFG, "torch_dtype": "float32"}
     qc = config["quantization_config"]
@@ -120,17 +126,30 @@ def test_export_layout(recipe, exported):
         assert inputs["dynamic"] is False and inputs["strategy"] == "tensor"
     tensors = _tensors(out)
     quantized = dict(quantized_modules(model))
-    plain = {n: p for n, p in model.named_parameters() if not (n.endswith(".weight") and n[: -len(".weight")] in quantized)}
+    plain = {
+        n: p for n, p in model.named_parameters() if not (n.endswith(".weight") and n[: -len(".weight")] in quantized)
+    }
     for name, p in plain.items():  # everything else unchanged, in its dtype
         assert _bytes_equal(tensors[name], p.detach()), name
     assert len(quantized) == 14
-    weight_keys = {"w8a8-int8": {"weight"}, "fp8": {"weight"}, "w4a16": {"weight_packed", "weight_shape"},
-                   "nvfp4": {"weight_packed", "weight_global_scale"}}[recipe]
-    input_keys = {"w8a8-int8": {"input_scale"}, "fp8": {"input_scale"}, "w4a16": set(), "nvfp4": {"input_global_scale"}}[recipe]
+    weight_keys = {
+        "w8a8-int8": {"weight"},
+        "fp8": {"weight"},
+        "w4a16": {"weight_packed", "weight_shape"},
+        "nvfp4": {"weight_packed", "weight_global_scale"},
+    }[recipe]
+    input_keys = {
+        "w8a8-int8": {"input_scale"},
+        "fp8": {"input_scale"},
+        "w4a16": set(),
+        "nvfp4": {"input_global_scale"},
+    }[recipe]
     for name in quantized:
-        keys = {k[len(name) + 1:] for k in tensors if k.rpartition(".")[0] == name}
+        keys = {k[len(name) + 1 :] for k in tensors if k.rpartition(".")[0] == name}
         assert keys == weight_keys | input_keys | {"weight_scale"}, name
-    assert set(tensors) == set(plain) | {f"{n}.{k}" for n in quantized for k in weight_keys | input_keys | {"weight_scale"}}
+    assert set(tensors) == set(plain) | {
+        f"{n}.{k}" for n in quantized for k in weight_keys | input_keys | {"weight_scale"}
+    }
 
 
 def _check_against_compressed_tensors(model: nn.Module, out: Path) -> None:
@@ -168,10 +187,12 @@ def _check_against_compressed_tensors(model: nn.Module, out: Path) -> None:
                     params["input_scale"].copy_(module.input_quantizer.export_scales()["scale"])
         compressor.compress_module(ref)
         theirs = {k: v.detach() for k, v in ref.state_dict().items()}
-        ours = {k[len(name) + 1:]: v for k, v in tensors.items() if k.rpartition(".")[0] == name}
+        ours = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.rpartition(".")[0] == name}
         assert set(theirs) == set(ours), name
         for key in theirs:
-            assert _bytes_equal(ours[key], theirs[key]), f"{name}.{key}: {ours[key].dtype} {list(ours[key].shape)} vs {theirs[key].dtype} {list(theirs[key].shape)}"
+            assert _bytes_equal(ours[key], theirs[key]), (
+                f"{name}.{key}: {ours[key].dtype} {list(ours[key].shape)} vs {theirs[key].dtype} {list(theirs[key].shape)}"
+            )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -261,7 +282,11 @@ def test_moe_routers_ignored_and_kept_float32(tmp_path):
     calibrate(model, _data(), "fp8", batch_size=2, progress=False)
     out = export_checkpoint(model, tmp_path / "moe")
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["ignore"] == ["model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate", "lm_head"]
+    assert config["quantization_config"]["ignore"] == [
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.shared_expert_gate",
+        "lm_head",
+    ]
     tensors = _tensors(out)
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert tensors["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
@@ -359,12 +384,15 @@ def test_destination_errors_and_overwrite(exported, tmp_path):
 
 def test_interrupted_export_leaves_nothing(exported, tmp_path):
     model, _ = exported("w8a8-int8")
-    with pytest.raises(ExportInterrupted), _fail_at(1):
+    with pytest.raises(ExportInterrupted), fail_export_at(1):
         export_checkpoint(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old.txt").write_text("old")
-    with pytest.raises(ExportInterrupted), _fail_at(2):  # with overwrite: the old export stays until the new one is complete
+    with (
+        pytest.raises(ExportInterrupted),
+        fail_export_at(2),
+    ):  # with overwrite: the old export stays until the new one is complete
         export_checkpoint(model, tmp_path / "out", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "old.txt").is_file()
 
@@ -391,7 +419,7 @@ def _export_on_ranks(recipe: str, data: torch.Tensor, folder: str) -> dict:
     calibrate(moe, data, "nvfp4", batch_size=2, progress=False)
     export_checkpoint(moe, Path(folder) / "moe")
     try:  # unit 1 (layer 1) belongs to rank 1: it fails there, every rank stops
-        with _fail_at(1):
+        with fail_export_at(1):
             export_checkpoint(model, Path(folder) / "interrupted")
         failure = None
     except (ExportInterrupted, ExportError) as exc:
@@ -410,13 +438,17 @@ def test_two_rank_export_equals_single_process(tmp_path):
     calibrate(model, data, recipe, batch_size=2, progress=False)
     moe = _moe_model()
     calibrate(moe, data, "nvfp4", batch_size=2, progress=False)
-    for name, single in (("out", export_checkpoint(model, tmp_path / "single", max_shard_bytes=150_000)),
-                         ("moe", export_checkpoint(moe, tmp_path / "single-moe"))):
+    for name, single in (
+        ("out", export_checkpoint(model, tmp_path / "single", max_shard_bytes=150_000)),
+        ("moe", export_checkpoint(moe, tmp_path / "single-moe")),
+    ):
         a, b = _tensors(tmp_path / name), _tensors(single)
         assert a.keys() == b.keys()
         for key in a:
             assert _bytes_equal(a[key], b[key]), f"{name}: {key}"
-        assert json.loads((tmp_path / name / "config.json").read_text()) == json.loads((single / "config.json").read_text())
+        assert json.loads((tmp_path / name / "config.json").read_text()) == json.loads(
+            (single / "config.json").read_text()
+        )
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = {key.rsplit(".", 2)[0]: f for key, f in index["weight_map"].items()}
     assert files["model.layers.0.self_attn"] != files["model.layers.1.self_attn"]  # written by different ranks

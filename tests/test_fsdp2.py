@@ -17,17 +17,27 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from _dist import run_on_ranks
 from shardcal.errors import DistributedError, ModelLayoutError
-from shardcal.fsdp2_utils import auxiliary_modules, fsdp2_units, fsdp2_root_unsharded, fsdp2_wrap, layer_unsharded
+from shardcal.fsdp2_utils import auxiliary_modules, fsdp2_root_unsharded, fsdp2_units, fsdp2_wrap, layer_unsharded
 from shardcal.models.config import ModelConfig
 from shardcal.models.decoder import CausalLM
 
+from _dist import run_on_ranks
+
 LLAMA = dict(
-    model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
 )
-MOE = dict(LLAMA, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2)
+MOE = dict(
+    LLAMA, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2
+)
 
 
 def _model(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -64,7 +74,9 @@ def _forward_matches(cfg: dict) -> dict:
             got = model(ids)
             got_again = model(ids)  # resharded after the first forward, gathers again
         out[name] = dict(
-            diff=_max_diff(want, got), diff_again=_max_diff(want, got_again), scale=want.abs().max().item(),
+            diff=_max_diff(want, got),
+            diff_again=_max_diff(want, got_again),
+            scale=want.abs().max().item(),
             layers_are_units=all(isinstance(layer, FSDPModule) for layer in layers),
             root_is_unit=isinstance(model, FSDPModule),
             embed_sharded=isinstance(model.model.embed_tokens.weight, DTensor),
@@ -96,7 +108,7 @@ def _root_unshard_checks() -> dict:
         try:
             model.model.embed_tokens(ids)
             out["outside_error"] = None
-        except Exception as exc:  # noqa: BLE001 - we assert on FSDP2's message
+        except Exception as exc:
             out["outside_error"] = str(exc)
         with fsdp2_root_unsharded(model):
             out["inside_diff"] = _max_diff(want, model.model.embed_tokens(ids))
@@ -106,7 +118,9 @@ def _root_unshard_checks() -> dict:
             # The untied output head is a unit of its own: embedding does not gather it.
             out["head_still_sharded"] = isinstance(model.lm_head.weight, DTensor)
             out["lm_head_diff"] = _max_diff(ref.lm_head(want), model.lm_head(model.model.embed_tokens(ids)))
-        out["after_sharded"] = all(isinstance(p, DTensor) for p in (model.model.embed_tokens.weight, model.model.norm.weight))
+        out["after_sharded"] = all(
+            isinstance(p, DTensor) for p in (model.model.embed_tokens.weight, model.model.norm.weight)
+        )
         try:
             with fsdp2_root_unsharded(model):
                 raise KeyError("inside")
@@ -191,8 +205,11 @@ def _fp32_router_in_bf16() -> dict:
         diff = _max_diff(ref(ids), model(ids))
     return dict(
         warning=" ".join(str(w.message) for w in caught if "replicated" in str(w.message)),
-        router_plain=not isinstance(router, DTensor), router_dtype=str(router.dtype), router_device=router.device.type,
-        expert_sharded=isinstance(model.model.layers[0].mlp.experts[0].up_proj.weight, DTensor), diff=diff,
+        router_plain=not isinstance(router, DTensor),
+        router_dtype=str(router.dtype),
+        router_device=router.device.type,
+        expert_sharded=isinstance(model.model.layers[0].mlp.experts[0].up_proj.weight, DTensor),
+        diff=diff,
     )
 
 
@@ -242,7 +259,9 @@ def _toy_vlm_checks() -> dict:
     with torch.no_grad():
         diff = _max_diff(ref(pixels, ids), model(pixels, ids))
     return dict(
-        aux=aux, diff=diff, n_layers=len(layers),
+        aux=aux,
+        diff=diff,
+        n_layers=len(layers),
         units={n for n, m in model.named_modules() if isinstance(m, FSDPModule)},
         keep_tower=all(m is not model.model.vision_tower for m in replicated) and len(replicated) == 6,
     )
@@ -251,7 +270,14 @@ def _toy_vlm_checks() -> dict:
 def testauxiliary_modules_get_own_units():
     for r in run_on_ranks(2, _toy_vlm_checks):
         assert r["aux"] == ["mtp", "model.vision_tower", "model.multi_modal_projector"]
-        assert {"", "mtp", "model.vision_tower", "model.multi_modal_projector", "model.language_model.layers.0", "lm_head"} <= r["units"]
+        assert {
+            "",
+            "mtp",
+            "model.vision_tower",
+            "model.multi_modal_projector",
+            "model.language_model.layers.0",
+            "lm_head",
+        } <= r["units"]
         assert r["n_layers"] == 3 and r["keep_tower"]
         assert r["diff"] <= 1e-5
 
@@ -281,7 +307,9 @@ def test_refusals():
     (r,) = run_on_ranks(1, _refusals)
     assert "Sequential" in r["no_layers"] and "register_decoder_layer_support" in r["no_layers"]
     assert "already FSDP2-wrapped" in r["wrapped"]
-    assert "model.layers.1.self_attn" in r["tp_plan"] and "_tp_plan" in r["tp_plan"] and "from_pretrained" in r["tp_plan"]
+    assert (
+        "model.layers.1.self_attn" in r["tp_plan"] and "_tp_plan" in r["tp_plan"] and "from_pretrained" in r["tp_plan"]
+    )
 
 
 def test_wrap_without_process_group_is_a_clear_error():
@@ -315,9 +343,16 @@ def _load_checks(path: str) -> dict:
     except ModelLayoutError as exc:
         refusal = str(exc)
     return dict(
-        diff=diff, read=plan["bytes_read"], total=plan["model_bytes"], refusal=refusal,
+        diff=diff,
+        read=plan["bytes_read"],
+        total=plan["model_bytes"],
+        refusal=refusal,
         tied=model.lm_head.weight is model.model.embed_tokens.weight,
-        router_plain=[not isinstance(l.mlp.gate.weight, DTensor) for l in model.model.layers if hasattr(l.mlp, "gate")],
+        router_plain=[
+            not isinstance(layer_report.mlp.gate.weight, DTensor)
+            for layer_report in model.model.layers
+            if hasattr(layer_report.mlp, "gate")
+        ],
     )
 
 

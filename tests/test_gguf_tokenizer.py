@@ -34,7 +34,15 @@ def byte_level_tokenizer_json(merges=TINY_MERGES, pre_tokenizer=None, specials_f
         tokens += SPECIALS
     vocab = {t: i for i, t in enumerate(tokens)}
     added = [
-        {"id": vocab[s], "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": vocab[s],
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for s in SPECIALS
     ]
     return {
@@ -53,17 +61,34 @@ def byte_level_tokenizer_json(merges=TINY_MERGES, pre_tokenizer=None, specials_f
         },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [f"{a} {b}" for a, b in merges],
+        },
     }
 
 
 TINY_CONFIG = dict(vocab=300, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2)
 
 
-def tiny_state_dict(seed: int = 0, vocab: int = 300, hidden: int = 64, intermediate: int = 96, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, tied: bool = True) -> dict[str, np.ndarray]:
+def tiny_state_dict(
+    seed: int = 0,
+    vocab: int = 300,
+    hidden: int = 64,
+    intermediate: int = 96,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = True,
+) -> dict[str, np.ndarray]:
     """Random HF-named llama weights (float32 numpy)."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
@@ -76,17 +101,19 @@ def tiny_state_dict(seed: int = 0, vocab: int = 300, hidden: int = 64, intermedi
         sd["lm_head.weight"] = w(vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
-        sd.update({
-            p + "input_layernorm.weight": 1 + w(hidden),
-            p + "post_attention_layernorm.weight": 1 + w(hidden),
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(intermediate, hidden),
-            p + "mlp.up_proj.weight": w(intermediate, hidden),
-            p + "mlp.down_proj.weight": w(hidden, intermediate),
-        })
+        sd.update(
+            {
+                p + "input_layernorm.weight": 1 + w(hidden),
+                p + "post_attention_layernorm.weight": 1 + w(hidden),
+                p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                p + "mlp.up_proj.weight": w(intermediate, hidden),
+                p + "mlp.down_proj.weight": w(hidden, intermediate),
+            }
+        )
     return sd
 
 
@@ -94,7 +121,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     """convert_hf_to_gguf.py's LlamaModel.permute, verbatim."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 _GGUF_NAMES = {
@@ -110,8 +141,15 @@ _GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path: Path, sd: dict[str, np.ndarray], arch: str = "llama", heads: int = 4, kv_heads: int = 2,
-                    quant: str = "Q8_0", pre: str = "smollm") -> Path:
+def write_tiny_gguf(
+    path: Path,
+    sd: dict[str, np.ndarray],
+    arch: str = "llama",
+    heads: int = 4,
+    kv_heads: int = 2,
+    quant: str = "Q8_0",
+    pre: str = "smollm",
+) -> Path:
     """A GGUF as llama.cpp's converter writes it: GGUF names, permuted q/k, 2-D weights quantized (``quant``)."""
     gguf = pytest.importorskip("gguf")
     hidden = sd["model.embed_tokens.weight"].shape[1]
@@ -144,8 +182,11 @@ def write_tiny_gguf(path: Path, sd: dict[str, np.ndarray], arch: str = "llama", 
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{_GGUF_NAMES[rest]}"
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if rest_is(name, "q_proj"):
             value = llama_cpp_permute(value, heads, heads)
         elif rest_is(name, "k_proj"):
@@ -210,17 +251,35 @@ def test_tiny_tokenizer_matches_tokenizers_library(tiny_tokenizer_file, text):
     "pre_tokenizer",
     [
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"},
-             "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithNext", "invert": False},
-            {"type": "Digits", "individual_digits": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "MergedWithPrevious", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {
+                        "Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                    },
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithNext", "invert": False},
+                {"type": "Digits", "individual_digits": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "MergedWithPrevious", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            ],
+        },
     ],
     ids=["gpt2-prefix-space", "llama3-split", "merged-with-next", "merged-with-previous"],
 )
@@ -247,7 +306,10 @@ def test_template_adds_bos_only_with_add_special_tokens(tmp_path):
     tok = Tokenizer.from_file(path)
     assert tok.encode("the", add_special_tokens=True) == [1] + tok.encode("the")
     hf_lib = pytest.importorskip("tokenizers")
-    assert tok.encode("the theater", add_special_tokens=True) == hf_lib.Tokenizer.from_file(str(path)).encode("the theater").ids
+    assert (
+        tok.encode("the theater", add_special_tokens=True)
+        == hf_lib.Tokenizer.from_file(str(path)).encode("the theater").ids
+    )
 
 
 def test_special_token_ids_come_from_the_model_dir(tmp_path):
@@ -276,18 +338,38 @@ def test_decode_replaces_a_cut_multibyte_character(tiny_tokenizer_file):
         (lambda d: {k: v for k, v in d.items() if k != "model"}, "'model'"),
         (lambda d: {**d, "model": {**d["model"], "type": "WordPiece"}}, "'WordPiece' is not supported"),
         (lambda d: {**d, "model": {**d["model"], "vocab": ["a", "b"]}}, "model.vocab"),
-        (lambda d: {**d, "model": {**d["model"], "vocab": {**d["model"]["vocab"], "zz": "x"}}}, "token 'zz' has id 'x'"),
+        (
+            lambda d: {**d, "model": {**d["model"], "vocab": {**d["model"]["vocab"], "zz": "x"}}},
+            "token 'zz' has id 'x'",
+        ),
         (lambda d: {**d, "model": {**d["model"], "merges": ["Ġ t", "q"]}}, "entry #1"),
         (lambda d: {**d, "model": {**d["model"], "merges": ["Ġ t", "Ġt zz"]}}, "'zz' is not in the vocab"),
         (lambda d: {**d, "pre_tokenizer": None}, "no ByteLevel step"),
         (lambda d: {**d, "pre_tokenizer": {"type": "Metaspace"}}, "'Metaspace' is not supported"),
-        (lambda d: {**d, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(("}, "behavior": "Isolated"}}, "not a valid regex"),
+        (
+            lambda d: {**d, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(("}, "behavior": "Isolated"}},
+            "not a valid regex",
+        ),
         (lambda d: {**d, "added_tokens": [{"content": "<x>"}]}, "added_tokens' entry #0"),
         (lambda d: {**d, "decoder": {"type": "WordPiece"}}, "decoder type 'WordPiece'"),
         (lambda d: {**d, "normalizer": {"type": "Precompiled"}}, "normalizer type 'Precompiled'"),
     ],
-    ids=["not-json", "not-object", "no-model", "wordpiece", "vocab-list", "vocab-bad-id", "merge-not-pair",
-         "merge-unknown-token", "no-byte-level", "metaspace", "bad-regex", "added-no-id", "decoder", "normalizer"],
+    ids=[
+        "not-json",
+        "not-object",
+        "no-model",
+        "wordpiece",
+        "vocab-list",
+        "vocab-bad-id",
+        "merge-not-pair",
+        "merge-unknown-token",
+        "no-byte-level",
+        "metaspace",
+        "bad-regex",
+        "added-no-id",
+        "decoder",
+        "normalizer",
+    ],
 )
 def test_malformed_tokenizer_json_names_file_and_problem(tmp_path, mutate, phrase):
     path = tmp_path / "tokenizer.json"
@@ -311,15 +393,20 @@ def test_tiny_gguf_import_recovers_hf_weights(tmp_path, quant):
     pytest.importorskip("gguf")
     from safetensors.numpy import load_file
 
-    from shardcal.models import from_pretrained
     from shardcal.io.gguf import import_gguf, is_valid_import
+    from shardcal.models import from_pretrained
 
     sd = tiny_state_dict(tied=quant == "F32")
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", sd, quant=quant)
     out = import_gguf(gguf_file, tmp_path / "hf")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["torch_dtype"] == "float32"
-    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (300, 64, 96, 2)
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (
+        300,
+        64,
+        96,
+        2,
+    )
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 16)
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 10000.0 and cfg["max_position_embeddings"] == 512
     assert cfg["tie_word_embeddings"] == (quant == "F32") == ("lm_head.weight" not in sd)
@@ -411,10 +498,23 @@ def test_embedded_import_config_and_tensors(smollm_dir):
     from safetensors import safe_open
 
     cfg = json.loads((smollm_dir / "config.json").read_text())
-    expected = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+    expected = {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     assert {k: cfg[k] for k in expected} == expected
     with safe_open(str(smollm_dir / "model.safetensors"), framework="np") as handle:
         keys = set(handle.keys())

@@ -151,7 +151,11 @@ BAD_FIELDS: list[tuple[str, Any, str]] = [
     ("rope_scaling", {"rope_type": "linear", "factor": 0}, "factor"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0}, "differ"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "4k"}, "original_max_position_embeddings"),
+    (
+        "rope_scaling",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "4k"},
+        "original_max_position_embeddings",
+    ),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}, "truncate"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "beta_fast": "fast"}, "beta_fast"),
     ("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0}, "rope_parameters.factor"),

@@ -35,7 +35,6 @@ VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 def hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """A tiny transformers model of ``model_type`` (TINY_CONFIGS + overrides), random weights, eager attention."""
     fields = {k: v for k, v in TINY_CONFIGS[model_type].items() if k not in ("model_type", "architectures")}
@@ -75,8 +74,13 @@ def hf_logits(model: Any, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 
 # --- logits parity, every family ----------------------------------------------------------------------------
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}  # head_dim 16: low, medium and high frequencies all present
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # head_dim 16: low, medium and high frequencies all present
 # factor != max_position_embeddings / original (64 / 16): transformers 5 uses `factor` itself.
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}
 YARN_MSCALE = {**YARN, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}
@@ -90,15 +94,37 @@ PARITY_CASES: list[tuple[str, str, dict[str, Any], int]] = [
     ("llama-gelu-tanh", "llama", {"hidden_act": "gelu_pytorch_tanh"}, 16),
     ("llama-rope-llama3", "llama", {"max_position_embeddings": 64, "rope_scaling": LLAMA3}, 32),
     # no original_max_position_embeddings: it defaults to max_position_embeddings (transformers 5)
-    ("llama-rope-llama3-default-original", "llama",
-     {"max_position_embeddings": 24, "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}}, 32),
+    (
+        "llama-rope-llama3-default-original",
+        "llama",
+        {
+            "max_position_embeddings": 24,
+            "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"},
+        },
+        32,
+    ),
     ("llama-rope-linear", "llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 32),
     # dynamic NTK scales only past max_position_embeddings: 40 > 16 exercises it, 12 < 16 the plain branch
-    ("llama-rope-dynamic", "llama", {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 40),
-    ("llama-rope-dynamic-short", "llama", {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 12),
+    (
+        "llama-rope-dynamic",
+        "llama",
+        {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        40,
+    ),
+    (
+        "llama-rope-dynamic-short",
+        "llama",
+        {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        12,
+    ),
     ("llama-rope-yarn", "llama", {"max_position_embeddings": 64, "rope_scaling": YARN}, 48),
     ("llama-rope-yarn-mscale", "llama", {"max_position_embeddings": 64, "rope_scaling": YARN_MSCALE}, 48),
-    ("llama-rope-yarn-attention-factor", "llama", {"max_position_embeddings": 64, "rope_scaling": YARN_ATTENTION_FACTOR}, 48),
+    (
+        "llama-rope-yarn-attention-factor",
+        "llama",
+        {"max_position_embeddings": 64, "rope_scaling": YARN_ATTENTION_FACTOR},
+        48,
+    ),
     ("llama-rope-theta", "llama", {"rope_theta": 500000.0}, 24),
     ("mistral", "mistral", {}, 24),
     ("mistral-sliding-window", "mistral", {"sliding_window": 8}, 24),
@@ -110,10 +136,25 @@ PARITY_CASES: list[tuple[str, str, dict[str, Any], int]] = [
     ("mixtral", "mixtral", {}, 24),
     ("mixtral-sliding-window", "mixtral", {"sliding_window": 8}, 24),
     # layers 0 and 2 dense (sparse step 2), 1 sparse, 3 dense via mlp_only_layers; shared expert on
-    ("qwen2_moe-step2-mlp-only", "qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}, 24),
+    (
+        "qwen2_moe-step2-mlp-only",
+        "qwen2_moe",
+        {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+        24,
+    ),
     ("qwen2_moe-norm-topk-no-qkv-bias", "qwen2_moe", {"norm_topk_prob": True, "qkv_bias": False}, 24),
-    ("qwen2_moe-sliding-window", "qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [], "use_sliding_window": True,
-                                               "sliding_window": 8, "max_window_layers": 2}, 24),
+    (
+        "qwen2_moe-sliding-window",
+        "qwen2_moe",
+        {
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [],
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 2,
+        },
+        24,
+    ),
     ("qwen3_moe", "qwen3_moe", {}, 24),
     ("qwen3_moe-no-norm-topk-mlp-only", "qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [1]}, 24),
     ("qwen3_moe-sliding-window", "qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, 24),
@@ -152,8 +193,9 @@ def test_logits_match_transformers(tmp_path: Path, model_type: str, overrides: d
 
 def test_qwen2_moe_layer_kinds(tmp_path: Path) -> None:
     """decoder_sparse_step=2 + mlp_only_layers=[3]: only layer 1 is sparse; sparse layers have a shared expert."""
-    ours = from_pretrained(make_tiny_checkpoint(tmp_path, "qwen2_moe", num_hidden_layers=4, decoder_sparse_step=2,
-                                                mlp_only_layers=[3]))
+    ours = from_pretrained(
+        make_tiny_checkpoint(tmp_path, "qwen2_moe", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    )
     kinds = [type(layer.mlp).__name__ for layer in ours.model.layers]
     assert kinds == ["MLP", "SparseMoeBlock", "MLP", "MLP"]
     assert ours.model.layers[1].mlp.shared_expert is not None
@@ -322,8 +364,13 @@ def test_config_dtype_is_honoured(tmp_path: Path, fields: dict[str, Any], expect
 
 @pytest.mark.parametrize(
     ("arg", "expected"),
-    [(torch.float32, torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("auto", torch.bfloat16),
-     (None, torch.bfloat16)],
+    [
+        (torch.float32, torch.float32),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("auto", torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
 )
 def test_dtype_argument_overrides_config(tmp_path: Path, arg: Any, expected: torch.dtype) -> None:
     model_dir = make_tiny_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
@@ -406,12 +453,29 @@ def test_v4_config_spellings(tmp_path: Path, overrides: dict[str, Any], seq_len:
 def test_family_defaults_match_transformers() -> None:
     """Optional fields a hand-written config omits mean the same here as in transformers."""
     for model_type, tiny in TINY_CONFIGS.items():
-        required = {k: v for k, v in tiny.items() if k not in (
-            "rms_norm_eps", "rope_theta", "max_position_embeddings", "sliding_window", "use_sliding_window",
-            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings", "hidden_act",
-            "head_dim" if model_type == "qwen3" else "", "architectures")}
+        required = {
+            k: v
+            for k, v in tiny.items()
+            if k
+            not in (
+                "rms_norm_eps",
+                "rope_theta",
+                "max_position_embeddings",
+                "sliding_window",
+                "use_sliding_window",
+                "norm_topk_prob",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+                "tie_word_embeddings",
+                "hidden_act",
+                "head_dim" if model_type == "qwen3" else "",
+                "architectures",
+            )
+        }
         ours = ModelConfig.from_dict(required)
-        theirs = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in required.items() if k != "model_type"})
+        theirs = transformers.AutoConfig.for_model(
+            model_type, **{k: v for k, v in required.items() if k != "model_type"}
+        )
         rope_theta = theirs.rope_parameters["rope_theta"] if TRANSFORMERS_5 else theirs.rope_theta
         assert ours.rms_norm_eps == theirs.rms_norm_eps, model_type
         assert ours.rope_theta == rope_theta, model_type

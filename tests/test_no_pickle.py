@@ -27,7 +27,14 @@ SOURCE_DIRS = (ROOT / "src",)
 PICKLE_MODULES = frozenset({"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"})
 CODE_BUILTINS = frozenset({"eval", "exec", "compile", "__import__"})
 OBJECT_COLLECTIVES = frozenset(
-    {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "send_object_list", "recv_object_list"}
+    {
+        "broadcast_object_list",
+        "all_gather_object",
+        "gather_object",
+        "scatter_object_list",
+        "send_object_list",
+        "recv_object_list",
+    }
 )
 #: Files that may use an object collective (``"src/shardcal/x.py"``); each needs a reason. None so far.
 OBJECT_COLLECTIVES_ALLOWED: frozenset[str] = frozenset()
@@ -61,7 +68,9 @@ def find_violations(source: str, filename: str = "<source>") -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                aliases[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "numpy", "torch.jit"):
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -83,7 +92,11 @@ def find_violations(source: str, filename: str = "<source>") -> list[str]:
                     flag(node, f"imports {alias.name} (pickles between ranks)")
         elif isinstance(node, ast.Name) and node.id in PICKLE_MODULES:
             flag(node, f"uses {node.id}")
-        elif isinstance(node, ast.Attribute) and node.attr in OBJECT_COLLECTIVES and filename not in OBJECT_COLLECTIVES_ALLOWED:
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in OBJECT_COLLECTIVES
+            and filename not in OBJECT_COLLECTIVES_ALLOWED
+        ):
             flag(node, f"{node.attr} (pickles between ranks)")
         elif isinstance(node, ast.keyword) and node.arg == "allow_pickle" and not _is_const(node.value, False):
             flag(node.value, "allow_pickle is not False")

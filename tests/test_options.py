@@ -13,7 +13,12 @@ from shardcal.runner import calibrate
 
 def test_fingerprint_holds_exactly_the_result_changing_options():
     options = CalibrationOptions(propagate="qdq", batch_size=4, checkpoint_dir="/x", progress=False)
-    assert options.fingerprint() == {"propagate": "qdq", "batch_size": 4, "calibrate_all_experts": True, "sqnr_batches": 1}
+    assert options.fingerprint() == {
+        "propagate": "qdq",
+        "batch_size": 4,
+        "calibrate_all_experts": True,
+        "sqnr_batches": 1,
+    }
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_subpackage_is_listed():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    found = {"shardcal." + ".".join(p.parent.relative_to(ROOT / "src" / "shardcal").parts) for p in (ROOT / "src" / "shardcal").rglob("__init__.py")}
+    found = {
+        "shardcal." + ".".join(p.parent.relative_to(ROOT / "src" / "shardcal").parts)
+        for p in (ROOT / "src" / "shardcal").rglob("__init__.py")
+    }
     found = {name.rstrip(".") for name in found}
     assert found | {"shardcal.calibration.recipes"} == listed
     assert config["package-data"]["shardcal.calibration.recipes"] == ["*.toml"]

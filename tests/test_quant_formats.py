@@ -20,7 +20,6 @@ def t(*values):
     return torch.tensor(values, dtype=torch.float32)
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ------------------------------------------------------------------------------------------ hand-computed
@@ -75,7 +74,9 @@ def test_fp8_matches_torch_cast():
     # with a scale: x / s cast by torch, times s
     amax = t(37.5)
     s = 37.5 / 448
-    expected = (torch.clamp(x / torch.tensor(s, dtype=torch.float32), -448, 448).to(torch.float8_e4m3fn).float()) * torch.tensor(s)
+    expected = (
+        torch.clamp(x / torch.tensor(s, dtype=torch.float32), -448, 448).to(torch.float8_e4m3fn).float()
+    ) * torch.tensor(s)
     assert torch.equal(fake_quantize(x, amax, FP8), expected)
     # torch's own cast of out-of-range values is NaN; ours saturates
     assert not torch.isnan(fake_quantize(x, t(1.0), FP8)).any()
@@ -89,7 +90,11 @@ def test_nvfp4_hand_computed():
     # global amax 5376 -> global scale 0.5, block scale 0.5 in FP8, effective scale 1: same values
     enc = encode(block[None], t(5376.0), NVFP4)
     assert enc["global_scale"].tolist() == [0.5] and enc["scale"].float().tolist() == [[0.5]]
-    assert enc["scale"].dtype == torch.float8_e4m3fn and enc["packed"].dtype == torch.uint8 and enc["packed"].shape == (1, 8)
+    assert (
+        enc["scale"].dtype == torch.float8_e4m3fn
+        and enc["packed"].dtype == torch.uint8
+        and enc["packed"].shape == (1, 8)
+    )
     # codes: 0 -> 0, 0.5 -> 1, ..., 6 -> 7; sign in bit 3; low nibble first
     assert enc["packed"][0, 0].item() == 0x00 and enc["packed"][0, 1].item() == (2 << 4) | 1
     assert torch.equal(decode(enc, NVFP4)[0], want)
@@ -121,7 +126,9 @@ def test_zero_amax_does_not_divide_by_zero():
 # ------------------------------------------------------------------------------------------ bounds, dtype, encode
 
 
-@pytest.mark.parametrize("spec", [QuantizerSpec("int4", "group", group_size=32), QuantizerSpec("int8", "channel", axis=0)])
+@pytest.mark.parametrize(
+    "spec", [QuantizerSpec("int4", "group", group_size=32), QuantizerSpec("int8", "channel", axis=0)]
+)
 def test_int_round_trip_bound(spec):
     torch.manual_seed(1)
     w = torch.randn(8, 64)
@@ -143,14 +150,31 @@ def test_nvfp4_round_trip_bound():
     eff = (enc["scale"].float() / enc["global_scale"]).repeat_interleave(16, dim=-1)
     err = (decode(enc, NVFP4) - w).abs()
     assert (err <= eff).all()  # half the largest E2M1 step (2) times the block's effective scale
-    assert e2m1_values(e2m1_codes(t(*[0.5 * i for i in range(5)], 3, 4, 6, -6, -0.5))).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -6, -0.5]
+    assert e2m1_values(e2m1_codes(t(*[0.5 * i for i in range(5)], 3, 4, 6, -6, -0.5))).tolist() == [
+        0,
+        0.5,
+        1,
+        1.5,
+        2,
+        3,
+        4,
+        6,
+        -6,
+        -0.5,
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "spec",
-    [INT8, QuantizerSpec("int8", "channel", axis=0), QuantizerSpec("int4", "group", group_size=16), FP8,
-     QuantizerSpec("fp8_e4m3", "channel", axis=0), NVFP4],
+    [
+        INT8,
+        QuantizerSpec("int8", "channel", axis=0),
+        QuantizerSpec("int4", "group", group_size=16),
+        FP8,
+        QuantizerSpec("fp8_e4m3", "channel", axis=0),
+        NVFP4,
+    ],
     ids=str,
 )
 def test_fake_quantize_equals_decode_of_encode(spec, dtype):
@@ -189,7 +213,10 @@ def test_matches_compressed_tensors_fake_quantize():
     cases = [
         (QuantizerSpec("int8", "channel", axis=0), _ct_args(num_bits=8, type="int", strategy="channel")),
         (QuantizerSpec("int8"), _ct_args(num_bits=8, type="int", strategy="tensor")),
-        (QuantizerSpec("int4", "group", group_size=128), _ct_args(num_bits=4, type="int", strategy="group", group_size=128)),
+        (
+            QuantizerSpec("int4", "group", group_size=128),
+            _ct_args(num_bits=4, type="int", strategy="group", group_size=128),
+        ),
         (FP8, _ct_args(num_bits=8, type="float", strategy="tensor")),
         (QuantizerSpec("fp8_e4m3", "channel", axis=0), _ct_args(num_bits=8, type="float", strategy="channel")),
     ]
@@ -218,8 +245,10 @@ def test_matches_compressed_tensors_nvfp4():
     assert torch.equal(enc["scale"].float(), scale)
     assert torch.equal(fake_quantize(w, amax, NVFP4), ct_fq(w, scale, None, args, global_scale=gs))
     assert torch.equal(enc["packed"], quantize_and_pack_fp4(w, scale, global_scale=gs, group_size=16))
-    assert torch.equal(e2m1_values(torch.stack((enc["packed"] & 15, enc["packed"] >> 4), -1).flatten(-2)),
-                       unpack_fp4_from_uint8(enc["packed"], 8, 64, torch.float32))
+    assert torch.equal(
+        e2m1_values(torch.stack((enc["packed"] & 15, enc["packed"] >> 4), -1).flatten(-2)),
+        unpack_fp4_from_uint8(enc["packed"], 8, 64, torch.float32),
+    )
 
 
 @settings(max_examples=40, deadline=None)

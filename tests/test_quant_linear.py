@@ -8,20 +8,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _dist import run_on_ranks
 from shardcal.errors import RecipeError, ShardcalError
 from shardcal.models import CausalLM, DecoderLayer, ModelConfig
 from shardcal.models.rope import RotaryEmbedding
-from shardcal.quant import CalibrationSession, NotCalibratedError, QuantizerSpec, QuantLinear, TensorQuantizer, fake_quantize, iter_quantizers, quantizer_mode, set_quantizer_mode
+from shardcal.quant import (
+    CalibrationSession,
+    NotCalibratedError,
+    QuantizerSpec,
+    QuantLinear,
+    TensorQuantizer,
+    fake_quantize,
+    iter_quantizers,
+    quantizer_mode,
+    set_quantizer_mode,
+)
 from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 
+from _dist import run_on_ranks
+
 LLAMA = {
-    "model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
 }
 QWEN2_MOE = {
-    **LLAMA, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    **LLAMA,
+    "model_type": "qwen2_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 
@@ -39,7 +63,6 @@ def _calibrate_model(model, batches, group=None):
     for _ in CalibrationSession(acts, group).passes():
         for b in batches:
             model(b)
-
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,7 +97,9 @@ def test_forward_equals_manual_fake_quant_formula():
 
 
 def test_uncalibrated_quantizer_raises_and_modes():
-    lin = QuantLinear.from_linear(nn.Linear(16, 8), weight=QuantizerSpec("int8"), input=QuantizerSpec("int8"), name="m.fc")
+    lin = QuantLinear.from_linear(
+        nn.Linear(16, 8), weight=QuantizerSpec("int8"), input=QuantizerSpec("int8"), name="m.fc"
+    )
     with pytest.raises(NotCalibratedError, match=r"m\.fc\.input_quantizer: asked to quantize before it was calibrated"):
         lin(torch.randn(2, 16))
     assert isinstance(NotCalibratedError("x"), ShardcalError)
@@ -130,7 +155,10 @@ def test_quantize_modules_with_prefix_and_patterns():
 def test_group_size_that_does_not_divide_names_the_module():
     recipe = parse_recipe('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n', source="g48.toml")
     model = _model(LLAMA)
-    with pytest.raises(RecipeError, match=r"g48\.toml: .*module 'model\.layers\.0\.self_attn\.q_proj'.*group_size 48 does not divide the last dimension 64"):
+    with pytest.raises(
+        RecipeError,
+        match=r"g48\.toml: .*module 'model\.layers\.0\.self_attn\.q_proj'.*group_size 48 does not divide the last dimension 64",
+    ):
         quantize_modules(model, recipe)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing half-converted
 
@@ -177,11 +205,11 @@ def _fsdp2_on_ranks():
     x_all = torch.randn(2 * world, 6, cfg.hidden_size, generator=g)
     pos = torch.arange(6)[None].expand(2, -1)
     cos_sin = RotaryEmbedding(cfg)(pos, torch.float32)
-    x_local = x_all[2 * rank: 2 * rank + 2]
+    x_local = x_all[2 * rank : 2 * rank + 2]
 
     # weights: from the full weight, on the unsharded layer (what the runner hands over) ...
     layer.unshard()
-    for n, m in layer.named_modules():
+    for _n, m in layer.named_modules():
         if isinstance(m, QuantLinear):
             assert not isinstance(m.weight, DTensor)
             m.weight_quantizer.calibrate_from(m.weight)
@@ -195,15 +223,17 @@ def _fsdp2_on_ranks():
         layer(x_local, position_embeddings=cos_sin)
 
     # the unsharded reference, calibrated on all the data in this one process
-    for n, m in ref.named_modules():
+    for _n, m in ref.named_modules():
         if isinstance(m, QuantLinear):
             m.weight_quantizer.calibrate_from(m.weight)
     ref_acts = [q for n, q in iter_quantizers(ref) if not n.endswith("weight_quantizer")]
     for _ in CalibrationSession(ref_acts).passes():
         for i in range(world):
-            ref(x_all[2 * i: 2 * i + 2], position_embeddings=cos_sin)
+            ref(x_all[2 * i : 2 * i + 2], position_embeddings=cos_sin)
 
-    amax_equal = all(torch.equal(a.amax, b.amax) for (_, a), (_, b) in zip(iter_quantizers(layer), iter_quantizers(ref)))
+    amax_equal = all(
+        torch.equal(a.amax, b.amax) for (_, a), (_, b) in zip(iter_quantizers(layer), iter_quantizers(ref))
+    )
     out = layer(x_local, position_embeddings=cos_sin)
     out_ref = ref(x_local, position_embeddings=cos_sin)
     with quantizer_mode(ref, "disabled"):
@@ -224,7 +254,11 @@ def _fsdp2_on_ranks():
     return {
         "before_diff": before_diff,
         "units_diff": units_diff,
-        "unit_class": (unit_class.__name__, issubclass(unit_class, QuantLinear), type(units.mlp.down_proj).__mro__[2].__name__),
+        "unit_class": (
+            unit_class.__name__,
+            issubclass(unit_class, QuantLinear),
+            type(units.mlp.down_proj).__mro__[2].__name__,
+        ),
         "names": names,
         "keys_kept": keys_before <= keys_after,
         "extra": sorted(keys_after - keys_before),
@@ -239,7 +273,9 @@ def test_insert_after_fully_shard_matches_unsharded_reference():
     for r in run_on_ranks(2, _fsdp2_on_ranks):
         assert len(r["names"]) == 7 and r["names"][0] == "model.layers.0.self_attn.q_proj"
         assert r["keys_kept"]
-        assert len(r["extra"]) == 14 and all(k.endswith(("input_quantizer.amax", "weight_quantizer.amax")) for k in r["extra"])
+        assert len(r["extra"]) == 14 and all(
+            k.endswith(("input_quantizer.amax", "weight_quantizer.amax")) for k in r["extra"]
+        )
         assert r["amax_equal"] and r["dtensor_ok"]
         assert r["max_diff"] == 0.0, r
         assert r["quant_effect"] > 0

@@ -6,9 +6,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_on_ranks
-from shardcal.quant import CalibrationSession, QuantizerSpec, TensorQuantizer, begin_pass_all, end_pass_all, fake_quantize, finish_calibration_all, start_calibration_all
+from shardcal.quant import (
+    CalibrationSession,
+    QuantizerSpec,
+    TensorQuantizer,
+    begin_pass_all,
+    end_pass_all,
+    fake_quantize,
+    finish_calibration_all,
+    start_calibration_all,
+)
 from shardcal.quant.granularity import Layout
+
+from _dist import run_on_ranks
 
 HIDDEN = 32
 
@@ -18,10 +28,18 @@ CONFIGS = [
     ("max-int8-channel", QuantizerSpec("int8", "channel", axis=-1), (HIDDEN,)),
     ("max-int4-group", QuantizerSpec("int4", "group", group_size=8), (HIDDEN,)),
     ("max-nvfp4", QuantizerSpec("nvfp4"), (HIDDEN,)),
-    ("pct-int8-tensor", QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 99.0, "bins": 512}), (HIDDEN,)),
+    (
+        "pct-int8-tensor",
+        QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 99.0, "bins": 512}),
+        (HIDDEN,),
+    ),
     ("pct-fp8-channel", QuantizerSpec("fp8_e4m3", "channel", axis=-1, observer="percentile"), (HIDDEN,)),
     ("mse-int8-tensor", QuantizerSpec("int8", observer="mse"), (HIDDEN,)),
-    ("mse-int4-group", QuantizerSpec("int4", "group", group_size=8, observer="mse", observer_params={"max_shrink": 0.5, "grid": 20}), (HIDDEN,)),
+    (
+        "mse-int4-group",
+        QuantizerSpec("int4", "group", group_size=8, observer="mse", observer_params={"max_shrink": 0.5, "grid": 20}),
+        (HIDDEN,),
+    ),
     ("mse-fp8-tensor", QuantizerSpec("fp8_e4m3", observer="mse"), (HIDDEN,)),
     ("mse-nvfp4", QuantizerSpec("nvfp4", observer="mse"), (HIDDEN,)),
 ]
@@ -35,11 +53,10 @@ def _data(seed: int = 0) -> torch.Tensor:
 
 
 def _calibrate(q: TensorQuantizer, batches, group=None) -> torch.Tensor:
-    for p in CalibrationSession([q], group).passes():
+    for _p in CalibrationSession([q], group).passes():
         for b in batches:
             q(b)
     return q.amax.clone()
-
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,7 +66,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_max_observer_is_the_exact_amax():
     x = _data()
-    for spec in (QuantizerSpec("int8"), QuantizerSpec("int8", "channel", axis=-1), QuantizerSpec("int4", "group", group_size=8)):
+    for spec in (
+        QuantizerSpec("int8"),
+        QuantizerSpec("int8", "channel", axis=-1),
+        QuantizerSpec("int4", "group", group_size=8),
+    ):
         q = TensorQuantizer(spec, (HIDDEN,))
         amax = _calibrate(q, list(x))
         assert torch.equal(amax, Layout(spec, (HIDDEN,)).amax_of(x))
@@ -68,7 +89,9 @@ def test_percentile_observer_close_to_quantile():
     exact = values[math.ceil(0.99 * len(values)) - 1].item()  # the 99th-percentile element
     width = values[-1].item() / 4096
     assert exact <= amax.item() <= exact + width + 1e-6  # the upper edge of its histogram bin
-    q100 = TensorQuantizer(QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 100.0}), (HIDDEN,))
+    q100 = TensorQuantizer(
+        QuantizerSpec("int8", observer="percentile", observer_params={"percentile": 100.0}), (HIDDEN,)
+    )
     assert torch.equal(_calibrate(q100, [x]), x.abs().amax().reshape(1))
 
 
@@ -81,9 +104,12 @@ def test_mse_observer_picks_the_best_candidate():
     amax = q.calibrate_from(w)
     full = w.abs().amax(1, keepdim=True)
     fractions = [1 - i / 50 for i in range(31)]
-    errs = torch.stack([
-        (fake_quantize(w, full * torch.tensor(f, dtype=torch.float32), spec) - w).pow(2).sum(1).double() for f in fractions
-    ])
+    errs = torch.stack(
+        [
+            (fake_quantize(w, full * torch.tensor(f, dtype=torch.float32), spec) - w).pow(2).sum(1).double()
+            for f in fractions
+        ]
+    )
     best = torch.tensor(fractions, dtype=torch.float32)[errs.argmin(0)]
     assert torch.equal(amax, full * best[:, None])
     assert amax[0].item() < 12.0  # the outlier row got clipped
@@ -135,7 +161,11 @@ def _split_and_merge_on_ranks():
     # weights: each rank holds the full weight; calibrate_from without a group does no collective
     w = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(7))
     wq = TensorQuantizer(QuantizerSpec("int4", "group", group_size=8, observer="mse"), w.shape)
-    results["weight"] = (torch.equal(wq.calibrate_from(w), TensorQuantizer(wq.spec, w.shape).calibrate_from(w)), True, None)
+    results["weight"] = (
+        torch.equal(wq.calibrate_from(w), TensorQuantizer(wq.spec, w.shape).calibrate_from(w)),
+        True,
+        None,
+    )
     return issued, results, world
 
 

@@ -3,11 +3,11 @@
 import pytest
 
 import shardcal
+from shardcal.algorithms import ALGORITHMS, LayerAlgorithm, make_algorithm, register_algorithm
 from shardcal.errors import RecipeError
+from shardcal.params import integer, number
 from shardcal.quant import QuantizerSpec
 from shardcal.recipes import Recipe, load_recipe, parse_recipe, shipped_recipes
-from shardcal.algorithms import ALGORITHMS, LayerAlgorithm, make_algorithm, register_algorithm
-from shardcal.params import integer, number
 
 
 def test_shipped_recipes():
@@ -39,16 +39,31 @@ def test_load_by_path_and_passthrough(tmp_path):
 
 def test_default_excludes_and_patterns():
     r = load_recipe("fp8")
-    for name in ("lm_head", "model.lm_head", "model.layers.3.mlp.gate", "model.layers.0.block_sparse_moe.gate",
-                 "model.layers.1.mlp.shared_expert_gate", "model.vision_tower.blocks.0.fc1", "visual.blocks.0.qkv"):
+    for name in (
+        "lm_head",
+        "model.lm_head",
+        "model.layers.3.mlp.gate",
+        "model.layers.0.block_sparse_moe.gate",
+        "model.layers.1.mlp.shared_expert_gate",
+        "model.vision_tower.blocks.0.fc1",
+        "visual.blocks.0.qkv",
+    ):
         assert not r.matches(name), name
-    for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_proj",
-                 "model.layers.1.block_sparse_moe.experts.0.w1", "model.layers.1.mlp.shared_expert.gate_proj"):
+    for name in (
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.block_sparse_moe.experts.0.w1",
+        "model.layers.1.mlp.shared_expert.gate_proj",
+    ):
         assert r.matches(name), name
-    r = parse_recipe('[targets]\ninclude = ["re:.*_proj"]\nexclude = ["*.k_proj"]\ndefault_excludes = false\n'
-                     '[weight]\nformat = "int8"\n')
+    r = parse_recipe(
+        '[targets]\ninclude = ["re:.*_proj"]\nexclude = ["*.k_proj"]\ndefault_excludes = false\n'
+        '[weight]\nformat = "int8"\n'
+    )
     assert r.matches("a.q_proj") and not r.matches("a.k_proj") and not r.matches("a.w1")
-    assert parse_recipe('[targets]\ninclude = ["*"]\ndefault_excludes = false\n[weight]\nformat = "int8"\n').matches("lm_head")
+    assert parse_recipe('[targets]\ninclude = ["*"]\ndefault_excludes = false\n[weight]\nformat = "int8"\n').matches(
+        "lm_head"
+    )
 
 
 BAD = [
@@ -61,13 +76,19 @@ BAD = [
     ('[input]\nformat = "int8"\nobserver = { name = "mse", bins = 3 }\n', "'input.observer.bins': unknown parameter"),
     ('[input]\nformat = "int8"\nobserver = { percentile = 99 }\n', "'input.observer.name': missing"),
     ('[weight]\nformat = "int4"\ngranularity = "group"\n', "'weight.group_size'"),
-    ('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = "128"\n', "'weight.group_size': must be an integer"),
+    (
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = "128"\n',
+        "'weight.group_size': must be an integer",
+    ),
     ('[weight]\nformat = "int4"\ngroup_size = 128\n', "'weight.group_size': group_size is only valid"),
     ('[weight]\nformat = "int8"\ngranularity = "row"\n', "'weight.granularity': unknown granularity 'row'"),
     ('[weight]\nformat = "int8"\naxis = 0\n', "'weight.axis'"),
     ('[weight]\nformat = "int8"\nsymmetric = false\n', "'weight.symmetric': only symmetric"),
     ('[weight]\nformat = "int8"\ndynamic = true\n', "'weight.dynamic': weights are quantized statically"),
-    ('[weight]\nformat = "nvfp4"\ngranularity = "group"\ngroup_size = 32\n', "'weight.granularity': nvfp4 always uses blocks of 16"),
+    (
+        '[weight]\nformat = "nvfp4"\ngranularity = "group"\ngroup_size = 32\n',
+        "'weight.granularity': nvfp4 always uses blocks of 16",
+    ),
     ('[weight]\nformat = "int8"\n[algorithm]\nname = "spinquant"\n', "'algorithm.name': unknown algorithm 'spinquant'"),
     ('[weight]\nformat = "int8"\n[algorithm]\nname = "rtn"\nblocksize = 128\n', "'algorithm.blocksize'"),
     ('[targets]\ninclude = ["re:(["]\n[weight]\nformat = "int8"\n', "'targets.include[0]': invalid regular expression"),

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _tiny_models import TINY_CONFIGS, make_tiny_checkpoint, randomize_
 from shardcal.errors import DistributedError
+
+from _tiny_models import TINY_CONFIGS, make_tiny_checkpoint, randomize_
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
 
@@ -79,8 +79,20 @@ def test_torchrun_survivor_exits_with_clear_message(tmp_path):
     script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0 and elapsed < 60, (elapsed, proc.stderr[-2000:])
@@ -102,8 +114,23 @@ SLOW = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=16)
 
 
 def _cli(model_dir: Path, out: Path, ckpt: Path | None, data: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "shardcal", "calibrate", str(model_dir), "--recipe", "w8a8-int8", "--out", str(out),
-           "--data", str(data), "--batch-size", "2", "--nproc-per-node", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardcal",
+        "calibrate",
+        str(model_dir),
+        "--recipe",
+        "w8a8-int8",
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--batch-size",
+        "2",
+        "--nproc-per-node",
+        "2",
+    ]
     return cmd + (["--checkpoint-dir", str(ckpt)] if ckpt else [])
 
 
@@ -137,7 +164,9 @@ def test_sigkill_mid_calibration_then_resume_equals_uninterrupted(tmp_path):
     subprocess.run(_cli(model_dir, tmp_path / "ref", None, data), check=True, capture_output=True, env=env, timeout=300)
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    proc = subprocess.Popen(_cli(model_dir, out, ckpt, data), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        _cli(model_dir, out, ckpt, data), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     killed_after = None
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
@@ -152,7 +181,9 @@ def test_sigkill_mid_calibration_then_resume_equals_uninterrupted(tmp_path):
                 break
         time.sleep(0.02)
     _, err = proc.communicate(timeout=120)
-    assert killed_after is not None and killed_after < SLOW["num_hidden_layers"], "the run ended before it could be killed"
+    assert killed_after is not None and killed_after < SLOW["num_hidden_layers"], (
+        "the run ended before it could be killed"
+    )
     assert proc.returncode != 0 and "error: rank" in err and "killed by signal 9" in err, err[-2000:]
     assert not out.exists()
 

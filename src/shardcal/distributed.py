@@ -19,7 +19,8 @@ import datetime
 import json
 import os
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     backend = backend if backend is not None else default_backend()
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -118,7 +121,7 @@ def default_store() -> Any:
         return None
     try:
         return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: nothing to report to
+    except Exception:
         return None
 
 

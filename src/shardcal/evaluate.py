@@ -28,11 +28,15 @@ def _logits(output: Any) -> torch.Tensor:
 def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> tuple[float, int]:
     """``(summed negative log-likelihood, number of predictions)`` over every next-token prediction in ``input_ids``."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise DataError(f"perplexity needs token ids of shape [num_samples, seq_len], got {getattr(input_ids, 'shape', type(input_ids))}")
+        raise DataError(
+            f"perplexity needs token ids of shape [num_samples, seq_len], got {getattr(input_ids, 'shape', type(input_ids))}"
+        )
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise DataError(f"perplexity needs integer token ids, got dtype {input_ids.dtype}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
-        raise DataError(f"perplexity needs at least one sequence of two or more tokens, got shape {list(input_ids.shape)}")
+        raise DataError(
+            f"perplexity needs at least one sequence of two or more tokens, got shape {list(input_ids.shape)}"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = _device_of(model)

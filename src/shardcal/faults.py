@@ -14,7 +14,8 @@ an export unit; ``unit``, ``unit_name``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 _armed: dict[str, Callable[..., None]] = {}
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from .errors import DistributedError, ModelLayoutError
 from .registry import LayerActivationCollector
@@ -69,7 +69,9 @@ def _refuse_distributed(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = name or "<root>"
         if isinstance(module, FSDPModule):
-            raise ModelLayoutError(f"{type(model).__name__}: module {where!r} is already FSDP2-wrapped; wrap a plain model")
+            raise ModelLayoutError(
+                f"{type(model).__name__}: module {where!r} is already FSDP2-wrapped; wrap a plain model"
+            )
         for attr in _PLAN_ATTRIBUTES:
             if getattr(module, attr, None):
                 raise ModelLayoutError(

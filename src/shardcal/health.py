@@ -16,8 +16,8 @@ import contextlib
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch.distributed as dist
 
@@ -45,7 +45,7 @@ def _write(status: str) -> None:
     if store is not None:
         try:
             store.set(_KEY.format(rank=rank), status)
-        except Exception:  # noqa: BLE001 - the store host may be the rank that died
+        except Exception:
             pass
 
 
@@ -77,7 +77,8 @@ def _is_collective_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "NCCL", "timed out", "Timed out", "Broken pipe")
+        marker in text
+        for marker in ("gloo", "Connection reset", "Connection closed", "NCCL", "timed out", "Timed out", "Broken pipe")
     )
 
 
@@ -99,7 +100,7 @@ def _diagnose(exc: BaseException) -> DistributedError:
                 if not pending or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - the store died with its host
+        except Exception:
             return DistributedError(
                 f"rank {rank}: lost contact with the other ranks during {_phase} (the rendezvous store is gone too: "
                 f"rank 0 or the launcher probably died); cause: {str(exc).splitlines()[0][:200]}"

@@ -11,27 +11,33 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from .distributed import destroy_distributed, free_port, init_distributed, is_initialized
 from . import errors
+from .distributed import destroy_distributed, free_port, init_distributed, is_initialized
 from .errors import DistributedError
 from .health import read_status_file
 
 
 def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, status_dir: str) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SHARDCAL_STATUS_DIR=status_dir,
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        SHARDCAL_STATUS_DIR=status_dir,
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
         init_distributed()
         fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which ends the siblings
+    except BaseException as exc:
         errors.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
         errors.close()
         errors.join_thread()  # flush the report before the hard exit
@@ -88,7 +94,9 @@ def _origin_of_failure(procs: list[Any], reports: list[tuple], first_failed: int
         rank, kind, message, tb = own[0]
         if kind not in _USER_ERRORS:
             sys.stderr.write(f"--- rank {rank} traceback ---\n{tb}")
-        return DistributedError(f"rank {rank} failed: {message}" if kind in _USER_ERRORS else f"rank {rank} failed with {kind}: {message}")
+        return DistributedError(
+            f"rank {rank} failed: {message}" if kind in _USER_ERRORS else f"rank {rank} failed with {kind}: {message}"
+        )
     reported = {r[0] for r in reports}
     silent = [r for r, p in enumerate(procs) if p.exitcode not in (0, None) and r not in reported]
     silent.sort(key=lambda r: r != first_failed)  # the first to go is the likeliest origin
@@ -119,4 +127,6 @@ def _wait_for_first_failure(procs: list[Any]) -> int | None:
 
 
 #: Error classes whose message is enough (no traceback): shardcal's user-facing errors.
-_USER_ERRORS = {cls.__name__ for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.ShardcalError)}
+_USER_ERRORS = {
+    cls.__name__ for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.ShardcalError)
+}

@@ -56,7 +56,7 @@ class CalibrationOptions:
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
-    def replace(self, **changes: Any) -> "CalibrationOptions":
+    def replace(self, **changes: Any) -> CalibrationOptions:
         """A copy with ``changes``; an unknown option name is a :class:`~shardcal.errors.UsageError`."""
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - known)

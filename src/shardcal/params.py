@@ -9,7 +9,8 @@ A schema maps each key to ``(default, check)``; ``check(value)`` returns what is
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 #: A value check: None when the value is fine, else what is wrong with it.
 Check = Callable[[Any], "str | None"]

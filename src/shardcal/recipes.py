@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 try:
     import tomllib
@@ -121,7 +122,11 @@ class Recipe:
         return {
             "name": self.name,
             "description": self.description,
-            "targets": {"include": list(self.include), "exclude": list(self.exclude), "default_excludes": self.default_excludes},
+            "targets": {
+                "include": list(self.include),
+                "exclude": list(self.exclude),
+                "default_excludes": self.default_excludes,
+            },
             **{role: spec.to_dict() for role, spec in self.specs.items()},
             "algorithm": dict(self.algorithm),
         }
@@ -137,7 +142,9 @@ def shipped_recipes_dir() -> Path:
     for candidate in (package / "calibration" / "recipes", package.parents[1] / "calibration" / "recipes"):
         if candidate.is_dir():
             return candidate
-    raise RecipeError(f"the shipped recipes are missing (looked in {package / 'calibration' / 'recipes'}); reinstall shardcal")
+    raise RecipeError(
+        f"the shipped recipes are missing (looked in {package / 'calibration' / 'recipes'}); reinstall shardcal"
+    )
 
 
 def shipped_recipes() -> list[str]:
@@ -150,9 +157,13 @@ def shipped_recipe_path(name: str) -> Path:
     stem = name[: -len(".toml")] if name.endswith(".toml") else name
     shipped = shipped_recipes()
     if stem not in shipped and stem != name:
-        raise RecipeError(f"{name}: no such recipe file, and no shipped recipe is called {stem!r} (shipped: {', '.join(shipped)})")
+        raise RecipeError(
+            f"{name}: no such recipe file, and no shipped recipe is called {stem!r} (shipped: {', '.join(shipped)})"
+        )
     if stem not in shipped:
-        raise RecipeError(f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own")
+        raise RecipeError(
+            f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
+        )
     return shipped_recipes_dir() / f"{stem}.toml"
 
 
@@ -163,7 +174,7 @@ def _read(path: Path) -> str:
         raise RecipeError(f"{path}: cannot read recipe ({exc})") from None
 
 
-def load_recipe(name_or_path: "str | Path | Recipe") -> Recipe:
+def load_recipe(name_or_path: str | Path | Recipe) -> Recipe:
     """A shipped recipe by name (``"w8a8-int8"``, also ``"w8a8-int8.toml"``) or a TOML file by path.
 
     A string with a path separator, or an existing file, is a path; a bare name ending in ``.toml`` that is no file
@@ -212,7 +223,7 @@ def _table(value: Any, source: str, key: str) -> dict[str, Any]:
 
 
 def _typed(value: Any, types: tuple[type, ...], source: str, key: str, what: str) -> Any:
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise _error(source, key, f"must be {what}, got {value!r}")
     return value
 
@@ -276,7 +287,9 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     _check_keys(targets, _TARGET_KEYS, source, "targets.")
     include = _patterns(targets.get("include", ["*"]), source, "targets.include")
     exclude = _patterns(targets.get("exclude", []), source, "targets.exclude")
-    default_excludes = _typed(targets.get("default_excludes", True), (bool,), source, "targets.default_excludes", "true or false")
+    default_excludes = _typed(
+        targets.get("default_excludes", True), (bool,), source, "targets.default_excludes", "true or false"
+    )
     specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
     if not specs:
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
@@ -308,14 +321,19 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
     not divide ``in_features``) raises :class:`RecipeError` naming the recipe file and the module.
     """
     targets = [
-        (name, sub) for name, sub in module.named_modules(prefix=prefix)
+        (name, sub)
+        for name, sub in module.named_modules(prefix=prefix)
         if isinstance(sub, nn.Linear) and recipe.matches(name)
     ]
     for name, sub in targets:
         if isinstance(sub, QuantLinear):
             continue
         try:
-            QuantLinear.from_linear(sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>")
+            QuantLinear.from_linear(
+                sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>"
+            )
         except ValueError as exc:
-            raise RecipeError(f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}") from None
+            raise RecipeError(
+                f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
+            ) from None
     return [name for name, _ in targets]

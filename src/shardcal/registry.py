@@ -8,7 +8,8 @@ classes are imported), and users register their own layouts, which take preceden
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 from torch import nn
 
@@ -99,7 +100,9 @@ class LayerActivationCollector:
                 continue  # the layout applies but found nothing here: let the next one try
             if not isinstance(layers, nn.ModuleList):
                 name = getattr(discoverer, "__qualname__", repr(discoverer))
-                raise TypeError(f"decoder-layer discoverer {name} returned {type(layers).__name__}, expected nn.ModuleList or None")
+                raise TypeError(
+                    f"decoder-layer discoverer {name} returned {type(layers).__name__}, expected nn.ModuleList or None"
+                )
             return layers
         return None
 

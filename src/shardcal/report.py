@@ -39,7 +39,11 @@ class CalibrationReport:
 
     @property
     def mean_sqnr_db(self) -> float | None:
-        values = [l.sqnr_db for l in self.layers if l.sqnr_db is not None and math.isfinite(l.sqnr_db)]
+        values = [
+            layer_report.sqnr_db
+            for layer_report in self.layers
+            if layer_report.sqnr_db is not None and math.isfinite(layer_report.sqnr_db)
+        ]
         return sum(values) / len(values) if values else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,8 +69,8 @@ class CalibrationReport:
         except ImportError:
             return None
         path = Path(path)
-        xs = [l.index for l in self.layers if l.sqnr_db is not None]
-        ys = [l.sqnr_db for l in self.layers if l.sqnr_db is not None]
+        xs = [layer_report.index for layer_report in self.layers if layer_report.sqnr_db is not None]
+        ys = [layer_report.sqnr_db for layer_report in self.layers if layer_report.sqnr_db is not None]
         fig, ax = plt.subplots(figsize=(8, 3.5))
         ax.plot(xs, ys, marker="o")
         ax.set_xlabel("decoder layer")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
+from .moe import AllExpertsObserve, fallback_unobserved
 from .options import CalibrationOptions
 from .quant.linear import QuantLinear
 from .quant.quantizer import QuantMode, TensorQuantizer
@@ -54,89 +54,17 @@ from .steps import LayerStep, compute_device, embed_batches, layer_steps
 
 
 def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
-    return [(n, q) for n, q in iter_quantizers(layer, prefix) if not n.endswith(".weight_quantizer") and not q.spec.dynamic]
+    return [
+        (n, q) for n, q in iter_quantizers(layer, prefix) if not n.endswith(".weight_quantizer") and not q.spec.dynamic
+    ]
 
 
 def _weight_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, QuantLinear]]:
-    return [(n, m) for n, m in layer.named_modules(prefix=prefix) if isinstance(m, QuantLinear) and m.weight_quantizer is not None]
-
-
-def _moe_blocks(layer: nn.Module) -> list[nn.Module]:
-    """Sparse MoE blocks: modules with a ModuleList ``experts`` and a ``route`` method (ours), by duck typing."""
-    return [m for m in layer.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList) and hasattr(m, "route")]
-
-
-class _AllExpertsObserve:
-    """While active, each expert's quantizers observe all tokens of the batch; the layer output is unchanged.
-
-    A forward pre-hook on each MoE block runs every expert on all of the block's tokens (outputs discarded)
-    with its quantizers collecting, then silences the experts' quantizers for the routed computation, so that
-    no token is counted twice; a forward hook turns them back on. Hooks, not patched forwards: removed on exit.
-    """
-
-    def __init__(self, layer: nn.Module):
-        self.blocks = _moe_blocks(layer)
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> "_AllExpertsObserve":
-        for block in self.blocks:
-            self.handles.append(block.register_forward_pre_hook(self._before))
-            self.handles.append(block.register_forward_hook(self._after))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
-
-    @staticmethod
-    def _expert_quantizers(block: nn.Module) -> list[TensorQuantizer]:
-        return [q for _, q in iter_quantizers(block.experts) if q.mode is QuantMode.COLLECT]
-
-    def _before(self, block: nn.Module, args: tuple) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1])
-        with torch.no_grad():
-            for expert in block.experts:
-                expert(x)
-        for q in self._expert_quantizers(block):
-            q.mode = QuantMode.DISABLED
-            q._silenced_by_all_experts = True
-
-    def _after(self, block: nn.Module, args: tuple, output: Any) -> None:
-        for _, q in iter_quantizers(block.experts):
-            if getattr(q, "_silenced_by_all_experts", False):
-                q.mode = QuantMode.COLLECT
-                q._silenced_by_all_experts = False
-
-
-def _fallback_unobserved(layer: nn.Module) -> list[str]:
-    """Give activation quantizers that saw no data (unrouted experts) the max amax of their sibling experts.
-
-    Every expert of a block reads the same normalised hidden states, so its siblings' input range is the best
-    estimate available; for ``down_proj`` inputs the siblings' range is used likewise. Returns the names fixed.
-    """
-    fixed = []
-    for block in _moe_blocks(layer):
-        by_role: dict[str, list[TensorQuantizer]] = {}
-        for name, q in iter_quantizers(block.experts):
-            role = name.split(".", 1)[1]  # "<expert>.<linear>.<quantizer>" -> "<linear>.<quantizer>"
-            by_role.setdefault(role, []).append(q)
-        for role, quantizers in by_role.items():
-            seen = [q for q in quantizers if q.num_observed]
-            for q in quantizers:
-                if q.num_observed == 0 and q.amax is not None:
-                    if seen:
-                        amax = torch.stack([s.amax for s in seen]).amax(dim=0)
-                    else:  # no expert saw data; cannot happen with >= 1 token (each is routed to top-k experts)
-                        amax = torch.ones_like(q.amax)
-                    q.set_amax(amax)
-                    fixed.append(q.name)
-    if fixed:
-        warnings.warn(
-            f"{len(fixed)} MoE expert quantizer(s) saw no calibration tokens and use the max amax of their sibling "
-            f"experts: {', '.join(fixed[:4])}{', ...' if len(fixed) > 4 else ''}",
-            stacklevel=3,
-        )
-    return fixed
+    return [
+        (n, m)
+        for n, m in layer.named_modules(prefix=prefix)
+        if isinstance(m, QuantLinear) and m.weight_quantizer is not None
+    ]
 
 
 def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: list[int], group: Any) -> float | None:
@@ -155,7 +83,12 @@ def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: lis
 
 
 def _calibrate_layer(
-    step: LayerStep, recipe: Recipe, group: Any, calibrate_all_experts: bool, local_sqnr: list[int], algorithm: LayerAlgorithm,
+    step: LayerStep,
+    recipe: Recipe,
+    group: Any,
+    calibrate_all_experts: bool,
+    local_sqnr: list[int],
+    algorithm: LayerAlgorithm,
     propagate: str = "fp",
 ) -> LayerReport:
     start = time.perf_counter()
@@ -175,7 +108,7 @@ def _calibrate_layer(
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
     start_calibration_all(activation)
     fp_outputs: Any = None
-    moe = _AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
     # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
     # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
     passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
@@ -191,7 +124,7 @@ def _calibrate_layer(
     finish_calibration_all(activation)
     for q in weights:
         q.mode = QuantMode.QUANTIZE
-    fallbacks = _fallback_unobserved(step.layer)
+    fallbacks = fallback_unobserved(step.layer)
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,
@@ -228,7 +161,9 @@ def calibrate(
         return _calibrate(model, data, recipe, options)
 
 
-def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options: CalibrationOptions) -> CalibrationReport:
+def _calibrate(
+    model: nn.Module, data: Any, recipe: str | Path | Recipe, options: CalibrationOptions
+) -> CalibrationReport:
     t0 = time.perf_counter()
     report_phase("calibrate: setup")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
@@ -244,7 +179,9 @@ def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options
         )
     config = getattr(model, "config", None)
     batches = make_batches(
-        data, options.batch_size, vocab_size=getattr(config, "vocab_size", None),
+        data,
+        options.batch_size,
+        vocab_size=getattr(config, "vocab_size", None),
         max_positions=getattr(config, "max_position_embeddings", None),
     )
     rank, world_size = world()
@@ -262,7 +199,10 @@ def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
         resume = checkpoint.load()
     report = CalibrationReport(
-        recipe=recipe.name, propagate=propagate, world_size=world_size, num_batches=len(batches),
+        recipe=recipe.name,
+        propagate=propagate,
+        world_size=world_size,
+        num_batches=len(batches),
         num_tokens=sum(b.num_tokens for b in batches),
     )
     start, initial = 0, None
@@ -277,7 +217,11 @@ def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options
 
     bar = _progress_bar(len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
-        model, local_batches, propagate=propagate, offload_activations=options.offload_activations, start=start,
+        model,
+        local_batches,
+        propagate=propagate,
+        offload_activations=options.offload_activations,
+        start=start,
         initial_inputs=initial,
     )
     report_phase("calibrate: embedding")
@@ -302,8 +246,13 @@ def _calibrate(model: nn.Module, data: Any, recipe: str | Path | Recipe, options
 
 
 def _commit(
-    checkpoint: CalibrationCheckpoint, model: nn.Module, names: list[str], done: int, acts: list[torch.Tensor],
-    report: CalibrationReport, algorithm: LayerAlgorithm,
+    checkpoint: CalibrationCheckpoint,
+    model: nn.Module,
+    names: list[str],
+    done: int,
+    acts: list[torch.Tensor],
+    report: CalibrationReport,
+    algorithm: LayerAlgorithm,
 ) -> None:
     checkpoint.commit(
         done,
@@ -314,7 +263,9 @@ def _commit(
     )
 
 
-def _restore_inputs(model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None) -> list:
+def _restore_inputs(
+    model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None
+) -> list:
     """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
     device = compute_device(model)
     cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device

@@ -15,18 +15,17 @@ inputs. There is no forward patching and no mode flag on the layers: the caller 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .batches import Batch
 from .errors import ModelLayoutError
-from .options import PROPAGATE_MODES
 from .fsdp2_utils import fsdp2_root_unsharded, layer_unsharded
+from .options import PROPAGATE_MODES
 from .registry import LayerActivationCollector, decoder_layer_prefix
-
 
 
 @dataclass
@@ -50,7 +49,9 @@ def _embedder(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
     )
 
 
-def embed_batches(model: nn.Module, batches: Sequence[Batch], device: torch.device, cache_device: torch.device) -> list[CachedInputs]:
+def embed_batches(
+    model: nn.Module, batches: Sequence[Batch], device: torch.device, cache_device: torch.device
+) -> list[CachedInputs]:
     """The decoder stack's inputs for each batch, computed inside :func:`fsdp2_root_unsharded`.
 
     Collective when the root is sharded: every rank enters the context, even one with no batches.

@@ -8,7 +8,8 @@ own algorithm is added with an explicit :func:`register_algorithm` call.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import RecipeError
 from ..params import SpecError
@@ -17,7 +18,16 @@ from .base import LayerAlgorithm
 from .gptq import GPTQ
 from .smoothquant import SmoothQuant
 
-__all__ = ["ALGORITHMS", "AWQ", "GPTQ", "LayerAlgorithm", "SmoothQuant", "make_algorithm", "register_algorithm", "validate_algorithm"]
+__all__ = [
+    "ALGORITHMS",
+    "AWQ",
+    "GPTQ",
+    "LayerAlgorithm",
+    "SmoothQuant",
+    "make_algorithm",
+    "register_algorithm",
+    "validate_algorithm",
+]
 
 #: Recipe name -> algorithm class.
 ALGORITHMS: dict[str, type[LayerAlgorithm]] = {cls.name: cls for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ)}

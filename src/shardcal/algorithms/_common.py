@@ -14,15 +14,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..distributed import all_reduce_many_
 from ..quant.session import quantizer_mode
+
 
 @contextmanager
 def threads(n: int | None) -> Iterator[None]:
@@ -188,7 +190,7 @@ class InputStats:
                 entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly over batches
             s.gram.add(entry[2])
 
-    def collect(self, step: Any) -> "InputStats":
+    def collect(self, step: Any) -> InputStats:
         """Run ``step.layer`` over this rank's cached batches (quantizers disabled) and record the statistics."""
         self._init(step.device)
         with ExitStack() as stack:
@@ -206,7 +208,7 @@ class InputStats:
         self._mask = None
         return self
 
-    def merge(self, group: Any) -> "InputStats":
+    def merge(self, group: Any) -> InputStats:
         """Merge over ``group`` (collective; every rank calls it, in the same order of points): exact."""
         all_reduce_many_([s.max for s in self.stats.values() if s.max is not None], "max", group, dtype=torch.float32)
         sums = [e for s in self.stats.values() for e in (s.count, s.gram, s.abssum) if e is not None]

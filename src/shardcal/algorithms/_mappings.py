@@ -157,7 +157,9 @@ def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: s
             out.append(Smoothing("attn_in", names[id(norm1)], norm1, [q, k, v], (norm1, "output")))
         index = _v_o_index(attn)
         if "v_o" in kinds and index is not None:
-            out.append(Smoothing("v_o", names[id(attn.v_proj)], attn.v_proj, [attn.o_proj], (attn.o_proj, "input"), index))
+            out.append(
+                Smoothing("v_o", names[id(attn.v_proj)], attn.v_proj, [attn.o_proj], (attn.o_proj, "input"), index)
+            )
     ff = getattr(layer, "feed_forward", None)
     if ff is None:
         ff = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
@@ -176,7 +178,11 @@ def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: s
     if "mlp_in" in kinds and _is_norm(norm2):
         consumers = [lin for _, (g, u, _) in pairs for lin in (g, u)]
         if isinstance(experts, nn.ModuleList):  # the router and the shared-expert gate read the same output
-            consumers += [m for m in (getattr(ff, "gate", None), getattr(ff, "shared_expert_gate", None)) if isinstance(m, nn.Linear)]
+            consumers += [
+                m
+                for m in (getattr(ff, "gate", None), getattr(ff, "shared_expert_gate", None))
+                if isinstance(m, nn.Linear)
+            ]
         if all(c.in_features == norm2.weight.shape[0] for c in consumers):
             out.append(Smoothing("mlp_in", names[id(norm2)], norm2, consumers, (norm2, "output")))
     if "up_down" in kinds:

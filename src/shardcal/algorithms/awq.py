@@ -29,7 +29,8 @@ and no forward per grid point. Recipe: ``[algorithm] name = "awq"``, ``grid`` (2
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,12 +105,17 @@ class AWQ(LayerAlgorithm):
         found = layer_smoothings(step.layer, self.kinds, prefix=step.name)
         if not found and any(getattr(m, "weight_quantizer", None) is not None for m in step.layer.modules()):
             warn_no_pairs(self.name, step.name, self._warned)
-        return [m for m in found if m.quantized("weight") and all(_supported(c.weight_quantizer) for c in m.quantized("weight"))]
+        return [
+            m
+            for m in found
+            if m.quantized("weight") and all(_supported(c.weight_quantizer) for c in m.quantized("weight"))
+        ]
 
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         smoothings = self._smoothings(step)
         linears = [
-            (n, m) for n, m in step.layer.named_modules(prefix=step.name)
+            (n, m)
+            for n, m in step.layer.named_modules(prefix=step.name)
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None and _supported(m.weight_quantizer)
         ]
         covered = {id(c): m.key for m in smoothings for c in m.consumers}
@@ -164,7 +170,8 @@ class AWQ(LayerAlgorithm):
                 continue
             sc = m.expand(s).to(weights[0].device)
             loss = sum(
-                float(_output_error(_max_qdq(w * sc[None, :], q) / sc[None, :] - w, h)) for w, q in zip(weights, quantizers)
+                float(_output_error(_max_qdq(w * sc[None, :], q) / sc[None, :] - w, h))
+                for w, q in zip(weights, quantizers)
             )
             if loss < best[0]:
                 best = (loss, r, s)

@@ -20,10 +20,11 @@ A class carries everything about its algorithm: its recipe name, its parameter `
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from ..steps import LayerStep
 from ..params import Schema, check_params
+from ..steps import LayerStep
 
 
 class LayerAlgorithm:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -205,7 +206,10 @@ class GPTQ(LayerAlgorithm):
         table = dict(out["smooth"])
         name = table.pop("name", None)
         if name not in SMOOTHERS:
-            raise SpecError("smooth.name", f"algorithm 'gptq': smooth.name must be one of {', '.join(map(repr, SMOOTHERS))}, got {name!r}")
+            raise SpecError(
+                "smooth.name",
+                f"algorithm 'gptq': smooth.name must be one of {', '.join(map(repr, SMOOTHERS))}, got {name!r}",
+            )
         try:
             out["smooth"] = {"name": name, **SMOOTHERS[name].validate(table)}
         except SpecError as exc:
@@ -227,7 +231,8 @@ class GPTQ(LayerAlgorithm):
         if self.smoother is not None:
             self.smoother.after_weight_calibration(step, recipe, group)
         targets = [
-            (n, m) for n, m in step.layer.named_modules(prefix=step.name)
+            (n, m)
+            for n, m in step.layer.named_modules(prefix=step.name)
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None
         ]
         if not targets:
@@ -241,14 +246,22 @@ class GPTQ(LayerAlgorithm):
                 continue
             try:
                 q = gptq_quantize(
-                    m.weight, stats[n].hessian(), m.weight_quantizer,
-                    percdamp=self.params["percdamp"], block_size=self.params["block_size"], act_order=self.params["act_order"],
+                    m.weight,
+                    stats[n].hessian(),
+                    m.weight_quantizer,
+                    percdamp=self.params["percdamp"],
+                    block_size=self.params["block_size"],
+                    act_order=self.params["act_order"],
                     static_groups=self.params["static_groups"],
                 )
             except torch.linalg.LinAlgError:
-                warnings.warn(f"{n}: GPTQ's Hessian is not positive definite even with damping; rounding to nearest", stacklevel=2)
+                warnings.warn(
+                    f"{n}: GPTQ's Hessian is not positive definite even with damping; rounding to nearest", stacklevel=2
+                )
                 w = m.weight.detach().float()
-                q = _quantize_column(w, element_scales(m.weight_quantizer, w), m.weight_quantizer.spec.format).to(m.weight.dtype)
+                q = _quantize_column(w, element_scales(m.weight_quantizer, w), m.weight_quantizer.spec.format).to(
+                    m.weight.dtype
+                )
             with torch.no_grad():
                 m.weight.copy_(q)
         del stats

@@ -26,7 +26,8 @@ does not choose).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,9 +97,15 @@ class SmoothQuant(LayerAlgorithm):
         if not smoothings:  # the same on every rank (same layer, same recipe): no collective is skipped unevenly
             return
         kinds = {"max", "samples"} if self.grid else {"max"}
-        stats = InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"]).collect(step).merge(group)
+        stats = (
+            InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"])
+            .collect(step)
+            .merge(group)
+        )
         maxima = [m.reduce(stats[m.key].max, "max") for m in smoothings]
-        w_maxima = [m.weight_max(m.quantized("weight") or m.quantized("input")).to(a.device) for m, a in zip(smoothings, maxima)]
+        w_maxima = [
+            m.weight_max(m.quantized("weight") or m.quantized("input")).to(a.device) for m, a in zip(smoothings, maxima)
+        ]
         alphas = [self.alpha] * len(smoothings)
         if self.grid:
             losses = ExactSum((len(smoothings), len(self.grid)), maxima[0].device)
@@ -123,7 +130,9 @@ class SmoothQuant(LayerAlgorithm):
         step.invalidate_outputs()
 
     @torch.no_grad()
-    def _losses(self, m: Smoothing, act_max: torch.Tensor, w_max: torch.Tensor, samples: list[torch.Tensor]) -> list[list[float]]:
+    def _losses(
+        self, m: Smoothing, act_max: torch.Tensor, w_max: torch.Tensor, samples: list[torch.Tensor]
+    ) -> list[list[float]]:
         """Per alpha of the grid, per sampled batch: the consumers' summed squared output error, W and input quantized."""
         consumers = m.quantized("input")
         weights = [c.weight.detach().float() for c in consumers]

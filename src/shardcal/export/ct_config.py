@@ -9,8 +9,9 @@ imported here.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -54,8 +55,12 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
         raise UnsupportedSpec(role, f"{role} quantizers have no compressed-tensors export (weights and inputs only)")
     if spec.format == "nvfp4":
         args: dict[str, Any] = {
-            "num_bits": 4, "type": "float", "symmetric": True, "group_size": NVFP4_BLOCK_SIZE,
-            "strategy": "tensor_group", "dynamic": "local" if role == "input" else False,
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "group_size": NVFP4_BLOCK_SIZE,
+            "strategy": "tensor_group",
+            "dynamic": "local" if role == "input" else False,
             "scale_dtype": "torch.float8_e4m3fn",
         }
         return args
@@ -66,7 +71,9 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
             return {**base, "group_size": None, "strategy": "tensor", "dynamic": False}
         if spec.granularity == "channel":
             if spec.axis not in (0, -2):
-                raise UnsupportedSpec("axis", f"per-channel weights need axis 0 (output channels), got axis {spec.axis}")
+                raise UnsupportedSpec(
+                    "axis", f"per-channel weights need axis 0 (output channels), got axis {spec.axis}"
+                )
             return {**base, "group_size": None, "strategy": "channel", "dynamic": False}
         return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": False}
     if spec.granularity != "tensor":
@@ -124,8 +131,18 @@ def quantization_config(groups: list[dict[str, Any]], ignore: list[str]) -> dict
 # ----------------------------------------------------------------------------------------------- args -> spec
 
 _ARG_KEYS = {
-    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
-    "scale_dtype", "zp_dtype", "observer", "observer_kwargs",
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "scale_dtype",
+    "zp_dtype",
+    "observer",
+    "observer_kwargs",
 }
 
 
@@ -152,7 +169,9 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         raise UnsupportedSpec("block_structure", "block quantization is not supported")
     if (kind, num_bits) == ("float", 4):
         if strategy != "tensor_group" or group_size != NVFP4_BLOCK_SIZE:
-            raise UnsupportedSpec("strategy", "4-bit float is supported as nvfp4 only (strategy tensor_group, group_size 16)")
+            raise UnsupportedSpec(
+                "strategy", "4-bit float is supported as nvfp4 only (strategy tensor_group, group_size 16)"
+            )
         want = "local" if role == "input" else False
         if dynamic != want:
             raise UnsupportedSpec("dynamic", f"nvfp4 {role}s need dynamic = {want!r}, got {dynamic!r}")
@@ -198,7 +217,9 @@ def parse_quantization_config(qc: Any, source: str) -> tuple[list[Scheme], list[
         raise ValueError(f"{where}.quant_method: expected {QUANT_METHOD!r}, got {qc.get('quant_method')!r}")
     status = qc.get("quantization_status", STATUS_COMPRESSED)
     if status != STATUS_COMPRESSED:
-        raise ValueError(f"{where}.quantization_status: only {STATUS_COMPRESSED!r} checkpoints are read, got {status!r}")
+        raise ValueError(
+            f"{where}.quantization_status: only {STATUS_COMPRESSED!r} checkpoints are read, got {status!r}"
+        )
     top_format = qc.get("format")
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
@@ -253,7 +274,9 @@ def matches(name: str, module: torch.nn.Module, targets: Iterable[str]) -> bool:
 # ----------------------------------------------------------------------------------------------- tensor layout
 
 
-def tensor_layout(fmt: str, weight: QuantizerSpec, input: QuantizerSpec | None, out_f: int, in_f: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def tensor_layout(
+    fmt: str, weight: QuantizerSpec, input: QuantizerSpec | None, out_f: int, in_f: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{suffix: (dtype, shape)}`` of the tensors one quantized Linear stores (its ``bias``, if any, not included).
 
     ``weight`` (int8 / float8_e4m3fn) or ``weight_packed`` (int32 for pack-quantized, eight int4 or four int8 per

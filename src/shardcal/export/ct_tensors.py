@@ -12,7 +12,6 @@ import torch
 from ..quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
-    FORMATS as NUMBER_FORMATS,
     decode,
     nvfp4_global_scale,
     pack_int4_to_int32,
@@ -20,10 +19,12 @@ from ..quant.formats import (
     scale_from_amax,
     unpack_int4_from_int32,
 )
+from ..quant.formats import (
+    FORMATS as NUMBER_FORMATS,
+)
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
 from .ct_config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
-
 
 # ----------------------------------------------------------------------------------------------- int8 packing
 
@@ -77,7 +78,9 @@ def encode_input(quantizer: TensorQuantizer | None) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------- decode
 
 
-def decode_weight(tensors: dict[str, torch.Tensor], spec: QuantizerSpec, fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def decode_weight(
+    tensors: dict[str, torch.Tensor], spec: QuantizerSpec, fmt: str, shape: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """The dequantized weight (in ``dtype``) of a module's stored tensors; exactly what the fake-quant model used."""
     out_f, in_f = shape
     if fmt == NVFP4_PACK_QUANTIZED:

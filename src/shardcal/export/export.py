@@ -24,8 +24,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -167,7 +168,9 @@ def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
     weight = _plain(qm.module.weight, f"{qm.name}.weight")
     wq = qm.weight_quantizer
     if wq is None:  # quantized at export from a weight-only recipe: the same calibration calibrate() runs
-        wq = TensorQuantizer(qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer")
+        wq = TensorQuantizer(
+            qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer"
+        )
         wq.calibrate_from(weight)
     tensors = encode_weight(wq, weight, qm.format)
     tensors.update(encode_input(qm.input_quantizer))
@@ -196,7 +199,9 @@ def _config_dict(model: nn.Module, plan: ExportPlan) -> dict[str, Any]:
     config = getattr(model, "config", None)
     raw = getattr(config, "raw", None)
     if not isinstance(raw, dict):
-        raise ExportError(f"{type(model).__name__}: model.config.raw (the parsed config.json) is needed to write config.json")
+        raise ExportError(
+            f"{type(model).__name__}: model.config.raw (the parsed config.json) is needed to write config.json"
+        )
     out = json.loads(json.dumps(raw))  # a deep copy that is certainly JSON-serialisable
     dtype_name = str(dominant_dtype(model)).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
@@ -217,7 +222,9 @@ def _finish(model: nn.Module, plan: ExportPlan, staging: Path, report: Any, toke
         expected = len(header_bytes(shard.entries)) + shard.nbytes
         if not path.is_file() or path.stat().st_size != expected:
             found = path.stat().st_size if path.is_file() else "missing"
-            raise ExportError(f"{path}: expected {expected} bytes, found {found} (is {staging.parent} shared by all ranks?)")
+            raise ExportError(
+                f"{path}: expected {expected} bytes, found {found} (is {staging.parent} shared by all ranks?)"
+            )
     try:
         weight_map = dict(sorted(plan.weight_map.items()))
         _write_json(staging / INDEX_NAME, {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map})
@@ -293,7 +300,7 @@ def export_checkpoint(
                             try:
                                 fault_point("export.unit", unit=unit.index, unit_name=unit.name)
                                 _write_unit(model, plan, unit, writer)
-                            except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+                            except Exception as exc:
                                 error = exc
                         failed = ranks_with_flag(error is not None)
                     if error is not None:

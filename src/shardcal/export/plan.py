@@ -29,8 +29,8 @@ from torch import nn
 from ..errors import ExportError
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
-from ..recipes import Recipe
 from ..quant.spec import QuantizerSpec
+from ..recipes import Recipe
 from ..registry import LayerActivationCollector, decoder_layer_prefix
 from . import ct_config
 from .ct_config import UnsupportedSpec
@@ -117,7 +117,9 @@ def _check_spec(name: str, spec: QuantizerSpec, role: str) -> None:
     try:
         ct_config.spec_to_args(spec, role)
     except UnsupportedSpec as exc:
-        raise ExportError(f"module {name!r}: its {role} quantizer cannot be stored as compressed-tensors ({exc})") from None
+        raise ExportError(
+            f"module {name!r}: its {role} quantizer cannot be stored as compressed-tensors ({exc})"
+        ) from None
 
 
 def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, QuantModule]:
@@ -138,7 +140,9 @@ def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, Qua
             if recipe is None or not recipe.matches(name):
                 continue
             if recipe.weight is None:
-                raise ExportError(f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer")
+                raise ExportError(
+                    f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
+                )
             if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
                 raise ExportError(
                     f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
@@ -151,9 +155,13 @@ def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, Qua
             found[name] = QuantModule(name, module, recipe.weight, recipe.input, fmt, None, None)
             continue
         if oq is not None:
-            raise ExportError(f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only")
+            raise ExportError(
+                f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
+            )
         if wq is None:
-            raise ExportError(f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization")
+            raise ExportError(
+                f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization"
+            )
         if recipe is not None:
             if not recipe.matches(name):
                 raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
@@ -164,7 +172,9 @@ def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, Qua
             _check_spec(name, iq.spec, "input")
         for q in (wq, iq):
             if q is not None and not q.calibrated:
-                raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
+                raise ExportError(
+                    f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting"
+                )
         fmt = ct_config.infer_format(wq.spec, iq.spec if iq is not None else None)
         found[name] = QuantModule(name, module, wq.spec, iq.spec if iq is not None else None, fmt, wq, iq)
     return found
@@ -210,7 +220,9 @@ def _entries_for(names: list[str], params: dict[str, torch.Tensor], quant: dict[
         if qm is not None and leaf == "weight":
             m = qm.module
             layout = ct_config.tensor_layout(qm.format, qm.spec_weight, qm.spec_input, m.out_features, m.in_features)
-            entries += [Entry(f"{mod}.{suffix}", dt, shape, ("quant", mod, suffix)) for suffix, (dt, shape) in layout.items()]
+            entries += [
+                Entry(f"{mod}.{suffix}", dt, shape, ("quant", mod, suffix)) for suffix, (dt, shape) in layout.items()
+            ]
             continue
         p = params[pname]
         entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), ("param", pname)))

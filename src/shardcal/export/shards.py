@@ -43,7 +43,11 @@ def header_bytes(entries: list[Entry]) -> bytes:
     for e in entries:
         if e.dtype not in SAFETENSORS_DTYPES:
             raise ExportError(f"tensor {e.key!r} has dtype {e.dtype}, which safetensors cannot store")
-        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.key] = {
+            "dtype": SAFETENSORS_DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)

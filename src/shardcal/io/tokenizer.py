@@ -20,8 +20,9 @@ from __future__ import annotations
 import heapq
 import json
 import unicodedata
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import TokenizerError
 
@@ -40,7 +41,9 @@ def _regex() -> Any:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -89,7 +92,9 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_file(cls, path: str | Path, bos_token: str | int | None = None, eos_token: str | int | None = None) -> "Tokenizer":
+    def from_file(
+        cls, path: str | Path, bos_token: str | int | None = None, eos_token: str | int | None = None
+    ) -> Tokenizer:
         """Read a tokenizer.json; bos/eos default to those named by the sibling tokenizer_config.json / config.json."""
         path = Path(path)
         if not path.is_file():
@@ -107,7 +112,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """The tokenizer of a Hugging Face-format model directory (its ``tokenizer.json``)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
@@ -135,7 +140,9 @@ class Tokenizer:
             if model.get(key):
                 self._fail(f"field 'model.{key}' = {model[key]!r} is not supported")
         if model.get("dropout") not in (None, 0, 0.0):
-            self._fail(f"field 'model.dropout' = {model['dropout']!r} is not supported (encoding must be deterministic)")
+            self._fail(
+                f"field 'model.dropout' = {model['dropout']!r} is not supported (encoding must be deterministic)"
+            )
         self.ignore_merges = bool(model.get("ignore_merges", False))
         unk = model.get("unk_token")
         if unk is not None and (not isinstance(unk, str) or unk not in self.vocab):
@@ -171,7 +178,9 @@ class Tokenizer:
                 self._fail(f"field 'added_tokens' entry #{number} needs a non-empty string 'content'")
             index = entry.get("id")
             if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-                self._fail(f"field 'added_tokens' entry #{number} ({entry['content']!r}) needs a non-negative integer 'id'")
+                self._fail(
+                    f"field 'added_tokens' entry #{number} ({entry['content']!r}) needs a non-negative integer 'id'"
+                )
             content = entry["content"]
             self.added_tokens[content] = index
             if entry.get("special", False):
@@ -214,7 +223,9 @@ class Tokenizer:
                 return text
 
             return run
-        self._fail(f"field '{where}': normalizer type {kind!r} is not supported (NFC, NFD, NFKC, NFKD, Lowercase, Sequence)")
+        self._fail(
+            f"field '{where}': normalizer type {kind!r} is not supported (NFC, NFD, NFKC, NFKD, Lowercase, Sequence)"
+        )
         return None
 
     def _parse_pre(self, spec: Any, where: str) -> list[Step]:
@@ -227,7 +238,9 @@ class Tokenizer:
             parts = spec.get("pretokenizers")
             if not isinstance(parts, list):
                 self._fail(f"field '{where}.pretokenizers' must be a list")
-            return [step for i, part in enumerate(parts) for step in self._parse_pre(part, f"{where}.pretokenizers[{i}]")]
+            return [
+                step for i, part in enumerate(parts) for step in self._parse_pre(part, f"{where}.pretokenizers[{i}]")
+            ]
         if kind == "ByteLevel":
             self._byte_level = True
             steps: list[Step] = []
@@ -249,13 +262,15 @@ class Tokenizer:
             elif isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
                 source = self._re.escape(pattern["String"])
             else:
-                self._fail(f"field '{where}.pattern' must be {{\"Regex\": ...}} or {{\"String\": ...}}")
+                self._fail(f'field \'{where}.pattern\' must be {{"Regex": ...}} or {{"String": ...}}')
             try:
                 compiled = self._re.compile(source)
             except Exception as exc:
                 self._fail(f"field '{where}.pattern' is not a valid regex ({exc})")
             return [self._splitter(compiled, spec.get("behavior", "Isolated"), where)]
-        self._fail(f"field '{where}': pre-tokenizer type {kind!r} is not supported (ByteLevel, Split, Digits, Sequence)")
+        self._fail(
+            f"field '{where}': pre-tokenizer type {kind!r} is not supported (ByteLevel, Split, Digits, Sequence)"
+        )
         return []
 
     def _splitter(self, pattern: Any, behavior: str, where: str) -> Step:
@@ -339,7 +354,9 @@ class Tokenizer:
                 else:
                     self._fail(f"field '{where}.single' has an unrecognised item {item!r}")
             return template
-        self._fail(f"field '{where}': post-processor type {kind!r} is not supported (ByteLevel, TemplateProcessing, Sequence)")
+        self._fail(
+            f"field '{where}': post-processor type {kind!r} is not supported (ByteLevel, TemplateProcessing, Sequence)"
+        )
         return None
 
     def _check_decoder(self, spec: Any, where: str) -> None:
@@ -485,7 +502,9 @@ class Tokenizer:
             index = int(index)
             token = self.id_to_token.get(index)
             if token is None:
-                raise TokenizerError(f"{self.source}: token id {index} is not in the vocabulary (size {self.vocab_size})")
+                raise TokenizerError(
+                    f"{self.source}: token id {index} is not in the vocabulary (size {self.vocab_size})"
+                )
             if index in self._added_ids:
                 if skip_special_tokens and index in self._special_ids:
                     continue

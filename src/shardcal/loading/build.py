@@ -6,14 +6,12 @@ present, shapes and dtypes right, nothing unexpected) before anything is materia
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
 from ..models.checkpoint import CheckpointReader
-from ..models.config import ModelConfig, load_config
+from ..models.config import ModelConfig
 from ..models.decoder import CausalLM, SparseMoeBlock
 
 #: Checkpoint keys that old exports carry but that hold nothing we need (recomputed, not learned).

@@ -18,7 +18,9 @@ from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_d
 from .quantized import load_quantized_into
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> CausalLM:
+def from_pretrained(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> CausalLM:
     """Load a Hugging Face-format model directory (config.json + safetensors) into a plain, unsharded model.
 
     ``dtype`` defaults to the config's ``torch_dtype``/``dtype`` (float32 when absent); MoE routers stored in

@@ -27,6 +27,7 @@ from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode
 from .build import IGNORED_KEY_SUFFIXES, named_keys, router_weight_names
 
+
 def _schemes_by_module(model: nn.Module, schemes: list[Scheme], ignore: list[str], source: str) -> dict[str, Scheme]:
     found: dict[str, Scheme] = {}
     for name, module in model.named_modules():
@@ -44,15 +45,25 @@ def _schemes_by_module(model: nn.Module, schemes: list[Scheme], ignore: list[str
 def _check_tensor(reader: CheckpointReader, key: str, dtype: torch.dtype, shape: tuple[int, ...], fmt: str) -> None:
     found_shape = reader.shape(key)
     if found_shape != shape:
-        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has shape {list(found_shape)}, expected {list(shape)}")
+        raise CheckpointError(
+            f"{reader.file_of(key)}: tensor {key!r} has shape {list(found_shape)}, expected {list(shape)}"
+        )
     found = reader.dtype(key)
     suffix = key.rpartition(".")[2]
-    scale_ok = suffix.endswith("scale") and found.is_floating_point and not (fmt == NVFP4_PACK_QUANTIZED and suffix == "weight_scale")
+    scale_ok = (
+        suffix.endswith("scale")
+        and found.is_floating_point
+        and not (fmt == NVFP4_PACK_QUANTIZED and suffix == "weight_scale")
+    )
     if found != dtype and not scale_ok:
-        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has dtype {reader.dtype_name(key)}, expected {dtype}")
+        raise CheckpointError(
+            f"{reader.file_of(key)}: tensor {key!r} has dtype {reader.dtype_name(key)}, expected {dtype}"
+        )
 
 
-def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_quantized_into(
+    model: nn.Module, path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     """Fill ``model`` (built on the meta device in ``dtype``) from the compressed-tensors checkpoint at ``path``.
 
     Errors name the file and the config key or tensor: :class:`ConfigError` for a ``quantization_config`` this
@@ -69,15 +80,23 @@ def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: t
     with CheckpointReader(path) as reader:
         # expected tensors: plain parameters, and each quantized module's compressed-tensors tensors
         params = dict(model.named_parameters())
-        plain = {n: tuple(p.shape) for n, p in params.items() if n.rpartition(".")[0] not in by_module or not n.endswith(".weight")}
+        plain = {
+            n: tuple(p.shape)
+            for n, p in params.items()
+            if n.rpartition(".")[0] not in by_module or not n.endswith(".weight")
+        }
         if cfg.tie_word_embeddings and "lm_head.weight" in reader and "lm_head" not in by_module:
             plain["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         layouts: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
         for name, scheme in by_module.items():
             m = modules[name]
             if f"{name}.weight" not in params:
-                raise ConfigError(f"{source}: quantization_config quantizes {name!r}, whose weight is tied to another tensor")
-            layouts[name] = ct_config.tensor_layout(scheme.format, scheme.weight, scheme.input, m.out_features, m.in_features)
+                raise ConfigError(
+                    f"{source}: quantization_config quantizes {name!r}, whose weight is tied to another tensor"
+                )
+            layouts[name] = ct_config.tensor_layout(
+                scheme.format, scheme.weight, scheme.input, m.out_features, m.in_features
+            )
         expected = set(plain) | {f"{n}.{s}" for n, layout in layouts.items() for s in layout}
         missing = [k for k in [*plain, *(f"{n}.{s}" for n, lo in layouts.items() for s in lo)] if k not in reader]
         if missing:
@@ -91,9 +110,13 @@ def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: t
         for name, shape in plain.items():
             found = reader.shape(name)
             if found != shape:
-                raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has shape {list(found)}, the config implies {list(shape)}")
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: tensor {name!r} has shape {list(found)}, the config implies {list(shape)}"
+                )
             if not reader.dtype(name).is_floating_point:
-                raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float type")
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float type"
+                )
         for name, layout in layouts.items():
             for suffix, (dt, shape) in layout.items():
                 _check_tensor(reader, f"{name}.{suffix}", dt, shape, by_module[name].format)
@@ -123,7 +146,9 @@ def load_quantized_into(model: nn.Module, path: Path, cfg: ModelConfig, dtype: t
             for name, scheme in by_module.items():
                 m = modules[name]
                 stored = {s: reader.get(f"{name}.{s}") for s in layouts[name]}
-                weight = decode_weight(stored, scheme.weight, scheme.format, (m.out_features, m.in_features), m.weight.dtype)
+                weight = decode_weight(
+                    stored, scheme.weight, scheme.format, (m.out_features, m.in_features), m.weight.dtype
+                )
                 m.weight.copy_(weight)
                 wq = m.weight_quantizer
                 if scheme.format == NVFP4_PACK_QUANTIZED:

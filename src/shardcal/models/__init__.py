@@ -16,14 +16,14 @@ _LAZY = {"from_pretrained": "shardcal.loading.plain", "load_pretrained": "shardc
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
-    "ModelConfig",
-    "load_config",
     "CausalLM",
     "DecoderInputs",
     "DecoderLayer",
     "DecoderModel",
+    "ModelConfig",
     "SparseMoeBlock",
     "from_pretrained",
+    "load_config",
     "load_pretrained",
 ]
 

@@ -7,8 +7,9 @@ naming the file and, where there is one, the tensor key.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -164,7 +165,9 @@ class CheckpointReader:
         try:
             return tensor_slice[start:stop]
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({_one_line(exc)})") from None
+            raise CheckpointError(
+                f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({_one_line(exc)})"
+            ) from None
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -172,7 +175,7 @@ class CheckpointReader:
         self._handles.clear()
         self._file_keys.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -136,7 +136,7 @@ class ModelConfig:
         return self.sliding_window
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Parse and check a config dict; ``source`` names the file in error messages."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
@@ -247,7 +247,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
 
 
 def _parse_sliding_window(
-    get: "_FieldReader", model_type: str, family: _FamilyDefaults, num_layers: int
+    get: _FieldReader, model_type: str, family: _FamilyDefaults, num_layers: int
 ) -> tuple[int | None, list[str]]:
     """``(window or None, per-layer attention types)`` following each family's transformers config rules."""
     if model_type in ("mistral", "mixtral"):  # one window for every layer; layer_types is ignored
@@ -266,7 +266,8 @@ def _parse_sliding_window(
         max_window_layers = get.int("max_window_layers", default=28, minimum=0)
         if model_type == "qwen2_moe":  # every other layer, below max_window_layers
             layer_types = [
-                SLIDING_ATTENTION if (i + 1) % 2 and i < max_window_layers else FULL_ATTENTION for i in range(num_layers)
+                SLIDING_ATTENTION if (i + 1) % 2 and i < max_window_layers else FULL_ATTENTION
+                for i in range(num_layers)
             ]
         else:  # qwen2, qwen3: the layers from max_window_layers on
             layer_types = [SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)]
@@ -290,7 +291,9 @@ def _parse_rope(
         theta = default_theta
     if not _is_number(theta) or theta <= 0:
         raise ConfigError(f"{source}: field 'rope_theta' must be a positive number, got {theta!r}")
-    partial = (scaling if isinstance(scaling, dict) else {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    partial = (scaling if isinstance(scaling, dict) else {}).get(
+        "partial_rotary_factor", raw.get("partial_rotary_factor")
+    )
     if partial is not None and partial != 1:
         raise ConfigError(f"{source}: field 'partial_rotary_factor' {partial!r} is not supported (only 1.0)")
     if scaling is None:
@@ -384,7 +387,12 @@ class _FieldReader:
         return ConfigError(f"{self.source}: field {key!r} must be {expected}, got {value!r}")
 
     def int(
-        self, key: str, default: Any = _MISSING, minimum: int | None = None, allow_none: bool = False, maximum: int = 2**31
+        self,
+        key: str,
+        default: Any = _MISSING,
+        minimum: int | None = None,
+        allow_none: bool = False,
+        maximum: int = 2**31,
     ) -> Any:
         value = self._value(key, default)
         if value is None and allow_none:

@@ -139,7 +139,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.sliding_window = cfg.layer_sliding_window(index)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
@@ -262,7 +266,9 @@ class DecoderModel(nn.Module):
         if attention_mask is not None and not bool(attention_mask.all()):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         else:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(
+                input_ids.shape[0], -1
+            )
         cos_sin = self.rotary_emb(position_ids, hidden.dtype)
         mask = attention_mask_4d(attention_mask, input_ids.shape[1], input_ids.device)
         return DecoderInputs(hidden, cos_sin, mask)

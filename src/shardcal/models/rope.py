@@ -97,7 +97,9 @@ def _yarn_inv_freq(cfg: ModelConfig, device: torch.device | None) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
-def inverse_frequencies(cfg: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    cfg: ModelConfig, seq_len: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, float]:
     """``(inv_freq [head_dim/2] float32, attention_scaling)`` for a sequence of ``seq_len`` positions.
 
     ``attention_scaling`` multiplies cos and sin (only YaRN has one other than 1).
@@ -137,7 +139,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q``/``k`` of shape ``[batch, heads, seq, head_dim]`` by positions' ``cos``/``sin``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -44,15 +44,15 @@ from .session import (
 from .spec import FORMATS, GRANULARITIES, OBSERVER_KINDS, QuantizerSpec, SpecError
 
 __all__ = [
-    "CalibrationSession",
     "FORMATS",
     "GRANULARITIES",
+    "OBSERVERS",
+    "OBSERVER_KINDS",
+    "CalibrationSession",
     "Layout",
     "MaxObserver",
     "MseObserver",
     "NotCalibratedError",
-    "OBSERVERS",
-    "OBSERVER_KINDS",
     "Observer",
     "PercentileObserver",
     "QuantLinear",

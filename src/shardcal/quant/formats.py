@@ -21,6 +21,7 @@ compressed-tensors does, so nothing divides by zero; an all-zero tensor stays al
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from .granularity import Layout
@@ -209,7 +210,9 @@ def _layout(spec: QuantizerSpec, x: torch.Tensor, layout: Layout | None) -> Layo
     return layout if layout is not None else Layout(spec, tuple(x.shape))
 
 
-def fake_quantize(x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None
+) -> torch.Tensor:
     """Quantize-dequantize ``x`` with ``amax`` (of the layout's amax shape); returns ``x``'s dtype.
 
     ``layout`` defaults to ``Layout(spec, x.shape)`` (right for a weight; a quantizer passes its own).
@@ -220,7 +223,9 @@ def fake_quantize(x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layo
     return lay.restore(qdq_arranged(a, amax_b, spec.format)).to(x.dtype)
 
 
-def encode(x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None) -> dict[str, torch.Tensor]:
+def encode(
+    x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None
+) -> dict[str, torch.Tensor]:
     """The real quantized encoding of ``x`` (a weight) in compressed-tensors conventions.
 
     - int8: ``values`` int8 (``x``'s shape), ``scale`` float32 (amax shape: ``[1]``, ``[out, 1]``, ``[out, in/g]``)
@@ -277,4 +282,3 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(signal / noise))
-

@@ -21,7 +21,7 @@ its 16-element blocks are handled inside the format.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -84,15 +84,17 @@ class Layout:
     def check(self, x: torch.Tensor) -> None:
         """Raise ValueError naming the quantizer when ``x`` does not have the trailing shape this layout expects."""
         shape = self.observed_shape
-        if shape is None or self.kind == "tensor" and self.spec.format != "nvfp4":
+        if shape is None or (self.kind == "tensor" and self.spec.format != "nvfp4"):
             return
         if self.kind == "tensor":  # nvfp4: only the block dim matters
             ok = x.ndim >= 1 and x.shape[-1] % self.spec.group_size == 0
         else:
             n = len(self.bshape) - (1 if self.kind == "group" else 0)
-            ok = x.ndim >= n and tuple(x.shape[x.ndim - n:]) == shape[len(shape) - n:]
+            ok = x.ndim >= n and tuple(x.shape[x.ndim - n :]) == shape[len(shape) - n :]
         if not ok:
-            raise ValueError(f"{self.name}: got a tensor of shape {list(x.shape)}, expected trailing shape {list(shape)}")
+            raise ValueError(
+                f"{self.name}: got a tensor of shape {list(x.shape)}, expected trailing shape {list(shape)}"
+            )
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` viewed so that an amax reshaped with :meth:`broadcast` broadcasts against it."""
@@ -115,7 +117,9 @@ class Layout:
         b = self.bshape
         lead = a.ndim - len(b)
         if lead < 0:
-            raise ValueError(f"{self.name}: a tensor of shape {list(a.shape)} has too few dims for amax shape {list(b)}")
+            raise ValueError(
+                f"{self.name}: a tensor of shape {list(a.shape)} has too few dims for amax shape {list(b)}"
+            )
         if lead:
             a = fn(a, dim=tuple(range(lead)))
         dims = tuple(i for i, (s, t) in enumerate(zip(b, a.shape)) if s == 1 and t != 1)

@@ -61,7 +61,7 @@ class QuantLinear(nn.Linear):
         input: QuantizerSpec | None = None,
         output: QuantizerSpec | None = None,
         name: str = "linear",
-    ) -> "QuantLinear":
+    ) -> QuantLinear:
         """Turn ``linear`` into a QuantLinear in place (same object, same parameters) and return it.
 
         ``name`` (the module's path) appears in errors, e.g. a group size that does not divide ``in_features``

@@ -9,7 +9,8 @@ zero-initialised statistics.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -149,7 +149,9 @@ class MseObserver(Observer):
 
     def after_merge(self, pass_idx: int) -> None:
         if pass_idx == 0:
-            self.errors = torch.zeros(len(self.fractions), self.layout.num_slots, dtype=torch.float64, device=self.device)
+            self.errors = torch.zeros(
+                len(self.fractions), self.layout.num_slots, dtype=torch.float64, device=self.device
+            )
 
     def candidates(self) -> torch.Tensor:
         """``[n_candidates, n_slots]`` float32 candidate amax values."""

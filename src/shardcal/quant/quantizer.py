@@ -25,8 +25,9 @@ with one all-reduce per reduce op)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +73,9 @@ class TensorQuantizer(nn.Module):
         if spec.dynamic:
             self.register_buffer("amax", None)
         else:
-            self.register_buffer("amax", torch.full(self.layout.amax_shape, float("nan"), dtype=torch.float32, device=device))
+            self.register_buffer(
+                "amax", torch.full(self.layout.amax_shape, float("nan"), dtype=torch.float32, device=device)
+            )
         self._calibrated = spec.dynamic
         self._observer: Observer | None = None
         self._pass: int | None = None
@@ -114,8 +117,10 @@ class TensorQuantizer(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        gran = s.granularity + (f"(axis={s.axis})" if s.axis is not None else "") + (
-            f"(group_size={s.group_size})" if s.group_size else ""
+        gran = (
+            s.granularity
+            + (f"(axis={s.axis})" if s.axis is not None else "")
+            + (f"(group_size={s.group_size})" if s.group_size else "")
         )
         return (
             f"{s.format}, {gran}, observer={s.observer}{', dynamic' if s.dynamic else ''}, "
@@ -173,10 +178,12 @@ class TensorQuantizer(nn.Module):
             raise RuntimeError(f"{self.name}: begin_pass({pass_idx}) but the next pass is {self._passes_done}")
         self._pass = pass_idx
 
-    def _pending_stats(self) -> list[tuple[str, torch.Tensor]]:
+    def pending_stats(self) -> list[tuple[str, torch.Tensor]]:
+        """The statistics of the pass in progress that must be merged across ranks (empty when idle)."""
         return [] if self._pass is None else self._observer.stats(self._pass)
 
-    def _complete_pass(self) -> None:
+    def complete_pass(self) -> None:
+        """Finish the pass in progress once its statistics are merged (see :meth:`end_pass`)."""
         if self._pass is None:
             return
         self._observer.after_merge(self._pass)
@@ -185,8 +192,8 @@ class TensorQuantizer(nn.Module):
 
     def end_pass(self, group: Any = None) -> None:
         """Merge this pass's statistics over ``group`` (None: keep them local). Collective when ``group`` is set."""
-        merge_stats(self._pending_stats(), group)
-        self._complete_pass()
+        merge_stats(self.pending_stats(), group)
+        self.complete_pass()
 
     def finish_calibration(self) -> None:
         """Compute the amax from the merged statistics, store it, and switch to ``quantize`` mode."""

@@ -15,8 +15,9 @@ in one all-reduce per reduce op (at most two per pass).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -73,10 +74,10 @@ def end_pass_all(quantizers: Sequence[TensorQuantizer], group: Any = None) -> in
     """Merge the current pass of all ``quantizers`` over ``group`` (None: no merge) with one all-reduce per
     reduce op; return the number of collectives issued."""
     quantizers = list(quantizers)
-    stats = [s for q in quantizers for s in q._pending_stats()]
+    stats = [s for q in quantizers for s in q.pending_stats()]
     issued = merge_stats(stats, group)
     for q in quantizers:
-        q._complete_pass()
+        q.complete_pass()
     return issued
 
 

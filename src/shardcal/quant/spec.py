@@ -8,8 +8,9 @@ loader turns that into a :class:`shardcal.errors.RecipeError` naming the file an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..params import Schema, SpecError, check_params, integer, number
 
@@ -39,7 +40,9 @@ OBSERVER_KINDS: dict[str, ObserverKind] = {
     kind.name: kind
     for kind in (
         ObserverKind("max", 1, {}),
-        ObserverKind("percentile", 2, {"percentile": (99.99, number(0.0, 100.0, lo_open=True)), "bins": (2048, integer(2))}),
+        ObserverKind(
+            "percentile", 2, {"percentile": (99.99, number(0.0, 100.0, lo_open=True)), "bins": (2048, integer(2))}
+        ),
         ObserverKind(
             "mse",
             2,
@@ -90,35 +93,58 @@ class QuantizerSpec:
             object.__setattr__(self, "granularity", "group")
             object.__setattr__(self, "group_size", NVFP4_BLOCK_SIZE)
         if self.granularity not in GRANULARITIES:
-            raise SpecError("granularity", f"unknown granularity {self.granularity!r} (known: {', '.join(GRANULARITIES)})")
+            raise SpecError(
+                "granularity", f"unknown granularity {self.granularity!r} (known: {', '.join(GRANULARITIES)})"
+            )
         if self.granularity == "channel":
             if not _is_int(self.axis):
-                raise SpecError("axis", "granularity 'channel' needs an integer axis (0: weight output channels, -1: last dim)")
+                raise SpecError(
+                    "axis", "granularity 'channel' needs an integer axis (0: weight output channels, -1: last dim)"
+                )
         elif self.axis is not None:
-            raise SpecError("axis", f"axis is only valid with granularity 'channel' (granularity is {self.granularity!r})")
+            raise SpecError(
+                "axis", f"axis is only valid with granularity 'channel' (granularity is {self.granularity!r})"
+            )
         if self.granularity == "group":
             if not _is_int(self.group_size) or self.group_size < 1:
-                raise SpecError("group_size", f"granularity 'group' needs a positive integer group_size, got {self.group_size!r}")
+                raise SpecError(
+                    "group_size", f"granularity 'group' needs a positive integer group_size, got {self.group_size!r}"
+                )
         elif self.group_size is not None:
-            raise SpecError("group_size", f"group_size is only valid with granularity 'group' (granularity is {self.granularity!r})")
+            raise SpecError(
+                "group_size", f"group_size is only valid with granularity 'group' (granularity is {self.granularity!r})"
+            )
         if self.format == "nvfp4" and (self.granularity != "group" or self.group_size != NVFP4_BLOCK_SIZE):
             raise SpecError(
                 "granularity",
                 f"nvfp4 always uses blocks of {NVFP4_BLOCK_SIZE} (granularity 'group', group_size {NVFP4_BLOCK_SIZE}); "
-                f"got granularity {self.granularity!r}, group_size {self.group_size!r}"
+                f"got granularity {self.granularity!r}, group_size {self.group_size!r}",
             )
         if self.symmetric is not True:
             raise SpecError("symmetric", "only symmetric quantization is supported (symmetric = true)")
         if not isinstance(self.dynamic, bool):
             raise SpecError("dynamic", f"dynamic must be true or false, got {self.dynamic!r}")
         if self.dynamic and self.format == "nvfp4":
-            raise SpecError("dynamic", "nvfp4 block scales are always computed at run time; its global amax is calibrated (dynamic = false)")
+            raise SpecError(
+                "dynamic",
+                "nvfp4 block scales are always computed at run time; its global amax is calibrated (dynamic = false)",
+            )
         params = validate_observer(self.observer, dict(self.observer_params))
         object.__setattr__(self, "observer_params", params)
 
     def __hash__(self) -> int:
-        return hash((self.format, self.granularity, self.axis, self.group_size, self.observer,
-                     tuple(sorted(self.observer_params.items())), self.symmetric, self.dynamic))
+        return hash(
+            (
+                self.format,
+                self.granularity,
+                self.axis,
+                self.group_size,
+                self.observer,
+                tuple(sorted(self.observer_params.items())),
+                self.symmetric,
+                self.dynamic,
+            )
+        )
 
     @property
     def num_bits(self) -> int:
@@ -148,7 +174,7 @@ class QuantizerSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "QuantizerSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizerSpec:
         return cls(**dict(data))
 
 

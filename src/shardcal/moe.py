@@ -1,0 +1,98 @@
+"""MoE calibration: every expert observes every token (all-experts mode), and a fallback for unrouted experts.
+
+Routing sends each token to its top-k experts, so with little calibration data some experts see few or no tokens.
+:class:`AllExpertsObserve` lets every expert's quantizers observe all tokens of the block (the layer's output is
+unchanged); :func:`fallback_unobserved` gives quantizers that still saw nothing their sibling experts' range.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .quant.quantizer import QuantMode, TensorQuantizer
+from .quant.session import iter_quantizers
+
+
+def moe_blocks(layer: nn.Module) -> list[nn.Module]:
+    """Sparse MoE blocks: modules with a ModuleList ``experts`` and a ``route`` method (ours), by duck typing."""
+    return [
+        m for m in layer.modules() if isinstance(getattr(m, "experts", None), nn.ModuleList) and hasattr(m, "route")
+    ]
+
+
+class AllExpertsObserve:
+    """While active, each expert's quantizers observe all tokens of the batch; the layer output is unchanged.
+
+    A forward pre-hook on each MoE block runs every expert on all of the block's tokens (outputs discarded)
+    with its quantizers collecting, then silences the experts' quantizers for the routed computation, so that
+    no token is counted twice; a forward hook turns them back on. Hooks, not patched forwards: removed on exit.
+    """
+
+    def __init__(self, layer: nn.Module):
+        self.blocks = moe_blocks(layer)
+        self.handles: list[Any] = []
+        self.silenced: dict[int, list[TensorQuantizer]] = {}  # block id -> quantizers it turned off
+
+    def __enter__(self) -> AllExpertsObserve:
+        for block in self.blocks:
+            self.handles.append(block.register_forward_pre_hook(self._before))
+            self.handles.append(block.register_forward_hook(self._after))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    @staticmethod
+    def _expert_quantizers(block: nn.Module) -> list[TensorQuantizer]:
+        return [q for _, q in iter_quantizers(block.experts) if q.mode is QuantMode.COLLECT]
+
+    def _before(self, block: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1])
+        with torch.no_grad():
+            for expert in block.experts:
+                expert(x)
+        silenced = self._expert_quantizers(block)
+        for q in silenced:
+            q.mode = QuantMode.DISABLED
+        self.silenced[id(block)] = silenced
+
+    def _after(self, block: nn.Module, args: tuple, output: Any) -> None:
+        for q in self.silenced.pop(id(block), []):
+            q.mode = QuantMode.COLLECT
+
+
+def fallback_unobserved(layer: nn.Module) -> list[str]:
+    """Give activation quantizers that saw no data (unrouted experts) the max amax of their sibling experts.
+
+    Every expert of a block reads the same normalised hidden states, so its siblings' input range is the best
+    estimate available; for ``down_proj`` inputs the siblings' range is used likewise. Returns the names fixed.
+    """
+    fixed = []
+    for block in moe_blocks(layer):
+        by_role: dict[str, list[TensorQuantizer]] = {}
+        for name, q in iter_quantizers(block.experts):
+            role = name.split(".", 1)[1]  # "<expert>.<linear>.<quantizer>" -> "<linear>.<quantizer>"
+            by_role.setdefault(role, []).append(q)
+        for quantizers in by_role.values():
+            seen = [q for q in quantizers if q.num_observed]
+            for q in quantizers:
+                if q.num_observed == 0 and q.amax is not None:
+                    if seen:
+                        amax = torch.stack([s.amax for s in seen]).amax(dim=0)
+                    else:  # no expert saw data; cannot happen with >= 1 token (each is routed to top-k experts)
+                        amax = torch.ones_like(q.amax)
+                    q.set_amax(amax)
+                    fixed.append(q.name)
+    if fixed:
+        warnings.warn(
+            f"{len(fixed)} MoE expert quantizer(s) saw no calibration tokens and use the max amax of their sibling "
+            f"experts: {', '.join(fixed[:4])}{', ...' if len(fixed) > 4 else ''}",
+            stacklevel=3,
+        )
+    return fixed
