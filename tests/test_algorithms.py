@@ -82,7 +82,7 @@ def test_smoothquant_folding_keeps_the_fp_function(model_type):
 
 
 def test_smoothquant_pairs_and_gqa_v_o_mapping():
-    from shardcal.algorithms._mappings import layer_smoothings
+    from shardcal.algorithms.mappings import layer_smoothings
 
     model = _model(dict(LLAMA, num_attention_heads=4, num_key_value_heads=2))
     layer = model.model.layers[0]

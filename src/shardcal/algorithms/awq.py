@@ -1,6 +1,6 @@
 """AWQ: activation-aware per-channel weight scaling (Lin et al., 2023), folded into the layer like SmoothQuant.
 
-For each foldable pair of the layer (:mod:`._mappings`; all four kinds by default) whose consumers quantize their
+For each foldable pair of the layer (:mod:`.mappings`; all four kinds by default) whose consumers quantize their
 weights, a grid search over the scale exponent ``r`` in ``{0, 1/grid, ..., (grid-1)/grid}``::
 
     s = x_mean ** r / w_mean ** (1 - r)        (duo_scaling; ``x_mean ** r`` without it)
@@ -11,7 +11,7 @@ weights, a grid search over the scale exponent ``r`` in ``{0, 1/grid, ..., (grid
 consumers' rows of ``|W|`` normalised per quantization group (AutoAWQ's statistics); ``Q`` is the recipe's weight
 format and granularity with max scales. The loss is the consumers' output error summed over every rank's tokens:
 with ``H = sum_x x x^T`` it is ``sum_W tr(E H E^T)``, ``E = Q(W diag(s)) diag(1/s) - W``, and ``H`` is merged
-across ranks exactly (one all-reduce SUM; :class:`._common.ExactSum`) — the same number as all-reducing each rank's
+across ranks exactly (one all-reduce SUM; :class:`.stats.ExactSum`) — the same number as all-reducing each rank's
 loss, but bit-identical at every world size, so every rank picks the same ``r``. The best ``s`` is folded into the
 producer (divided) and the consumers (multiplied), which keeps the layer's full-precision function.
 
@@ -40,9 +40,9 @@ from ..params import boolean, integer, number, one_of, subset_of
 from ..quant.formats import FORMATS, fake_quantize
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
-from ._common import InputStats, threads
-from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .base import LayerAlgorithm
+from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+from .stats import InputStats, threads
 
 
 def _max_qdq(w: torch.Tensor, q: TensorQuantizer) -> torch.Tensor:

@@ -43,10 +43,10 @@ from ..params import SpecError, boolean, integer, number, one_of, table_or_none
 from ..quant.formats import FORMATS, scale_from_amax
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
-from ._common import InputStats, threads
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .smoothquant import SmoothQuant
+from .stats import InputStats, threads
 
 #: GPTQ's parameter defaults: the recipe schema's and :func:`gptq_quantize`'s, one source for both.
 DEFAULTS: dict[str, Any] = {"block_size": 128, "percdamp": 0.01, "act_order": False, "static_groups": False}

@@ -1,6 +1,6 @@
 """SmoothQuant: move activation outliers into the weights with per-channel scales folded into the layer.
 
-For each foldable pair of the layer (see :mod:`._mappings`: ``input_layernorm`` -> q/k/v, ``post_attention_layernorm``
+For each foldable pair of the layer (see :mod:`.mappings`: ``input_layernorm`` -> q/k/v, ``post_attention_layernorm``
 -> gate/up (all experts of an MoE block), ``v_proj`` -> ``o_proj``, ``up_proj`` -> ``down_proj``) whose consumers
 quantize their inputs::
 
@@ -35,9 +35,9 @@ from torch import nn
 from ..options import PROPAGATE_MODES
 from ..params import integer, number, number_list, one_of, subset_of
 from ..quant.formats import fake_quantize
-from ._common import ExactSum, InputStats, merge_exact
-from ._mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .base import LayerAlgorithm
+from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+from .stats import ExactSum, InputStats, merge_exact
 
 
 def smoothing_scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
