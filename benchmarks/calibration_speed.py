@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from shardcal.distributed import all_gather_tensors, barrier, world
 
 
 def _current_rss_mb() -> float:
@@ -64,8 +65,8 @@ def _fp_forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: 
 def _rank_slice(data: torch.Tensor, batch_size: int) -> torch.Tensor:
     from shardcal.batches import rank_batch_indices
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    idx = rank_batch_indices((data.shape[0] + batch_size - 1) // batch_size, rank, world)
+    rank, size = world()
+    idx = rank_batch_indices((data.shape[0] + batch_size - 1) // batch_size, rank, size)
     rows = [r for i in idx for r in range(i * batch_size, min((i + 1) * batch_size, data.shape[0]))]
     return data[rows]
 
@@ -78,16 +79,15 @@ def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> N
     model = load_pretrained(model_dir)
     load_rss = _current_rss_mb()
     t_fp = _fp_forward_seconds(model, _rank_slice(data, batch_size), batch_size)
-    dist.barrier()
+    barrier()
     start = time.perf_counter()
     before = _current_rss_mb()
     with PeakRSS() as peak:
         calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
     t_cal = time.perf_counter() - start
     times = torch.tensor([t_fp, t_cal, load_rss, peak.peak - before], dtype=torch.float64)
-    gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, times)
-    if dist.get_rank() == 0:
+    gathered = all_gather_tensors(times)
+    if world()[0] == 0:
         Path(out).write_text(json.dumps([t.tolist() for t in gathered]))
 
 

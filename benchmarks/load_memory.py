@@ -22,8 +22,8 @@ def _peak_mb() -> float:
 
 def _rank(model_dir: str, out: str, sharded: bool) -> None:
     import torch
-    import torch.distributed as dist
 
+    from shardcal.distributed import all_gather_tensors, world
     from shardcal.models import from_pretrained, load_pretrained
 
     base = _peak_mb()
@@ -37,9 +37,8 @@ def _rank(model_dir: str, out: str, sharded: bool) -> None:
     )
     read = plan.get("bytes_read", total * 2**20) / 2**20
     rows = torch.tensor([grown, read, total], dtype=torch.float64)
-    gathered = [torch.zeros_like(rows) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, rows)
-    if dist.get_rank() == 0:
+    gathered = all_gather_tensors(rows)
+    if world()[0] == 0:
         Path(out).write_text(json.dumps([g.tolist() for g in gathered]))
 
 

@@ -26,3 +26,16 @@ def test_calibration_folder_holds_recipes_only():
     """What users read, copy and edit: TOML recipes, no Python."""
     files = [p for p in (ROOT / "calibration").rglob("*") if p.is_file()]
     assert files and all(p.suffix == ".toml" and p.parent.name == "recipes" for p in files), files
+
+
+def test_make_bench_runs_every_benchmark():
+    """``make bench`` runs benchmarks/run_all.py, which lists every benchmark script (gpu_check runs alone)."""
+    import importlib.util
+
+    makefile = (ROOT / "Makefile").read_text()
+    assert "benchmarks/run_all.py" in makefile
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"run_all", "gpu_check"}
+    assert set(run_all.BENCHMARKS) == scripts

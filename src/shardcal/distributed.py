@@ -32,6 +32,10 @@ DEFAULT_TIMEOUT_S = 600
 #: The default group's backends when CUDA is present: CPU tensors through gloo, CUDA tensors through NCCL.
 CPU_AND_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
+#: The default ``group`` of every collective here: the data-parallel group (:func:`dp_group`). Passing None
+#: explicitly means "no group": the collective is a no-op (a single process, or statistics already global).
+DEFAULT_GROUP: Any = object()
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -111,6 +115,10 @@ def group_rank_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _resolve(group: Any) -> Any:
+    return dp_group() if group is DEFAULT_GROUP else group
+
+
 def _active(group: Any) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
@@ -129,7 +137,7 @@ def default_store() -> Any:
 
 
 def backend_name(group: Any = None) -> str:
-    """The group's backend as torch spells it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    """The group's backend (None: the default group) as torch spells it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
     return str(dist.get_backend(group)).lower()
 
 
@@ -158,8 +166,9 @@ def _to_comm(t: torch.Tensor, group: Any) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- tensor collectives
 
 
-def all_reduce_(t: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, op: str = "sum", group: Any = DEFAULT_GROUP) -> torch.Tensor:
     """All-reduce ``t`` in place over ``group`` (``op``: sum, max or min); a no-op for None or a one-rank group."""
+    group = _resolve(group)
     if not _active(group):
         return t
     moved = _to_comm(t, group)
@@ -169,12 +178,15 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Te
     return t
 
 
-def all_reduce_many_(tensors: Sequence[torch.Tensor], op: str, group: Any, dtype: torch.dtype | None = None) -> int:
+def all_reduce_many_(
+    tensors: Sequence[torch.Tensor], op: str, group: Any = DEFAULT_GROUP, dtype: torch.dtype | None = None
+) -> int:
     """All-reduce many tensors in place with one collective (flattened into one buffer); return how many were issued.
 
     ``dtype``: the buffer's dtype (default: the tensors' common dtype, else float64). Every rank passes tensors of
     the same shapes in the same order.
     """
+    group = _resolve(group)
     if not _active(group) or not tensors:
         return 0
     if dtype is None:
@@ -191,8 +203,9 @@ def all_reduce_many_(tensors: Sequence[torch.Tensor], op: str, group: Any, dtype
     return 1
 
 
-def broadcast_(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+def broadcast_(t: torch.Tensor, src: int, group: Any = DEFAULT_GROUP) -> torch.Tensor:
     """Broadcast ``t`` in place from group rank ``src``; a no-op for None or a one-rank group."""
+    group = _resolve(group)
     if not _active(group):
         return t
     moved = _to_comm(t, group)
@@ -202,8 +215,9 @@ def broadcast_(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
     return t
 
 
-def all_gather_tensors(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+def all_gather_tensors(t: torch.Tensor, group: Any = DEFAULT_GROUP) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape and dtype on every rank), on ``t``'s device; ``[t]`` for a single process."""
+    group = _resolve(group)
     if not _active(group):
         return [t]
     moved = _to_comm(t, group)
@@ -212,10 +226,9 @@ def all_gather_tensors(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]
     return [o.to(t.device) for o in out]
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = DEFAULT_GROUP) -> None:
     """Wait until every rank of ``group`` (default: the world) gets here; a no-op for a single process."""
-    if group is None:
-        group = dp_group()
+    group = _resolve(group)
     if _active(group):
         dist.barrier(group=group)
 
@@ -223,10 +236,9 @@ def barrier(group: Any = None) -> None:
 # ----------------------------------------------------------------------------------------------- small values
 
 
-def all_gather_floats(value: float, group: Any = None) -> list[float]:
+def all_gather_floats(value: float, group: Any = DEFAULT_GROUP) -> list[float]:
     """Every rank's ``value`` (float64), e.g. a peak-memory figure; ``[value]`` for a single process."""
-    if group is None:
-        group = dp_group()
+    group = _resolve(group)
     gathered = all_gather_tensors(torch.tensor([float(value)], dtype=torch.float64), group)
     return [float(g) for g in gathered]
 
@@ -240,10 +252,9 @@ def _decode(data: torch.Tensor, length: int) -> str:
     return bytes(data[:length].cpu().tolist()).decode("utf-8")
 
 
-def all_gather_strings(text: str, group: Any = None) -> list[str]:
+def all_gather_strings(text: str, group: Any = DEFAULT_GROUP) -> list[str]:
     """Every rank's string (UTF-8 bytes in uint8 tensors, never pickled); ``[text]`` for a single process."""
-    if group is None:
-        group = dp_group()
+    group = _resolve(group)
     if not _active(group):
         return [text]
     data = _encode(text)
@@ -253,10 +264,9 @@ def all_gather_strings(text: str, group: Any = None) -> list[str]:
     return [_decode(t, n) for t, n in zip(all_gather_tensors(padded, group), lengths)]
 
 
-def broadcast_string(text: str, src: int = 0, group: Any = None) -> str:
+def broadcast_string(text: str, src: int = 0, group: Any = DEFAULT_GROUP) -> str:
     """Group rank ``src``'s string on every rank (what other ranks pass is ignored)."""
-    if group is None:
-        group = dp_group()
+    group = _resolve(group)
     if not _active(group):
         return text
     mine = group_rank_size(group)[0] == src
@@ -268,15 +278,14 @@ def broadcast_string(text: str, src: int = 0, group: Any = None) -> str:
     return _decode(buffer, size)
 
 
-def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast_json(value: Any, src: int = 0, group: Any = DEFAULT_GROUP) -> Any:
     """Group rank ``src``'s JSON-able ``value`` on every rank (what other ranks pass is ignored)."""
     return json.loads(broadcast_string(json.dumps(value), src, group))
 
 
-def ranks_with_flag(flag: bool, group: Any = None) -> list[int]:
+def ranks_with_flag(flag: bool, group: Any = DEFAULT_GROUP) -> list[int]:
     """The ranks of ``group`` (default: the world) whose ``flag`` is true, known on every rank; collective."""
-    if group is None:
-        group = dp_group()
+    group = _resolve(group)
     rank, size = group_rank_size(group)
     flags = torch.zeros(size, dtype=torch.int32)
     flags[rank] = int(bool(flag))

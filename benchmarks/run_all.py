@@ -1,0 +1,49 @@
+"""Run every benchmark, one after the other, and print their tables (``make bench``).
+
+    python benchmarks/run_all.py [--only NAME ...] [--list]
+
+Each benchmark is its own script (its docstring says what it measures); this runs them in separate processes with
+their default arguments, so that one's memory or threads never affect the next one's numbers. A benchmark that
+fails is reported and the others still run; the exit status is the number of failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+#: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
+BENCHMARKS: tuple[str, ...] = ("weight_sqnr", "load_memory", "calibration_speed", "ptq_quality")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=BENCHMARKS, help="run only these")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args()
+    if args.list:
+        for name in BENCHMARKS:
+            print(name)
+        return 0
+    failures = []
+    for name in args.only or BENCHMARKS:
+        print(f"\n=== {name} ({HERE / (name + '.py')})", flush=True)
+        start = time.perf_counter()
+        status = subprocess.run([sys.executable, str(HERE / f"{name}.py")]).returncode
+        print(
+            f"=== {name}: {'ok' if status == 0 else f'FAILED (exit {status})'} in {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+        if status:
+            failures.append(name)
+    if failures:
+        print(f"\nfailed: {', '.join(failures)}")
+    return len(failures)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
