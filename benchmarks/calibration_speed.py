@@ -72,7 +72,7 @@ def _rank_slice(data: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 
 def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> None:
-    """One rank's part of the sharded measurement (runs under shardcal.distributed.launch or alone)."""
+    """One rank's part of the sharded measurement (runs under shardcal.launcher.launch or alone)."""
     from shardcal import calibrate
     from shardcal.models import load_pretrained
 
