@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ from torch import nn
 from .batches import Batch, data_fingerprint
 from .distributed import all_gather_strings, all_reduce_, barrier, dp_group, world
 from .errors import CalibrationCheckpointError
-from .fsutil import check_creatable
+from .fsutil import atomic_path, atomic_write_text, check_creatable
 from .quant.quantizer import QuantMode
 from .quant.session import iter_quantizers
 from .recipes import Recipe, quantize_modules
@@ -57,32 +55,8 @@ def _sha256(path: Path) -> str:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 class CalibrationCheckpoint:
@@ -230,7 +204,7 @@ class CalibrationCheckpoint:
                 "files": files,
                 "report": report,
             }
-            _atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
+            atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
         barrier()
         if previous is not None:  # the new manifest is in place: the old commit's own files can go
             for name in previous.get("files", {}):

@@ -1,11 +1,64 @@
-"""Small filesystem checks shared by everything that writes a directory (export, calibration checkpoints)."""
+"""Filesystem helpers shared by everything that writes: atomic file writes, creatability checks, JSON reading.
+
+An atomic write goes to a temporary file in the same directory, is flushed to disk, gets the permissions a plain
+``open()`` would give it (``0o666`` less the process umask; ``mkstemp`` would leave ``0o600``), and is renamed over
+the target: a reader sees the old file or the new one, never half of one. A failed write removes its temporary
+file.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import ShardcalError
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; on success it replaces ``path`` atomically, on error it goes.
+
+    ``suffix`` keeps a file type visible to writers that look at it (``.png`` for matplotlib).
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~umask())
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) -> None:

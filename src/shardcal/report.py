@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .fsutil import atomic_path, atomic_write_text
 
 
 @dataclass
@@ -53,11 +53,7 @@ class CalibrationReport:
         """Write the report as JSON, atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     def save_plot(self, path: str | Path) -> Path | None:
         """A PNG of per-layer SQNR; None (nothing written) when matplotlib is not installed."""
@@ -78,11 +74,11 @@ class CalibrationReport:
         ax.set_title(f"{self.recipe}: per-layer output SQNR (propagate={self.propagate})")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-        os.close(fd)
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, path)
+        try:
+            with atomic_path(path, suffix=".png") as tmp:
+                fig.savefig(tmp, dpi=100)
+        finally:
+            plt.close(fig)
         return path
 
 

@@ -35,7 +35,7 @@ from ..distributed import broadcast_json, ranks_with_flag, world
 from ..errors import ExportError
 from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from ..fsutil import check_creatable
+from ..fsutil import check_creatable, umask
 from ..quant.quantizer import TensorQuantizer
 from ..recipes import Recipe, load_recipe
 from .ct_tensors import encode_input, encode_weight
@@ -100,16 +100,10 @@ def _prepare(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) -> Path
         raise ExportError(f"{parent}: not writable; cannot export to {out_dir}")
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; the export gets the usual permissions
+        os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes it private; the export gets the usual permissions
         return staging
     except OSError as exc:
         raise ExportError(f"{parent}: cannot create a staging directory for {out_dir} ({_describe(exc)})") from None
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
@@ -234,7 +228,7 @@ def _finish(model: nn.Module, plan: ExportPlan, staging: Path, report: Any, toke
                     shutil.copyfile(tokenizer_dir / name, staging / name)
         if report is not None:
             report.save_json(staging / REPORT_NAME)
-            os.chmod(staging / REPORT_NAME, 0o666 & ~_umask())
+            os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
         _write_json(staging / CONFIG_NAME, _config_dict(model, plan))
     except OSError as exc:
         raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None

@@ -65,18 +65,32 @@ def check_checkpoint_keys(model: nn.Module, reader: CheckpointReader, cfg: Model
     expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
     if cfg.tie_word_embeddings and "lm_head.weight" in reader:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    check_tensor_names(
+        reader, list(expected), f"of this {cfg.model_type} config", f"a {cfg.model_type} model with this config"
+    )
+    check_float_shapes(reader, expected)
+
+
+def check_tensor_names(reader: CheckpointReader, expected: list[str], owner: str, unexpected_context: str) -> None:
+    """Every name in ``expected`` is in the checkpoint and nothing else is (but ignorable leftovers).
+
+    ``owner`` completes "N tensor(s) ... are missing"; ``unexpected_context`` completes "(not part of ...)".
+    """
     missing = [name for name in expected if name not in reader]
     if missing:
-        raise CheckpointError(
-            f"{reader.source}: {len(missing)} tensor(s) of this {cfg.model_type} config are missing: {named_keys(missing)}"
-        )
-    unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
+        whose = f" {owner}" if owner else ""
+        raise CheckpointError(f"{reader.source}: {len(missing)} tensor(s){whose} are missing: {named_keys(missing)}")
+    allowed = set(expected)
+    unexpected = [k for k in reader.keys() if k not in allowed and not k.endswith(IGNORED_KEY_SUFFIXES)]
     if unexpected:
         raise CheckpointError(
-            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} "
-            f"(not part of a {cfg.model_type} model with this config)"
+            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} (not part of {unexpected_context})"
         )
-    for name, shape in expected.items():
+
+
+def check_float_shapes(reader: CheckpointReader, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each named tensor has the shape the config implies and a floating-point dtype."""
+    for name, shape in shapes.items():
         found = reader.shape(name)
         if found != shape:
             raise CheckpointError(

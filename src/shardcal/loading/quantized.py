@@ -25,7 +25,7 @@ from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode
-from .build import IGNORED_KEY_SUFFIXES, named_keys, router_weight_names
+from .build import check_float_shapes, check_tensor_names, router_weight_names
 
 
 def _schemes_by_module(model: nn.Module, schemes: list[Scheme], ignore: list[str], source: str) -> dict[str, Scheme]:
@@ -97,26 +97,9 @@ def load_quantized_into(
             layouts[name] = ct_config.tensor_layout(
                 scheme.format, scheme.weight, scheme.input, m.out_features, m.in_features
             )
-        expected = set(plain) | {f"{n}.{s}" for n, layout in layouts.items() for s in layout}
-        missing = [k for k in [*plain, *(f"{n}.{s}" for n, lo in layouts.items() for s in lo)] if k not in reader]
-        if missing:
-            raise CheckpointError(f"{reader.source}: {len(missing)} tensor(s) are missing: {named_keys(missing)}")
-        unexpected = [k for k in reader.keys() if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES)]
-        if unexpected:
-            raise CheckpointError(
-                f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} "
-                f"(not part of this {cfg.model_type} model with its quantization_config)"
-            )
-        for name, shape in plain.items():
-            found = reader.shape(name)
-            if found != shape:
-                raise CheckpointError(
-                    f"{reader.file_of(name)}: tensor {name!r} has shape {list(found)}, the config implies {list(shape)}"
-                )
-            if not reader.dtype(name).is_floating_point:
-                raise CheckpointError(
-                    f"{reader.file_of(name)}: tensor {name!r} has dtype {reader.dtype_name(name)}, expected a float type"
-                )
+        expected = [*plain, *(f"{n}.{s}" for n, layout in layouts.items() for s in layout)]
+        check_tensor_names(reader, expected, "", f"this {cfg.model_type} model with its quantization_config")
+        check_float_shapes(reader, plain)
         for name, layout in layouts.items():
             for suffix, (dt, shape) in layout.items():
                 _check_tensor(reader, f"{name}.{suffix}", dt, shape, by_module[name].format)
