@@ -45,7 +45,8 @@ def check_params(owner: str, params: Mapping[str, Any], schema: Schema, key_pref
     return out
 
 
-def _is_number(v: Any) -> bool:
+def is_finite_number(v: Any) -> bool:
+    """A finite int or float (not a bool)."""
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -53,7 +54,7 @@ def number(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -
     """A finite number in the interval from ``lo`` to ``hi`` (each end open or closed)."""
 
     def check(v: Any) -> str | None:
-        if not _is_number(v):
+        if not is_finite_number(v):
             return "must be a number"
         if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
             return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
@@ -104,7 +105,7 @@ def number_list(lo: float, hi: float) -> Check:
     """A list of finite numbers in ``[lo, hi]`` (possibly empty)."""
 
     def check(v: Any) -> str | None:
-        if not isinstance(v, list) or any(not _is_number(a) or not lo <= a <= hi for a in v):
+        if not isinstance(v, list) or any(not is_finite_number(a) or not lo <= a <= hi for a in v):
             return f"must be a list of numbers in [{lo}, {hi}]"
         return None
 

@@ -12,7 +12,6 @@ Qwen3's ``head_dim`` is 128).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from ..errors import ConfigError
 from ..fsutil import read_json_object
+from ..params import is_finite_number
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -289,7 +289,7 @@ def _parse_rope(
         scaling, field_name = rope_params, "rope_parameters"
     if theta is None:
         theta = default_theta
-    if not _is_number(theta) or theta <= 0:
+    if not is_finite_number(theta) or theta <= 0:
         raise ConfigError(f"{source}: field 'rope_theta' must be a positive number, got {theta!r}")
     partial = (scaling if isinstance(scaling, dict) else {}).get(
         "partial_rotary_factor", raw.get("partial_rotary_factor")
@@ -312,7 +312,7 @@ def _parse_rope(
         value = scaling.get(key)
         if value is None:
             raise ConfigError(f"{source}: field '{field_name}.{key}' is missing (rope_type {rope_type!r} needs it)")
-        if not _is_number(value) or value <= 0:
+        if not is_finite_number(value) or value <= 0:
             raise ConfigError(f"{source}: field '{field_name}.{key}' must be a positive number, got {value!r}")
         return float(value)
 
@@ -348,10 +348,6 @@ def _parse_rope(
             raise ConfigError(f"{source}: field '{field_name}.truncate' must be true or false, got {truncate!r}")
         out["truncate"] = truncate
     return float(theta), out
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _parse_dtype(raw: dict[str, Any], source: str) -> torch.dtype | None:
@@ -410,7 +406,7 @@ class _FieldReader:
 
     def float(self, key: str, default: Any = _MISSING) -> float:
         value = self._value(key, default)
-        if not _is_number(value) or value <= 0:
+        if not is_finite_number(value) or value <= 0:
             raise self._fail(key, "a positive number", value)
         return float(value)
 
