@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "fsutil", "params", "faults", "distributed", "health", "launcher"]),
     ("models and quantizers", ["models.*", "quant", "quant.*", "batches"]),
     ("sharding", ["registry", "fsdp2_utils"]),
-    ("layer stepping and algorithms", ["options", "steps", "moe", "algorithms", "algorithms.*"]),
+    ("layer stepping and algorithms", ["options", "layer_inputs", "steps", "moe", "algorithms", "algorithms.*"]),
     ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*"]),
     ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate"]),
     ("command line", ["cli", "__main__"]),

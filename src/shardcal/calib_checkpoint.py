@@ -27,6 +27,7 @@ from .batches import Batch, data_fingerprint
 from .distributed import all_gather_strings, all_reduce_, barrier, dp_group, world
 from .errors import CalibrationCheckpointError
 from .fsutil import atomic_path, atomic_write_text, check_creatable
+from .quant.experts import expert_projections, iter_projections
 from .quant.quantizer import QuantMode
 from .quant.session import iter_quantizers
 from .recipes import Recipe, quantize_modules
@@ -249,6 +250,10 @@ def restore_quantizers(
                 raise CalibrationCheckpointError(f"calibration checkpoint lacks quantizer state {key!r}")
             q.set_amax(state[key].to(q.amax.device))
             q.mode = QuantMode.QUANTIZE
+        for experts in (m for m in modules[layer_name].modules() if expert_projections(m)):
+            for _, _, projection in iter_projections(experts):  # fused weights hold their quantized values
+                if projection.weight_quantizer is not None:
+                    projection.weight_quantizer.mode = QuantMode.DISABLED
 
 
 def run_fingerprint(

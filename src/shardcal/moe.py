@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .quant.experts import expert_projections
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import iter_quantizers
 
@@ -34,6 +35,8 @@ class AllExpertsObserve:
 
     def __init__(self, layer: nn.Module):
         self.blocks = moe_blocks(layer)
+        #: fused experts (transformers' 3-D parameters): their own pre-hook observes; a flag says "all tokens"
+        self.fused = [h for m in layer.modules() for h in expert_projections(m)]
         self.handles: list[Any] = []
         self.silenced: dict[int, list[TensorQuantizer]] = {}  # block id -> quantizers it turned off
 
@@ -41,12 +44,16 @@ class AllExpertsObserve:
         for block in self.blocks:
             self.handles.append(block.register_forward_pre_hook(self._before))
             self.handles.append(block.register_forward_hook(self._after))
+        for holder in self.fused:
+            holder.observe_all_tokens = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for holder in self.fused:
+            holder.observe_all_tokens = False
 
     @staticmethod
     def _expert_quantizers(block: nn.Module) -> list[TensorQuantizer]:
@@ -74,9 +81,11 @@ def fallback_unobserved(layer: nn.Module) -> list[str]:
     estimate available; for ``down_proj`` inputs the siblings' range is used likewise. Returns the names fixed.
     """
     fixed = []
-    for block in moe_blocks(layer):
+    containers = [block.experts for block in moe_blocks(layer)]
+    containers += [m for m in layer.modules() if expert_projections(m)]  # fused experts: children "0".."E-1"
+    for experts in containers:
         by_role: dict[str, list[TensorQuantizer]] = {}
-        for name, q in iter_quantizers(block.experts):
+        for name, q in iter_quantizers(experts):
             role = name.split(".", 1)[1]  # "<expert>.<linear>.<quantizer>" -> "<linear>.<quantizer>"
             by_role.setdefault(role, []).append(q)
         for quantizers in by_role.values():

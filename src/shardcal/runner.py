@@ -36,6 +36,7 @@ from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
 from .moe import AllExpertsObserve, fallback_unobserved
 from .options import CalibrationOptions
+from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
 from .quant.linear import QuantLinear
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import (
@@ -102,6 +103,9 @@ def _calibrate_layer(
     for module_weight, q in zip((m.weight for _, m in _weight_quantizers(step.layer, step.name)), weights):
         q.calibrate_from(module_weight)  # the layer is gathered: the full weight, on every rank
         q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
+    fused = [m for m in step.layer.modules() if expert_projections(m)]
+    for experts in fused:
+        calibrate_expert_weights(experts)  # per expert and projection, from the gathered fused parameters
     algorithm.after_weight_calibration(step, recipe, group)
     if algorithm.changes_weights:
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
@@ -124,6 +128,10 @@ def _calibrate_layer(
     finish_calibration_all(activation)
     for q in weights:
         q.mode = QuantMode.QUANTIZE
+    if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
+        for experts in fused:
+            store_quantized_weights(experts)
+        sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
@@ -192,6 +200,8 @@ def _calibrate(
     prefix = decoder_layer_prefix(model, layers)
     names = [f"{prefix}.{i}" for i in range(len(layers))]
 
+    # Weights change during calibration when the algorithm edits them, or when fused experts store quantized values.
+    keep_weights = algorithm.changes_weights or any(p.dim() == 3 for p in model.parameters())
     checkpoint = None
     resume = None
     if options.checkpoint_dir is not None:
@@ -228,7 +238,7 @@ def _calibrate(
     for step in steps:
         report_phase(f"calibrate {step.name}")
         if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
-            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, algorithm)
+            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, keep_weights)
             fault_point("calibrate.committed", completed_layers=step.index)
         entry = _calibrate_layer(step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate)
         report.layers.append(entry)
@@ -238,7 +248,7 @@ def _calibrate(
     if bar is not None:
         bar.close()
     if checkpoint is not None and start < len(layers):
-        _commit(checkpoint, model, names, len(layers), [], report, algorithm)
+        _commit(checkpoint, model, names, len(layers), [], report, keep_weights)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
@@ -252,14 +262,14 @@ def _commit(
     done: int,
     acts: list[torch.Tensor],
     report: CalibrationReport,
-    algorithm: LayerAlgorithm,
+    keep_weights: bool,
 ) -> None:
     checkpoint.commit(
         done,
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
-        local_weights=local_weight_shards(model, names[:done]) if algorithm.changes_weights else None,
+        local_weights=local_weight_shards(model, names[:done]) if keep_weights else None,
     )
 
 
