@@ -147,13 +147,20 @@ def _forward_arguments(model: nn.Module, batch: Batch, device: torch.device) -> 
                 "(rows of different lengths); give rows of one length"
             )
         kwargs["attention_mask"] = batch.attention_mask.to(device)
-    if "use_cache" in params:
+    if "use_cache" in params or (any_keyword and hasattr(getattr(model, "config", None), "use_cache")):
         kwargs["use_cache"] = False  # no KV cache: the layers get cache=None
     return (batch.input_ids.to(device),), kwargs
 
 
+#: Keyword arguments that carry a KV cache: a recorded call must not keep one (every later call would extend it).
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
 def _split_hidden(name: str, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, LayerCall]:
-    """The hidden states a layer is called with, and the rest of its call."""
+    """The hidden states a layer is called with, and the rest of its call (without a KV cache)."""
+    kwargs = {k: (None if k in CACHE_KEYWORDS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
     if args:
         return args[0], LayerCall(tuple(args[1:]), dict(kwargs))
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
