@@ -405,3 +405,69 @@ def test_gathers_root_once_each_layer_once_plus_the_first_batch_pass():
     share arguments); the first layer is never gathered just to be skipped."""
     for count in run_on_ranks(2, _count_gathers, "llama"):
         assert count == 1 + 3 + 2, count
+
+
+# ---------------------------------------------------------------------------------------------- sharded loading
+
+
+def _load_sharded(family: str, folder: str) -> dict:
+    import transformers
+
+    from shardcal.loading.build import meta_parameters
+    from shardcal.loading.sharded import load_pretrained
+
+    cls = type(hf_model(family))
+    with meta_parameters():
+        model = cls._from_config(transformers.AutoConfig.from_pretrained(folder))
+    model = load_pretrained(folder, model=model)
+    plan = model._shardcal_distribution_plan
+    return {"logits": hf_logits(model, _data(n=2)), "read": plan["bytes_read"], "total": plan["model_bytes"]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llava"])
+def test_load_pretrained_shards_any_module_each_rank_reading_its_rows(tmp_path, family):
+    """A transformers module built on the meta device, loaded sharded from its own save_pretrained checkpoint
+    (per-expert tensors for fused experts, Llava's original prefixes): logits equal transformers' own load."""
+    hf_model(family).save_pretrained(tmp_path)
+    reference = type(hf_model(family)).from_pretrained(tmp_path).eval()
+    want = hf_logits(reference, _data(n=2))
+    results = run_on_ranks(2, _load_sharded, family, str(tmp_path))
+    for r in results:
+        assert torch.equal(r["logits"], want)
+    assert abs(sum(r["read"] for r in results) - results[0]["total"]) <= 0.01 * results[0]["total"]
+    assert max(r["read"] for r in results) <= 0.55 * results[0]["total"]
+
+
+def test_load_pretrained_names_missing_and_unexpected_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model("llama").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["extra.norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (missing,) = run_on_ranks(1, _load_error, str(tmp_path), None)
+    assert "1 parameter(s) of LlamaForCausalLM are not in the checkpoint: 'model.norm.weight'" in missing
+    assert "name_map" in missing
+    renamed = {"model.norm.weight": "extra.norm.weight"}
+    (ok,) = run_on_ranks(1, _load_error, str(tmp_path), renamed)
+    assert ok is None
+    tensors["stray"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (unexpected,) = run_on_ranks(1, _load_error, str(tmp_path), renamed)
+    assert "unexpected tensor(s) 'stray'" in unexpected
+
+
+def _load_error(folder: str, name_map: dict | None) -> str | None:
+    import transformers
+
+    from shardcal.errors import CheckpointError
+    from shardcal.loading.build import meta_parameters
+    from shardcal.loading.sharded import load_pretrained
+
+    with meta_parameters():
+        model = transformers.LlamaForCausalLM._from_config(transformers.AutoConfig.from_pretrained(folder))
+    try:
+        load_pretrained(folder, model=model, name_map=name_map)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
