@@ -146,6 +146,15 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    _model_impl_argument(parser)
+
+
+def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-impl", choices=["auto", "shardcal", "transformers"], default="auto",
+        help="whose model class: shardcal's (its model types), transformers' (any it has; needs transformers "
+        "installed), or auto: shardcal's when it has the model_type, else transformers' (default auto)",
+    )  # fmt: skip
 
 
 @command(
@@ -171,6 +180,7 @@ def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
     from .distributed import all_gather_floats, init_distributed
     from .export import check_destination, export_checkpoint
+    from .loading.foreign import choose_impl, load_transformers_sharded, raw_config, text_field
     from .loading.sharded import load_pretrained
     from .models.config import load_config
     from .options import CalibrationOptions
@@ -181,11 +191,15 @@ def calibrate_job(options: dict) -> dict:
     rank, world = init_distributed()
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     recipe = load_recipe(args.recipe)  # bad input fails here, before anything is loaded or written
-    cfg = load_config(model_dir)
+    impl = choose_impl(model_dir, args.model_impl)
+    vocab_size = (
+        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
+    )
     check_destination(out_dir, args.overwrite)
-    ids, source = load_data(args, model_dir, cfg.vocab_size, split="calib")
+    ids, source = load_data(args, model_dir, vocab_size, split="calib")
     start = time.perf_counter()
-    model = load_pretrained(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
+    model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
     options = CalibrationOptions(
         propagate=args.propagate, batch_size=args.batch_size, checkpoint_dir=args.checkpoint_dir, progress=rank == 0
     )
@@ -225,16 +239,21 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     data_arguments(parser, num_samples=8, seq_len=None)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _model_impl_argument(parser)
 
 
 @command("eval", help="perplexity of a model on held-out text or a data file", arguments=_eval_arguments)
 def _eval(args: argparse.Namespace) -> int:
     from .evaluate import perplexity
+    from .loading.foreign import choose_impl, load_transformers_plain, raw_config, text_field
     from .loading.plain import from_pretrained
 
     model_dir = Path(args.model_dir)
-    model = from_pretrained(model_dir)
-    ids, source = load_data(args, model_dir, model.config.vocab_size, split="eval")
+    if choose_impl(model_dir, args.model_impl) == "shardcal":
+        model = from_pretrained(model_dir)
+    else:
+        model = load_transformers_plain(model_dir)
+    ids, source = load_data(args, model_dir, text_field(raw_config(model_dir), "vocab_size"), split="eval")
     start = time.perf_counter()
     value = perplexity(model, ids, batch_size=args.batch_size)
     seconds = time.perf_counter() - start

@@ -37,15 +37,23 @@ def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple
     try:
         init_distributed()
         fn(*args)
-    except BaseException as exc:
+    except BaseException as exc:  # a failed rank does not wait for its peers in a teardown: report and go
         errors.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
-        errors.close()
-        errors.join_thread()  # flush the report before the hard exit
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        if is_initialized():
-            destroy_distributed()
+        _hard_exit(errors, 1)
+    if is_initialized():
+        destroy_distributed()
+    _hard_exit(errors, 0)
+
+
+def _hard_exit(errors: Any, status: int) -> None:
+    """Flush the error queue and stdio, then leave without the interpreter's teardown: that runs C++ destructors
+    while process-group threads may still be alive, and ends a finished rank with "terminate called without an
+    active exception" (SIGABRT)."""
+    errors.close()
+    errors.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
