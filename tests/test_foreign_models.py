@@ -471,3 +471,44 @@ def _load_error(folder: str, name_map: dict | None) -> str | None:
     except CheckpointError as exc:
         return str(exc)
     return None
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+
+
+def test_cli_calibrates_a_model_type_shardcal_has_no_class_for(tmp_path):
+    """Phi-3 has no shardcal class: --model-impl auto takes transformers' class, sharded over 2 ranks."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import transformers
+
+    hf_model("phi3").save_pretrained(tmp_path / "phi3")
+    np.save(tmp_path / "ids.npy", _data(n=4).numpy())
+    cmd = [sys.executable, "-m", "shardcal", "calibrate", str(tmp_path / "phi3"), "--recipe", "fp8", "--out",
+           str(tmp_path / "out"), "--data", str(tmp_path / "ids.npy"), "--batch-size", "2", "--nproc-per-node", "2"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(reloaded).__name__ == "Phi3ForCausalLM"
+    assert reloaded.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_cli_model_impl_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from shardcal import cli
+    from shardcal.loading import foreign
+
+    hf_model("phi3").save_pretrained(tmp_path / "phi3")
+    capsys.readouterr()
+    argv = ["calibrate", str(tmp_path / "phi3"), "--recipe", "fp8", "--out", str(tmp_path / "out")]
+    assert cli.main([*argv, "--model-impl", "shardcal"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model_type 'phi3' is not supported (supported: llama, mistral" in err and "\n" not in err
+    monkeypatch.setattr(foreign, "transformers_available", lambda: False)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model_type 'phi3' has no shardcal class (shardcal has: llama" in err and "pip install transformers" in err
+    assert not (tmp_path / "out").exists()

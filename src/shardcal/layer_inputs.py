@@ -127,8 +127,9 @@ def _embedded(
 # ----------------------------------------------------------------------------------------------- any other model
 
 
-class _Recorded(Exception):
-    """Raised by the recording hook to stop the model's forward once the last wanted layer's call is recorded."""
+class _Recorded(BaseException):
+    """Raised by the recording hook to stop the model's forward once the last wanted layer's call is recorded
+    (a BaseException, so that an ``except Exception`` inside a model's forward does not swallow it)."""
 
 
 def _forward_arguments(model: nn.Module, batch: Batch, device: torch.device) -> tuple[tuple, dict[str, Any]]:
