@@ -314,10 +314,24 @@ def _(env: Env):
 
 
 @case(
-    "config-unknown-model-type", 'config.json: "model_type": "gpt2"', ConfigError, "model_type 'gpt2' is not supported"
+    "config-unknown-model-type",
+    'config.json: "model_type": "not-a-model"',
+    ConfigError,
+    "model_type 'not-a-model' is not supported by shardcal (supported: llama",
 )
 def _(env: Env):
-    return env.calibrate(), str(env.config(model_type="gpt2"))
+    return env.calibrate(), str(env.config(model_type="not-a-model"))
+
+
+@case(
+    "checkpoint-foreign-class-mismatch",
+    'config.json: "model_type": "gpt2" over Llama weights (transformers\' class, other tensor names)',
+    CheckpointError,
+    "parameter(s) of GPT2LMHeadModel are not in the checkpoint: 'transformer.wte.weight'",
+)
+def _(env: Env):
+    env.config(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    return env.calibrate(), str(env.model / "model.safetensors")
 
 
 @case(

@@ -122,19 +122,22 @@ def test_fused_experts_all_experts_mode_sees_every_token():
 
 
 def _calibrated_on_ranks(families: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    register_tiny_lm()
     out = {}
     for family in families:
-        model = hf_model(family)
+        model = tiny_lm() if family == "tiny_lm" else hf_model(family)
         fsdp2_wrap(model)
-        calibrate(model, _data(n=7), "w8a8-int8", batch_size=BATCH, progress=False)
+        vocab = 64 if family == "tiny_lm" else 256
+        calibrate(model, _data(n=7, vocab=vocab), "w8a8-int8", batch_size=BATCH, progress=False)
         out[family] = _amax(model)
     return out
 
 
 def test_two_ranks_equal_one_rank():
-    (single,) = run_on_ranks(1, _calibrated_on_ranks, HF_FAMILIES)
-    for result in run_on_ranks(2, _calibrated_on_ranks, HF_FAMILIES):
-        for family in HF_FAMILIES:
+    families = (*HF_FAMILIES, "tiny_lm")
+    (single,) = run_on_ranks(1, _calibrated_on_ranks, families)
+    for result in run_on_ranks(2, _calibrated_on_ranks, families):
+        for family in families:
             assert result[family].keys() == single[family].keys()
             assert all(torch.equal(result[family][n], single[family][n]) for n in single[family]), family
 
@@ -512,3 +515,50 @@ def test_cli_model_impl_errors_are_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "model_type 'phi3' has no shardcal class (shardcal has: llama" in err and "pip install transformers" in err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- algorithms
+
+
+def _algorithm_recipe(algorithm: str, weight_only: bool, exclude: str = ""):
+    targets = f'[targets]\nexclude = ["{exclude}"]\n' if exclude else ""
+    quant = targets + (
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 16\n'
+        if weight_only
+        else '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+    )
+    return parse_recipe(f'{quant}[algorithm]\nname = "{algorithm}"\n', f"{algorithm}.toml")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3", "qwen3_moe"])
+def test_smoothquant_folds_into_transformers_layers_keeping_their_function(family):
+    """Norm -> Linear pairs found by duck typing (a norm whose output scales with its weight; Phi-3's fused qkv and
+    gate_up; Gemma's pre-feedforward norm): folding leaves the full-precision function unchanged."""
+    from shardcal.quant.session import set_quantizer_mode
+
+    data = _data()
+    model = hf_model(family)
+    want = hf_logits(model, data)
+    norms = {n: p.detach().clone() for n, p in model.named_parameters() if "layernorm" in n}
+    # fused experts store their quantized weights (disabling quantizers does not undo that): left out here
+    recipe = _algorithm_recipe("smoothquant", weight_only=False, exclude="*.experts.*")
+    calibrate(model, data, recipe, batch_size=BATCH, progress=False)
+    changed = [n for n, p in model.named_parameters() if n in norms and not torch.equal(p, norms[n])]
+    if family in ("llama", "phi3", "qwen3_moe"):
+        assert any("input_layernorm" in n for n in changed), changed
+    if family == "gemma3":  # Gemma norms compute x * (1 + w): nothing is folded into them
+        assert not changed, changed
+    set_quantizer_mode(model, "disabled")
+    torch.testing.assert_close(hf_logits(model, data), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_weight_algorithms_beat_round_to_nearest_on_transformers_llama(algorithm):
+    data = _data(n=12)
+    want = hf_logits(hf_model("llama"), data)
+    errors = {}
+    for name in ("rtn", algorithm):
+        model = hf_model("llama")
+        calibrate(model, data, _algorithm_recipe(name, weight_only=True), batch_size=BATCH, progress=False)
+        errors[name] = (hf_logits(model, data) - want).pow(2).mean().item()
+    assert errors[algorithm] < errors["rtn"], errors
