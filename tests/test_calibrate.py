@@ -15,7 +15,7 @@ from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import iter_quantizers
 from shardcal.quant.session import begin_pass_all, end_pass_all, finish_calibration_all, start_calibration_all
-from shardcal.recipes import load_recipe, quantize_modules
+from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 from shardcal.runner import calibrate
 
 from _dist import run_on_ranks
@@ -317,3 +317,53 @@ def test_report_json_and_plot(tmp_path):
     plot = report.save_plot(tmp_path / "sqnr.png")
     if plot is not None:
         assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------ padding never counts
+PAD_ROWS = [torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 7, 10, 12, 5, 9)]
+
+
+def _padded(pad_id: int) -> list[dict]:
+    """The same rows, in the same batches of 3, padded with ``pad_id`` (255's embedding is made 300x larger)."""
+    out = []
+    for s in range(0, len(PAD_ROWS), 3):
+        chunk = PAD_ROWS[s : s + 3]
+        length = max(r.numel() for r in chunk)
+        ids = torch.full((3, length), pad_id, dtype=torch.long)
+        mask = torch.zeros(3, length, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, : r.numel()], mask[i, : r.numel()] = r, 1
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+PAD_RECIPES = {
+    "max": "w8a8-int8",
+    "percentile": '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\nobserver = "percentile"\n',
+    "smoothquant+gptq": '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+    '[algorithm]\nname = "gptq"\nsmooth = { name = "smoothquant" }\n',
+    "awq": '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n[algorithm]\nname = "awq"\n',
+}
+
+
+@pytest.mark.parametrize("all_experts", [True, False])
+@pytest.mark.parametrize("recipe", list(PAD_RECIPES))
+def test_padding_never_counts(recipe, all_experts):
+    """Observers, SmoothQuant/GPTQ/AWQ statistics and MoE experts (routed or all) skip padded positions: padding
+    the same rows with a token whose activations are huge changes nothing, and counts are real tokens only."""
+    text = PAD_RECIPES[recipe]
+    spec = load_recipe(text) if not text.startswith("[") else parse_recipe(text, f"{recipe}.toml")
+    results = []
+    for pad_id in (0, 255):
+        model = _model(dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2))
+        with torch.no_grad():
+            model.model.embed_tokens.weight[255] *= 300.0
+        calibrate(model, _padded(pad_id), spec, batch_size=3, progress=False, calibrate_all_experts=all_experts)
+        state = {n: q.amax.clone() for n, q in iter_quantizers(model) if q.amax is not None}
+        state.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        results.append((state, model))
+    (a, model), (b, _) = results
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if recipe == "max":
+        q = model.model.layers[0].self_attn.q_proj.input_quantizer
+        assert q.num_observed == sum(r.numel() for r in PAD_ROWS) * 64  # real tokens x hidden, not 2 x 3 x 12 x 64

@@ -359,7 +359,8 @@ def test_bad_models_get_one_line_errors_naming_the_module(model, message):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_padded_batches_use_the_models_own_masks(family):
-    """Ragged rows: the model builds 4-D masks from the padding; each layer gets exactly its own."""
+    """Ragged rows: the model builds 4-D masks from the padding; each layer gets exactly its own, and the statistics
+    count real tokens only (the reference takes each Linear's input at the unpadded positions)."""
     rows = [_data(n=1, length=length, seed=length)[0] for length in (12, 7, 10, 12, 5, 9)]
     model = hf_model(family)
     calibrate(model, rows, "w8a8-int8", batch_size=BATCH, progress=False)
@@ -369,14 +370,21 @@ def test_padded_batches_use_the_models_own_masks(family):
     mask = torch.zeros(len(rows), 12, dtype=torch.long)
     for i, r in enumerate(rows):
         padded[i, : r.numel()], mask[i, : r.numel()] = r, 1
-    want = {}
+    want: dict[str, torch.Tensor] = {}
+    current: list[torch.Tensor] = []
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        value = x[current[0].bool()].abs().amax().reshape(1)
+        want[name] = torch.maximum(want.get(name, torch.zeros(1)), value)
+
     hooks = [
-        m.register_forward_pre_hook(lambda m, a, n=n: want.__setitem__(n, torch.maximum(want.get(n, torch.zeros(1)), a[0].abs().amax().reshape(1))))
+        m.register_forward_pre_hook(lambda m, a, n=n: observe(n, a[0]))
         for n, m in ref.named_modules()
         if f"{n}.input_quantizer" in got
-    ]  # fmt: skip
+    ]
     with torch.no_grad():
         for s in range(0, len(rows), BATCH):
+            current[:] = [mask[s : s + BATCH]]
             ref(padded[s : s + BATCH], attention_mask=mask[s : s + BATCH], use_cache=False)
     for h in hooks:
         h.remove()

@@ -161,7 +161,10 @@ def test_sigkill_mid_calibration_then_resume_equals_uninterrupted(tmp_path):
     data = tmp_path / "ids.npy"
     np.save(data, np.random.default_rng(0).integers(0, 256, size=(16, 64)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(_cli(model_dir, tmp_path / "ref", None, data), check=True, capture_output=True, env=env, timeout=300)
+    ref = subprocess.run(
+        _cli(model_dir, tmp_path / "ref", None, data), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     proc = subprocess.Popen(

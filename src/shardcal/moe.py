@@ -16,6 +16,7 @@ from torch import nn
 from .quant.experts import expert_projections
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import iter_quantizers
+from .quant.tokens import active_mask, expert_tokens
 
 
 def moe_blocks(layer: nn.Module) -> list[nn.Module]:
@@ -72,6 +73,59 @@ class AllExpertsObserve:
     def _after(self, block: nn.Module, args: tuple, output: Any) -> None:
         for q in self.silenced.pop(id(block), []):
             q.mode = QuantMode.COLLECT
+
+
+class ExpertTokenMasks:
+    """While active, the observers of shardcal's MoE experts see only the real tokens routed to them.
+
+    An expert runs on ``x[routed tokens]``, a subset of the block's tokens, so the batch's padding mask does not line
+    up with its input. A forward pre-hook on each block recomputes the routing (``block.route``, what the block's
+    forward does) and pre/post hooks on each expert declare, for the duration of its call, which of its rows are
+    real tokens (:func:`shardcal.quant.tokens.expert_tokens`). Nothing is done for a batch without padding.
+    """
+
+    def __init__(self, layer: nn.Module):
+        self.blocks = moe_blocks(layer)
+        self.handles: list[Any] = []
+        self.real: dict[int, torch.Tensor] = {}  # expert id -> which of its routed tokens are real
+        self.open: dict[int, Any] = {}
+
+    def __enter__(self) -> ExpertTokenMasks:
+        for block in self.blocks:
+            self.handles.append(block.register_forward_pre_hook(self._route))
+            for expert in block.experts:
+                self.handles.append(expert.register_forward_pre_hook(self._enter_expert))
+                self.handles.append(expert.register_forward_hook(self._exit_expert))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.real, self.open = [], {}, {}
+
+    @torch.no_grad()
+    def _route(self, block: nn.Module, args: tuple) -> None:
+        mask = active_mask()
+        self.real = {}
+        if mask is None:
+            return
+        x = args[0].reshape(-1, args[0].shape[-1])
+        _, experts = block.route(x)
+        for e, expert in enumerate(block.experts):
+            token, _ = torch.where(experts == e)
+            self.real[id(expert)] = mask.to(token.device)[token]
+
+    def _enter_expert(self, expert: nn.Module, args: tuple) -> None:
+        real = self.real.get(id(expert))
+        if real is not None and args and args[0].shape[0] == real.numel():  # the routed call, not all-experts'
+            scope = expert_tokens(real)
+            scope.__enter__()
+            self.open[id(expert)] = scope
+
+    def _exit_expert(self, expert: nn.Module, args: tuple, output: Any) -> None:
+        scope = self.open.pop(id(expert), None)
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
 
 def fallback_unobserved(layer: nn.Module) -> list[str]:

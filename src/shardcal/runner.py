@@ -34,7 +34,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .moe import AllExpertsObserve, fallback_unobserved
+from .moe import AllExpertsObserve, ExpertTokenMasks, fallback_unobserved
 from .options import CalibrationOptions
 from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
 from .quant.linear import QuantLinear
@@ -74,6 +74,12 @@ def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: lis
     for i in local_sqnr:
         quantized = step.forward(i).to(fp_outputs[i].device).double()
         reference = fp_outputs[i].double()
+        real = step.inputs[i].token_mask
+        if real is not None:  # padded positions are not part of the signal
+            quantized, reference = (
+                quantized[real.bool().to(quantized.device)],
+                reference[real.bool().to(reference.device)],
+            )
         sums[0] += reference.pow(2).sum().cpu()
         sums[1] += (quantized - reference).pow(2).sum().cpu()
     all_reduce_(sums, "sum", group)
@@ -120,7 +126,7 @@ def _calibrate_layer(
         fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
-        with moe if moe is not None else contextlib.nullcontext():
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer):
             outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
         if p == 0:
             fp_outputs = outs
@@ -292,6 +298,11 @@ def _restore_inputs(
 def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
     if not enabled:
         return None
+    import threading
+
     from tqdm.auto import tqdm
 
+    # A thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit (launcher), which would leave
+    # that semaphore registered with the resource tracker ("leaked semaphore objects").
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")

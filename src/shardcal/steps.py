@@ -28,6 +28,7 @@ from .errors import ModelLayoutError
 from .fsdp2_utils import layer_unsharded
 from .layer_inputs import CachedInputs, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
+from .quant.tokens import real_tokens_of
 from .registry import LayerActivationCollector, decoder_layer_prefix
 
 
@@ -58,7 +59,7 @@ class LayerStep:
         """Run the layer on cached batch ``i`` (with the arguments the model gives this layer); the output (the
         hidden states) is on the compute device."""
         x = self.inputs[i]
-        with torch.no_grad():
+        with torch.no_grad(), real_tokens_of(x.token_mask):
             return call_layer(
                 self.layer, self.name, x.hidden_states.to(self.device), x.call_of(self.index).to(self.device)
             )
