@@ -19,6 +19,15 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT_PACKAGE = "shardcal"
 
+#: Activation collection (beside the runner, in "calibration and export").
+COLLECT = [
+    "activation_targets",
+    "activation_report",
+    "activation_stats",
+    "activation_store",
+    "activation_feed",
+    "collect",
+]
 #: The layers, bottom up: a module may import from its own layer (without a cycle) and from the layers below.
 #: Names are relative to ``shardcal``; a package's ``__init__`` is the package name itself.
 LAYERS: list[tuple[str, list[str]]] = [
@@ -26,7 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models and quantizers", ["models.*", "quant", "quant.*", "batches"]),
     ("sharding", ["registry", "fsdp2_utils"]),
     ("layer stepping and algorithms", ["options", "layer_inputs", "steps", "moe", "algorithms", "algorithms.*"]),
-    ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*"]),
+    ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*", *COLLECT]),
     ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate"]),
     ("command line", ["cli", "__main__"]),
     ("public facades", ["", "models"]),

@@ -6,6 +6,8 @@ Public API (see docs/api.md):
 - :func:`fsdp2_wrap`, :func:`fsdp2_root_unsharded`, :func:`layer_unsharded` — FSDP2 sharding for layer-wise use.
 - :func:`layer_steps` — the layer-stepping primitive other layer-wise algorithms build on.
 - :func:`calibrate` with :class:`CalibrationOptions` — the calibration runner; :func:`load_recipe` — recipes.
+- :func:`collect_activations` → :class:`ActivationReport`, :class:`ActivationDataset` — activation statistics and
+  raw activations of chosen modules, layer by layer.
 - :func:`export_checkpoint` — compressed-tensors export (streamed, distributed, atomic).
 - :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
 
@@ -18,12 +20,15 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "ActivationDataset": "shardcal.activation_store",
+    "ActivationReport": "shardcal.activation_report",
     "CalibrationOptions": "shardcal.runner",
     "CalibrationReport": "shardcal.report",
     "LayerActivationCollector": "shardcal.registry",
     "LayerStep": "shardcal.steps",
     "ShardcalError": "shardcal.errors",
     "calibrate": "shardcal.runner",
+    "collect_activations": "shardcal.collect",
     "export_checkpoint": "shardcal.export.export",
     "from_pretrained": "shardcal.loading.plain",
     "fsdp2_root_unsharded": "shardcal.fsdp2_utils",

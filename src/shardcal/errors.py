@@ -50,3 +50,8 @@ class UsageError(ShardcalError):
 
 class DistributedError(ShardcalError):
     """Another rank failed, or a collective timed out."""
+
+
+class CollectionError(ShardcalError):
+    """An activation-collection target, statistic or directory is unusable (a pattern matching nothing, a module
+    the forward never runs, a save directory that holds something else, a collected report that does not fit)."""

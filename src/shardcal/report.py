@@ -24,6 +24,8 @@ class LayerReport:
     quantizers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: quantizers that saw no data (MoE experts no token was routed to) and got a fallback amax.
     fallbacks: list[str] = field(default_factory=list)
+    #: targets of a collected activation report whose statistics this layer used (``calibrate(activation_report=)``).
+    from_activation_report: list[str] = field(default_factory=list)
 
 
 @dataclass

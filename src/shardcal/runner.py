@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activation_feed import ActivationFeed
+from .activation_report import ActivationReport
 from .algorithms import LayerAlgorithm, make_algorithm
 from .batches import Batch, make_batches, rank_batch_indices
 from .calib_checkpoint import (
@@ -34,7 +36,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .moe import AllExpertsObserve, ExpertTokenMasks, fallback_unobserved
+from .moe import AllExpertsObserve, ExpertTokenMasks, fallback_unobserved, moe_blocks
 from .options import CalibrationOptions
 from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
 from .quant.linear import QuantLinear
@@ -97,8 +99,11 @@ def _calibrate_layer(
     local_sqnr: list[int],
     algorithm: LayerAlgorithm,
     propagate: str = "fp",
+    feed: ActivationFeed | None = None,
 ) -> LayerReport:
     start = time.perf_counter()
+    if feed is not None:
+        feed.used = []
     quantize_modules(step.layer, recipe, prefix=step.name)
     reference: dict[int, torch.Tensor] | None = None
     if algorithm.changes_weights:  # SQNR against the layer as it was, not against the algorithm's new weights
@@ -116,6 +121,10 @@ def _calibrate_layer(
     if algorithm.changes_weights:
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
+    fed = _fed_amax(step, feed, calibrate_all_experts) if feed is not None else {}
+    activation = [q for q in activation if id(q) not in fed]
+    for q, _ in fed.values():
+        q.mode = QuantMode.DISABLED  # its amax comes from the report: it does not observe
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
@@ -132,6 +141,9 @@ def _calibrate_layer(
             fp_outputs = outs
         end_pass_all(activation, group)  # collective, also for a rank with no batches
     finish_calibration_all(activation)
+    for q, amax in fed.values():
+        q.set_amax(amax)
+        q.mode = QuantMode.QUANTIZE
     for q in weights:
         q.mode = QuantMode.QUANTIZE
     if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
@@ -147,7 +159,21 @@ def _calibrate_layer(
         sqnr_db=sqnr,
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
+        from_activation_report=list(feed.used) if feed is not None else [],
     )
+
+
+def _fed_amax(
+    step: LayerStep, feed: ActivationFeed, all_experts: bool
+) -> dict[int, tuple[TensorQuantizer, torch.Tensor]]:
+    """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode)."""
+    skip = {id(q) for b in moe_blocks(step.layer) for _, q in iter_quantizers(b.experts)} if all_experts else set()
+    out = {}
+    for name, q in _activation_quantizers(step.layer, step.name):
+        amax = None if id(q) in skip else feed.amax_for(name, q)
+        if amax is not None:
+            out[id(q)] = (q, amax)
+    return out
 
 
 def _local_activations(inputs: list) -> list[torch.Tensor]:
@@ -159,6 +185,8 @@ def calibrate(
     data: Any,
     recipe: str | Path | Recipe,
     options: CalibrationOptions | None = None,
+    *,
+    activation_report: ActivationReport | str | Path | None = None,
     **changes: Any,
 ) -> CalibrationReport:
     """Calibrate ``model`` (plain or FSDP2-sharded) layer by layer on ``data`` with ``recipe``; return the report.
@@ -168,15 +196,21 @@ def calibrate(
     with the same data; each rank computes on its own whole batches. ``data``: an int tensor ``[N, L]``, a list of
     them, or dicts with ``input_ids`` (and ``attention_mask``). Afterwards the model's targeted Linears are
     fake-quant ``QuantLinear`` modules in quantize mode. If another rank fails, this one raises a
-    :class:`~shardcal.errors.DistributedError` naming that rank and its layer.
+    :class:`~shardcal.errors.DistributedError` naming that rank and its layer. ``activation_report``: statistics
+    collected by :func:`shardcal.collect_activations` on this model and data (a report or its directory), used
+    instead of observing where they are the same (:mod:`shardcal.activation_feed`).
     """
     options = (options or CalibrationOptions()).replace(**changes)
     with rank_guard():
-        return _calibrate(model, data, recipe, options)
+        return _calibrate(model, data, recipe, options, activation_report)
 
 
 def _calibrate(
-    model: nn.Module, data: Any, recipe: str | Path | Recipe, options: CalibrationOptions
+    model: nn.Module,
+    data: Any,
+    recipe: str | Path | Recipe,
+    options: CalibrationOptions,
+    activation_report: ActivationReport | str | Path | None = None,
 ) -> CalibrationReport:
     t0 = time.perf_counter()
     report_phase("calibrate: setup")
@@ -208,10 +242,16 @@ def _calibrate(
 
     # Weights change during calibration when the algorithm edits them, or when fused experts store quantized values.
     keep_weights = algorithm.changes_weights or any(p.dim() == 3 for p in model.parameters())
+    feed = None
+    if activation_report is not None:
+        feed = ActivationFeed.for_run(activation_report, model, batches, recipe, algorithm, propagate)
+        if feed.smoothing:
+            algorithm.collected_max = feed.smoothing_maxima
     checkpoint = None
     resume = None
     if options.checkpoint_dir is not None:
-        fingerprint = run_fingerprint(model, recipe, batches, world_size, options.fingerprint())
+        fingerprinted = options.fingerprint() | ({"activation_report": feed.digest()} if feed is not None else {})
+        fingerprint = run_fingerprint(model, recipe, batches, world_size, fingerprinted)
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
         resume = checkpoint.load()
     report = CalibrationReport(
@@ -246,7 +286,9 @@ def _calibrate(
         if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
             _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, keep_weights)
             fault_point("calibrate.committed", completed_layers=step.index)
-        entry = _calibrate_layer(step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate)
+        entry = _calibrate_layer(
+            step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate, feed
+        )
         report.layers.append(entry)
         if bar is not None:
             bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")

@@ -20,7 +20,7 @@ A class carries everything about its algorithm: its recipe name, its parameter `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..params import Schema, check_params
@@ -41,6 +41,14 @@ class LayerAlgorithm:
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         self.params = self.validate(dict(params or {}))
+        #: Set by ``calibrate(..., activation_report=...)`` when :meth:`takes_collected_max`: given, per capture point,
+        #: the target names that hold its per-channel ``max |x|`` (``"<module>:input"``), the collected maxima — or
+        #: None when the report lacks one (the algorithm then computes its statistics itself).
+        self.collected_max: Callable[[Sequence[Sequence[str]]], Any] | None = None
+
+    def takes_collected_max(self) -> bool:
+        """Whether the algorithm can use collected per-channel input maxima instead of a statistics pass."""
+        return False
 
     @classmethod
     def validate(cls, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -86,6 +86,9 @@ class SmoothQuant(LayerAlgorithm):
         self.alphas: dict[str, dict[str, float]] = {}
         self._warned: set[str] = set()
 
+    def takes_collected_max(self) -> bool:
+        return not self.grid  # the grid needs token samples, which a report does not hold
+
     def smoothings(self, step: Any) -> list[Smoothing]:
         found = layer_smoothings(step.layer, self.kinds, prefix=step.name)
         if not found and any(getattr(m, "input_quantizer", None) is not None for m in step.layer.modules()):
@@ -96,13 +99,16 @@ class SmoothQuant(LayerAlgorithm):
         smoothings = self.smoothings(step)
         if not smoothings:  # the same on every rank (same layer, same recipe): no collective is skipped unevenly
             return
-        kinds = {"max", "samples"} if self.grid else {"max"}
-        stats = (
-            InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"])
-            .collect(step)
-            .merge(group)
-        )
-        maxima = [m.reduce(stats[m.key].max, "max") for m in smoothings]
+        collected = self._collected(step, smoothings)
+        if collected is None:
+            kinds = {"max", "samples"} if self.grid else {"max"}
+            stats = (
+                InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"])
+                .collect(step)
+                .merge(group)
+            )
+            collected = [stats[m.key].max for m in smoothings]
+        maxima = [m.reduce(c.to(step.device), "max") for m, c in zip(smoothings, collected)]
         w_maxima = [
             m.weight_max(m.quantized("weight") or m.quantized("input")).to(a.device) for m, a in zip(smoothings, maxima)
         ]
@@ -128,6 +134,21 @@ class SmoothQuant(LayerAlgorithm):
         if self.grid:
             self.alphas[step.name] = {m.key: a for m, a in zip(smoothings, alphas)}
         step.invalidate_outputs()
+
+    def _collected(self, step: Any, smoothings: list[Smoothing]) -> list[torch.Tensor] | None:
+        """The capture points' maxima from a collected activation report (see ``collected_max``), or None. Names: the
+        capture point itself, and for ``attn_in`` the q/k/v inputs (the same tensor)."""
+        if self.collected_max is None or self.grid:
+            return None
+        names = {id(m): n for n, m in step.layer.named_modules(prefix=step.name)}
+        candidates = []
+        for m in smoothings:
+            module, where = m.point
+            own = [f"{names[id(module)]}:{where}"]
+            if m.kind == "attn_in":
+                own += [f"{names[id(c)]}:input" for c in m.consumers]
+            candidates.append(own)
+        return self.collected_max(candidates)
 
     @torch.no_grad()
     def _losses(

@@ -1,0 +1,346 @@
+"""Activation collection against independent references: plain torch hooks on the unsharded model's own forward.
+
+Statistics (absmax exact, mean / meansq to float tolerance, histograms exact) and raw activations read back through
+ActivationDataset, on 1 and 2 real gloo ranks (bit-identical); resume after an interrupt; one-line errors for bad
+targets with nothing written; transformers' classes; what calibrate takes from a collected report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from shardcal import ActivationDataset, ActivationReport, collect_activations
+from shardcal.errors import CollectionError
+from shardcal.faults import armed
+from shardcal.fsdp2_utils import fsdp2_wrap
+from shardcal.models import CausalLM, ModelConfig
+from shardcal.quant.session import iter_quantizers
+from shardcal.recipes import parse_recipe
+from shardcal.runner import calibrate
+
+from _dist import run_on_ranks
+from _tiny_models import TINY_CONFIGS, randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
+MOE = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
+TARGETS = [
+    "model.layers.*:output",
+    "model.layers.*.mlp.down_proj:input",
+    "model.layers.*.input_layernorm:output",
+    "model.layers.0:input",
+]
+ROWS = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 7, 10, 12, 5, 9, 11)]
+BATCH = 3
+BINS = 64
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+def _model(cfg: dict = LLAMA, seed: int = 0) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model, seed=seed)
+    with torch.no_grad():  # one outlier channel in the residual stream, as real models have
+        model.model.embed_tokens.weight[:, 5] *= 40.0
+    return model.eval()
+
+
+def _data() -> list[dict]:
+    """The rows in batches of ``BATCH``, right-padded with a token whose embedding is huge (it must never count)."""
+    out = []
+    for s in range(0, len(ROWS), BATCH):
+        chunk = ROWS[s : s + BATCH]
+        length = max(r.numel() for r in chunk)
+        ids = torch.full((len(chunk), length), 255, dtype=torch.long)
+        mask = torch.zeros(len(chunk), length, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, : r.numel()], mask[i, : r.numel()] = r, 1
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+# ------------------------------------------------------------ the reference: hooks on the model's own forward
+def _reference_rows(model: nn.Module, data: list[dict], names: list[str]) -> dict[str, list[torch.Tensor]]:
+    """Per target, per sample: the real tokens' rows of what the module saw / returned in ``model(ids, mask)``."""
+    modules = dict(model.named_modules())
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    current: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        mask = current["mask"].bool()
+        for row in range(x.shape[0]):
+            seen[name].append(x[row][mask[row]].detach().clone())
+
+    hooks = []
+    for name in names:
+        module, _, tensor = name.rpartition(":")
+        if tensor == "input":
+            hooks.append(modules[module].register_forward_pre_hook(lambda m, a, name=name: keep(name, a[0])))
+        else:
+            out = lambda m, a, o, name=name: keep(name, o[0] if isinstance(o, tuple) else o)
+            hooks.append(modules[module].register_forward_hook(out))
+    with torch.no_grad():
+        for batch in data:
+            current["mask"] = batch["attention_mask"]
+            model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _reference_stats(rows: list[torch.Tensor], bins: int = BINS) -> dict[str, torch.Tensor]:
+    x = torch.cat(rows)
+    absmax = x.abs().amax(dim=0).float()
+    top = absmax.max()
+    index = torch.clamp(torch.floor(x.abs().float() / top * bins), 0, bins - 1).long()
+    return {
+        "absmax": absmax,
+        "mean": x.double().mean(dim=0),
+        "meansq": x.double().square().mean(dim=0),
+        "histogram": torch.bincount(index.reshape(-1), minlength=bins),
+        "tokens": torch.tensor(x.shape[0]),
+    }
+
+
+def _stats_of(report: ActivationReport) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        n: {"absmax": t.absmax, "mean": t.mean, "meansq": t.meansq, "histogram": t.histogram, "tokens": t.tokens}
+        for n, t in report.targets.items()
+    }
+
+
+# ------------------------------------------------------------ runs on ranks
+def _collect_run(save_dir: str | None, wrap: bool, checkpoint_dir: str | None = None, stop_at: int | None = None):
+    model = _model()
+    if wrap:
+        fsdp2_wrap(model)
+
+    def stop(completed_layers: int) -> None:
+        if completed_layers == stop_at:
+            raise Interrupted(f"stopped after {completed_layers} layers")
+
+    try:
+        with armed("collect.committed", stop):
+            report = collect_activations(
+                model, _data(), TARGETS, save_dir=save_dir, batch_size=BATCH, bins=BINS, top_k=3,
+                checkpoint_dir=checkpoint_dir, progress=False,
+            )  # fmt: skip
+    except Interrupted:
+        return None
+    return {"stats": _stats_of(report), "top": {n: t.top_channels for n, t in report.targets.items()}, "report": report}
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.suffix == ".safetensors"}
+
+
+def test_statistics_and_raw_activations_equal_the_plain_forward_on_1_and_2_ranks(tmp_path):
+    model = _model()
+    report = collect_activations(model, _data(), TARGETS, batch_size=BATCH, bins=BINS, progress=False)
+    names = list(report.targets)
+    assert len(names) == 3 * 3 + 1 and names[0] == "model.layers.0:input"
+    rows = _reference_rows(model, _data(), names)
+    for name in names:
+        want, got = _reference_stats(rows[name]), report[name]
+        assert got.tokens == int(want["tokens"]) == sum(r.numel() for r in ROWS), name  # padding never counts
+        assert torch.equal(got.absmax, want["absmax"]), name
+        assert torch.equal(got.histogram, want["histogram"]), name
+        torch.testing.assert_close(got.mean, want["mean"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-9, atol=1e-9)
+        assert got.top_channels[0][0] == int(want["absmax"].argmax())
+    assert report["model.layers.0:input"].top_channels[0][0] == 5  # the planted outlier channel
+    # the same on 1 and 2 FSDP2 ranks, bit for bit, with raw activations saved
+    (single,) = run_on_ranks(1, _collect_run, str(tmp_path / "one"), True)
+    double = run_on_ranks(2, _collect_run, str(tmp_path / "two"), True)
+    for result in (single, *double):
+        for name in names:
+            for stat, value in _stats_of(report)[name].items():
+                got = result["stats"][name][stat]
+                assert (got == value) if stat == "tokens" else torch.equal(got, value), (name, stat)
+        assert result["top"] == double[0]["top"]
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")  # batches are global: the same files
+    for directory in ("one", "two"):
+        ds = ActivationDataset(tmp_path / directory)
+        assert len(ds) == len(ROWS) and ds.targets == names and ds.num_tokens == sum(r.numel() for r in ROWS)
+        samples = list(ds)
+        for name in names:
+            for i, want in enumerate(rows[name]):
+                assert torch.equal(samples[i][name], want), (directory, name, i)
+            assert torch.equal(ds.tokens(name), torch.cat(rows[name]))
+        assert torch.equal(ds[4][names[1]], rows[names[1]][4])
+
+
+def test_resume_after_interrupt_gives_the_same_report_and_files(tmp_path):
+    full = run_on_ranks(2, _collect_run, str(tmp_path / "a-acts"), True, str(tmp_path / "a-ckpt"))
+    assert run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"), 2) == [None, None]
+    manifest = json.loads((tmp_path / "b-ckpt" / "manifest.json").read_text())
+    assert manifest["completed_layers"] == 2 and not (tmp_path / "b-acts" / "activations.json").exists()
+    resumed = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"))
+    for want, got in zip(full, resumed):
+        assert got["report"].resumed_from_layer == 2
+        assert want["stats"].keys() == got["stats"].keys()
+        for name in want["stats"]:
+            for stat, value in want["stats"][name].items():
+                other = got["stats"][name][stat]
+                assert (other == value) if stat == "tokens" else torch.equal(other, value), (name, stat)
+        assert want["top"] == got["top"]
+    assert _files(tmp_path / "a-acts") == _files(tmp_path / "b-acts")
+    a, b = (json.loads((tmp_path / d / "activations.json").read_text()) for d in ("a-acts", "b-acts"))
+    assert a == b
+
+
+def _rank_without_batches() -> dict:
+    model = _model()
+    fsdp2_wrap(model)
+    data = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(3))
+    report = collect_activations(model, data, "model.layers.*.mlp.down_proj:input", batch_size=4, progress=False)
+    return _stats_of(report)
+
+
+def test_a_rank_without_batches_takes_every_merge():
+    (single,) = run_on_ranks(1, _rank_without_batches)
+    for result in run_on_ranks(2, _rank_without_batches):  # one batch: rank 1 has none
+        for name, stats in single.items():
+            assert all(
+                (v == result[name][k]) if k == "tokens" else torch.equal(v, result[name][k]) for k, v in stats.items()
+            )
+
+
+# ------------------------------------------------------------ bad input
+def test_bad_targets_are_one_line_errors_naming_the_pattern_and_nothing_is_written(tmp_path):
+    model = _model()
+    for layer in model.model.layers:
+        layer.unused = nn.Linear(64, 64)  # a module the forward never runs
+    out, ckpt = tmp_path / "acts", tmp_path / "ckpt"
+    cases = [
+        ("model.layers.*.mlp.nothing:input", "matches no module"),
+        ("model.layers.*:weights", "unknown tensor selector ':weights'"),
+        ("model.norm:output", "outside the decoder layers"),
+        ("model.layers.*.unused:input", "model.layers.0.unused never ran in the model's forward"),
+        ("model.layers.*.mlp.act_fn:weight", "unknown tensor selector"),
+    ]
+    for pattern, message in cases:
+        with pytest.raises(CollectionError) as info:
+            collect_activations(model, _data(), ["model.layers.*:output", pattern], save_dir=out, checkpoint_dir=ckpt,
+                                batch_size=BATCH, progress=False)  # fmt: skip
+        text = str(info.value)
+        assert message in text and repr(pattern) in text and "\n" not in text, text
+    with pytest.raises(CollectionError, match="unknown statistic 'median'"):
+        collect_activations(model, _data(), "model.layers.*:output", stats=("median",), save_dir=out, progress=False)
+    assert not out.exists() and not ckpt.exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(CollectionError, match="holds other files"):
+        collect_activations(model, _data(), "model.layers.*:output", save_dir=tmp_path / "taken", progress=False)
+
+
+def test_moe_experts_see_their_routed_real_tokens_and_cannot_be_saved_raw(tmp_path):
+    model = _model(MOE)
+    name = "model.layers.1.mlp.experts.2.down_proj:input"
+    report = collect_activations(model, _data(), "model.layers.*.mlp.experts.*.down_proj:input", bins=BINS,
+                                 batch_size=BATCH, progress=False)  # fmt: skip
+    # reference: the expert's routed tokens, real ones only (routing recomputed by the block's own function)
+    block, expert = model.model.layers[1].mlp, model.model.layers[1].mlp.experts[2].down_proj
+    seen, real = [], {}
+    block_hook = block.register_forward_pre_hook(
+        lambda m, a: real.update(sel=torch.where(m.route(a[0].reshape(-1, a[0].shape[-1]))[1] == 2)[0])
+    )
+    hook = expert.register_forward_pre_hook(lambda m, a: seen.append(a[0][real["mask"][real["sel"]]]))
+    with torch.no_grad():
+        for batch in _data():
+            real["mask"] = batch["attention_mask"].reshape(-1).bool()
+            model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    block_hook.remove()
+    hook.remove()
+    want = _reference_stats(seen)
+    assert report[name].tokens == int(want["tokens"]) > 0
+    assert torch.equal(report[name].absmax, want["absmax"]) and torch.equal(report[name].histogram, want["histogram"])
+    with pytest.raises(CollectionError, match="cannot save raw activations of .*experts.*routed tokens only"):
+        collect_activations(model, _data(), "model.layers.*.mlp.experts.*.down_proj:input", save_dir=tmp_path / "x",
+                            progress=False)  # fmt: skip
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------ transformers' classes
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_transformers_models(family, tmp_path):
+    pytest.importorskip("transformers")
+    from _hf_models import hf_model
+
+    model = hf_model(family)
+    data = _data()
+    targets = ["model.layers.*:output", "model.layers.*.mlp.down_proj:input", "model.layers.*.self_attn.o_proj:input"]
+    report = collect_activations(model, data, targets, bins=BINS, batch_size=BATCH, save_dir=tmp_path, progress=False)
+    rows = _reference_rows(model, data, list(report.targets))
+    ds = ActivationDataset(tmp_path)
+    for name, got in report.targets.items():
+        want = _reference_stats(rows[name])
+        assert got.tokens == int(want["tokens"]) and torch.equal(got.absmax, want["absmax"]), name
+        assert torch.equal(got.histogram, want["histogram"]), name
+        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-9, atol=1e-9)
+        assert torch.equal(ds.tokens(name), torch.cat(rows[name])), name
+
+
+# ------------------------------------------------------------ the report: files, plot; calibrate takes it
+def test_report_save_load_and_plot(tmp_path):
+    report = collect_activations(_model(), _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False)
+    report.save(tmp_path)
+    loaded = ActivationReport.load(tmp_path)
+    assert loaded.to_dict() == report.to_dict()
+    for name, t in report.targets.items():
+        assert all(torch.equal(v, loaded[name].tensors()[k]) for k, v in t.tensors().items())
+    saved = json.loads((tmp_path / "activation_report.json").read_text())
+    assert saved["targets"][0]["top_channels"][0] == list(report[saved["targets"][0]["name"]].top_channels[0])
+    plot = report.save_plot(tmp_path / "activations.png")
+    if plot is not None:
+        assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+PERCENTILE = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\nobserver = { name = "percentile", bins = 64 }\n'
+
+
+def _amax(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: q.amax.clone() for n, q in iter_quantizers(model) if q.amax is not None}
+
+
+def test_calibrate_takes_a_collected_report(tmp_path):
+    targets = ["model.layers.*.*.*_proj:input", "model.layers.*.*_layernorm:output"]
+    report = collect_activations(_model(), _data(), targets, bins=BINS, batch_size=BATCH, progress=False)
+    report.save(tmp_path)
+    for recipe in ("w8a8-int8", parse_recipe(PERCENTILE, "percentile.toml")):
+        plain, fed = _model(), _model()
+        calibrate(plain, _data(), recipe, batch_size=BATCH, progress=False)
+        layers = calibrate(fed, _data(), recipe, batch_size=BATCH, progress=False, activation_report=tmp_path).layers
+        a, b = _amax(plain), _amax(fed)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical to observing
+        assert "model.layers.0.mlp.down_proj:input" in layers[0].from_activation_report
+        assert len(layers[0].from_activation_report) == 7
+    plain, fed = _model(), _model()
+    calibrate(plain, _data(), "w8a8-int8-sq", batch_size=BATCH, progress=False)
+    layers = calibrate(fed, _data(), "w8a8-int8-sq", batch_size=BATCH, progress=False, activation_report=report).layers
+    assert sorted(layers[0].from_activation_report) == sorted(
+        f"model.layers.0.{n}" for n in ("input_layernorm:output", "post_attention_layernorm:output",
+                                        "self_attn.o_proj:input", "mlp.down_proj:input")
+    )  # fmt: skip
+    p, f = dict(plain.named_parameters()), dict(fed.named_parameters())
+    assert all(torch.equal(p[n], f[n]) for n in p if n.startswith("model.layers.0."))  # layer 0: the same scales
+    assert all(torch.allclose(p[n], f[n], rtol=1e-4, atol=1e-6) for n in p)
+    cases = [
+        (dict(data=_data()[:2]), "different data or batch size"),
+        (dict(model=_model(seed=3)), "different model weights"),
+        (dict(propagate="qdq"), "propagate='qdq'"),
+        (dict(recipe="w4a16"), "uses none of its statistics"),
+    ]
+    for change, message in cases:
+        args = {"model": _model(), "data": _data(), "recipe": "w8a8-int8", **change}
+        with pytest.raises(CollectionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            calibrate(args.pop("model"), args.pop("data"), args.pop("recipe"), batch_size=BATCH, progress=False,
+                      activation_report=report, **args)  # fmt: skip
