@@ -304,6 +304,21 @@ def test_report_save_load_and_plot(tmp_path):
         assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_second_pass_histogram_equals_the_kept_rows_and_saved_dtype(tmp_path):
+    model = _model()
+    kept = collect_activations(model, _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False)
+    rerun = collect_activations(model, _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False, keep_mb=0)
+    assert all(torch.equal(kept[n].histogram, rerun[n].histogram) for n in kept.targets)
+    only = collect_activations(model, _data(), TARGETS[0], stats=(), save_dir=tmp_path, save_dtype="bfloat16",
+                               batch_size=BATCH, progress=False)  # fmt: skip
+    name = "model.layers.1:output"
+    assert only.stats == ["absmax"] and only[name].mean is None and only[name].histogram is None
+    assert torch.equal(only[name].absmax, kept[name].absmax)
+    ds = ActivationDataset(tmp_path)
+    rows = _reference_rows(model, _data(), [name])[name]
+    assert ds.dtype == torch.bfloat16 and torch.equal(ds.tokens(name), torch.cat(rows).bfloat16())
+
+
 PERCENTILE = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\nobserver = { name = "percentile", bins = 64 }\n'
 
 
@@ -344,3 +359,35 @@ def test_calibrate_takes_a_collected_report(tmp_path):
         with pytest.raises(CollectionError, match=message.replace("(", r"\(").replace(")", r"\)")):
             calibrate(args.pop("model"), args.pop("data"), args.pop("recipe"), batch_size=BATCH, progress=False,
                       activation_report=report, **args)  # fmt: skip
+
+
+# ------------------------------------------------------------ the command
+def test_collect_command(tmp_path, capsys):
+    import numpy as np
+
+    from shardcal import cli
+    from shardcal.loading.plain import from_pretrained
+
+    from _tiny_models import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    ids = np.random.default_rng(0).integers(0, 256, (5, 16))
+    np.save(tmp_path / "ids.npy", ids)
+    out = tmp_path / "out"
+    argv = ["collect", model_dir, "--targets", "model.layers.*:output", "model.layers.*.mlp.down_proj:input", "--out",
+            out, "--data", tmp_path / "ids.npy", "--batch-size", 2, "--bins", 32]  # fmt: skip
+    assert cli.main([str(a) for a in [*argv, "--save-activations"]]) == 0, capsys.readouterr().err
+    assert "collected 4 targets in 2 layers on 5 x 16 tokens" in capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} >= {"activation_report.json", "activation_stats.safetensors", "activations"}
+    saved = ActivationReport.load(out)
+    plain = collect_activations(from_pretrained(model_dir), torch.from_numpy(ids), TARGETS[:2], bins=32,
+                                batch_size=2, progress=False)  # fmt: skip
+    for name, t in plain.targets.items():
+        assert all(torch.equal(v, saved[name].tensors()[k]) for k, v in t.tensors().items()), name
+    assert len(ActivationDataset(out / "activations")) == 5
+    for extra, message in (([], "already holds an activation report"), (["--stats", "median"], "unknown statistic")):
+        target = out if not extra else tmp_path / "other"
+        status = cli.main([str(a) for a in [*argv[:5], "--out", target, *argv[7:], *extra]])
+        err = capsys.readouterr().err
+        assert status == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "other").exists()

@@ -230,6 +230,128 @@ def torch_peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# ---------------------------------------------------------------------------------------------- collect
+
+
+def _collect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)"
+    )
+    parser.add_argument(
+        "--targets", nargs="+", required=True, metavar="PATTERN[:input|output]",
+        help="module name patterns inside the decoder layers and the tensor to observe (default :output), e.g. "
+        "'model.layers.*.mlp.down_proj:input' 'model.layers.*:output' (the residual stream)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", required=True, metavar="DIR",
+        help="where the report goes: activation_report.json, activation_stats.safetensors, activations.png "
+        "(and activations/ with --save-activations); must not hold a report yet",
+    )  # fmt: skip
+    parser.add_argument(
+        "--save-activations", action="store_true", help="also write the targets' raw activations to OUT/activations"
+    )
+    parser.add_argument(
+        "--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="dtype of the saved activations (default: the model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stats", nargs="+", default=None, metavar="STAT",
+        help="statistics to keep: absmax mean meansq histogram (default all; absmax and token counts always)",
+    )  # fmt: skip
+    parser.add_argument("--bins", type=int, default=None, metavar="N", help="histogram bins (default 2048)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="largest channels listed (default 8)")
+    data_arguments(parser, num_samples=32, seq_len=None)
+    parser.set_defaults(batch_size=8)
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N",
+        help="start N local processes (ranks) yourself; under torchrun leave it out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="commit progress after each layer here; a rerun resumes"
+    )
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
+    )
+    _model_impl_argument(parser)
+
+
+@command(
+    "collect",
+    help="collect statistics (and raw activations) of chosen modules layer by layer, sharded over ranks",
+    arguments=_collect_arguments,
+)
+def _collect(args: argparse.Namespace) -> int:
+    import os
+
+    from .launcher import launch
+
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    if args.nproc_per_node is not None and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        launch(collect_job, args.nproc_per_node, options)
+    else:
+        collect_job(options)
+    return 0
+
+
+def collect_job(options: dict) -> dict:
+    """One rank's part of ``shardcal collect`` (also what ``--nproc-per-node`` runs in each process)."""
+    from .activation_report import REPORT_JSON
+    from .activation_targets import parse_targets
+    from .collect import collect_activations
+    from .distributed import init_distributed
+    from .errors import CollectionError
+    from .fsutil import check_creatable
+    from .loading.foreign import choose_impl, load_transformers_sharded, raw_config, text_field
+    from .loading.sharded import load_pretrained
+    from .models.config import load_config
+
+    args = argparse.Namespace(**options)
+    rank, world = init_distributed()
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    parse_targets(args.targets)  # a bad selector fails before anything is loaded
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CollectionError(f"--out {out_dir}: exists and is not a directory")
+    if (out_dir / REPORT_JSON).exists():
+        raise CollectionError(f"--out {out_dir}: already holds an activation report; choose another or delete it")
+    check_creatable(out_dir, CollectionError, f"cannot write the report to {out_dir}")
+    impl = choose_impl(model_dir, args.model_impl)
+    vocab_size = (
+        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
+    )
+    ids, source = load_data(args, model_dir, vocab_size, split="calib")
+    start = time.perf_counter()
+    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
+    model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    chosen = {"stats": args.stats, "bins": args.bins, "top_k": args.top_k, "save_dtype": args.save_dtype}
+    report = collect_activations(
+        model,
+        ids,
+        args.targets,
+        save_dir=out_dir / "activations" if args.save_activations else None,
+        batch_size=args.batch_size,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=rank == 0,
+        **{k: v for k, v in chosen.items() if v is not None},
+    )
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        report.save(out_dir)
+        plot = report.save_plot(out_dir / "activations.png")
+        top = max(report.targets.values(), key=lambda t: t.hist_range)
+        channel = f" (channel {top.top_channels[0][0]})" if top.top_channels else ""
+        print(
+            f"collected {len(report.targets)} targets in {len({t.layer for t in report.targets.values()})} layers on "
+            f"{ids.shape[0]} x {ids.shape[1]} tokens of {source} over {world} rank(s) in {seconds:.1f} s; largest "
+            f"absmax {top.hist_range:.4g} at {top.name}{channel}"
+        )
+        saved = f"; activations -> {out_dir / 'activations'}" if args.save_activations else ""
+        print(f"report -> {out_dir}" + (f" (plot: {plot.name})" if plot else "") + saved)
+    return {"seconds": seconds, "report": report.to_dict()}
+
+
 # ---------------------------------------------------------------------------------------------- eval
 
 

@@ -1,0 +1,118 @@
+"""Activation collection: its time against one plain forward, and the write throughput of ``save_dir``.
+
+    python benchmarks/collect_speed.py [--samples 32] [--seq-len 256] [--batch-size 8] [--repeats 2]
+
+SmolLM2-135M (the embedded model, float32, one process, shardcal's ``CausalLM``), calibration Wikipedia token blocks.
+Targets: the residual stream after every layer (``model.layers.*:output``, 576 channels) and every down_proj input
+(``model.layers.*.mlp.down_proj:input``, 1536 channels), all statistics (absmax, mean, meansq, a 2048-bin histogram,
+top-8 channels). Interleaved, ``--repeats`` times (the minimum is kept: this machine is shared): one plain forward
+over the data (after a warm-up; it includes the final norm and lm_head, which collection never runs) and
+``collect_activations`` over the same data with statistics only; their ratio. Then once with ``save_dir`` (float32):
+the extra time over statistics only, and the bytes written. Last, the write throughput: the same tensors (read back
+from the saved files) written again through the collection's writer (atomic: temporary file, fsync, rename) and with
+a plain ``safetensors.torch.save_file`` into the same files, MB/s each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = ["model.layers.*:output", "model.layers.*.mlp.down_proj:input"]
+
+
+def _forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int) -> float:
+    with torch.no_grad():
+        model(data[:1, :8])
+        start = time.perf_counter()
+        for s in range(0, data.shape[0], batch_size):
+            model(data[s : s + batch_size])
+    return time.perf_counter() - start
+
+
+def _collect_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int, save_dir: Path | None) -> float:
+    from shardcal.collect import collect_activations
+
+    start = time.perf_counter()
+    collect_activations(model, data, TARGETS, batch_size=batch_size, save_dir=save_dir, progress=False)
+    return time.perf_counter() - start
+
+
+def _write_throughput(saved: Path, scratch: Path, batches: list) -> tuple[float, float, int]:
+    """MB/s of the collection's writer and of a plain save_file, writing the same tensors into the same files."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardcal.activation_store import ActivationWriter
+
+    files = {}
+    for path in sorted(saved.glob("L*-B*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            files[path.name] = {k: f.get_tensor(k) for k in f.keys()}
+    total = sum(t.numel() * t.element_size() for tensors in files.values() for t in tensors.values())
+    writer = ActivationWriter(scratch / "writer", torch.float32, batches, run="benchmark")
+    start = time.perf_counter()
+    for name, tensors in files.items():
+        writer.write(int(name[1:6]), int(name[8:14]), tensors)
+    t_writer = time.perf_counter() - start
+    (scratch / "plain").mkdir()
+    start = time.perf_counter()
+    for name, tensors in files.items():
+        save_file(tensors, str(scratch / "plain" / name))
+    t_plain = time.perf_counter() - start
+    return total / 2**20 / t_writer, total / 2**20 / t_plain, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    from shardcal.batches import make_batches
+    from shardcal.data import token_blocks
+    from shardcal.io.gguf import embedded_model_dir
+    from shardcal.io.tokenizer import Tokenizer
+    from shardcal.loading.plain import from_pretrained
+
+    model_dir = embedded_model_dir()
+    data = token_blocks(Tokenizer.from_dir(model_dir), args.samples, args.seq_len, split="calib")
+    model = from_pretrained(model_dir)
+    t_forward, t_collect = float("inf"), float("inf")
+    for _ in range(args.repeats):
+        t_forward = min(t_forward, _forward_seconds(model, data, args.batch_size))
+        t_collect = min(t_collect, _collect_seconds(model, data, args.batch_size, None))
+    scratch = Path(tempfile.mkdtemp(prefix="shardcal-collect-bench-"))
+    try:
+        t_save = _collect_seconds(model, data, args.batch_size, scratch / "acts")
+        written = sum(p.stat().st_size for p in (scratch / "acts").iterdir())
+        writer_mbs, plain_mbs, _ = _write_throughput(scratch / "acts", scratch, make_batches(data, args.batch_size))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    mb = written / 2**20
+    print(
+        f"SmolLM2-135M float32, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, one process, "
+        f"targets {' '.join(TARGETS)}, all statistics; best of {args.repeats}"
+    )
+    print(f"{'measurement':58} {'value':>18}")
+    print(f"{'one plain forward over the data':58} {t_forward:17.1f}s")
+    print(f"{'collect_activations, statistics only':58} {t_collect:17.1f}s")
+    print(f"{'ratio collection / forward (target <= 1.2)':58} {t_collect / t_forward:18.2f}")
+    print(f"{'collect_activations with save_dir (float32)':58} {t_save:17.1f}s")
+    print(f"{'written by save_dir':58} {mb:15.1f} MB")
+    print(f"{'save_dir cost: extra time over statistics only':58} {t_save - t_collect:17.1f}s")
+    print(f"{'  -> end-to-end MB/s (written / extra time)':58} {mb / max(t_save - t_collect, 1e-9):13.1f} MB/s")
+    print(f"{'writer throughput (atomic: temp file, fsync, rename)':58} {writer_mbs:13.1f} MB/s")
+    print(f"{'plain safetensors save_file of the same bytes':58} {plain_mbs:13.1f} MB/s")
+    print(f"{'writer / plain':58} {writer_mbs / plain_mbs:18.2f}")
+
+
+if __name__ == "__main__":
+    main()
