@@ -68,8 +68,11 @@ def _data() -> list[dict]:
 
 
 # ------------------------------------------------------------ the reference: hooks on the model's own forward
-def _reference_rows(model: nn.Module, data: list[dict], names: list[str]) -> dict[str, list[torch.Tensor]]:
-    """Per target, per sample: the real tokens' rows of what the module saw / returned in ``model(ids, mask)``."""
+def _reference_rows(
+    model: nn.Module, data: list[dict], names: list[str], mask: bool = True
+) -> dict[str, list[torch.Tensor]]:
+    """Per target, per sample: the real tokens' rows of what the module saw / returned in ``model(ids, mask)``
+    (``model(ids)`` without ``mask``)."""
     modules = dict(model.named_modules())
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     current: dict[str, torch.Tensor] = {}
@@ -90,7 +93,7 @@ def _reference_rows(model: nn.Module, data: list[dict], names: list[str]) -> dic
     with torch.no_grad():
         for batch in data:
             current["mask"] = batch["attention_mask"]
-            model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            model(batch["input_ids"], **({"attention_mask": batch["attention_mask"]} if mask else {}))
     for h in hooks:
         h.remove()
     return seen
@@ -289,6 +292,24 @@ def test_transformers_models(family, tmp_path):
         assert torch.equal(ds.tokens(name), torch.cat(rows[name])), name
 
 
+def test_a_users_own_module():
+    """A causal LM of its own layout and call convention (blocks return a tuple), registered with the registry."""
+    from _hf_models import register_tiny_lm, tiny_lm
+
+    register_tiny_lm()
+    model = tiny_lm()
+    ids = torch.randint(0, 64, (5, 10), generator=torch.Generator().manual_seed(4))
+    report = collect_activations(model, ids, ["stack.blocks.*:output", "stack.blocks.*.ff_out:input"], bins=BINS,
+                                 batch_size=2, progress=False)  # fmt: skip
+    data = [{"input_ids": ids[s : s + 2], "attention_mask": torch.ones_like(ids[s : s + 2])} for s in range(0, 5, 2)]
+    rows = _reference_rows(model, data, list(report.targets), mask=False)
+    assert len(report.targets) == 6
+    for name, got in report.targets.items():
+        want = _reference_stats(rows[name])
+        assert got.tokens == 50 and torch.equal(got.absmax, want["absmax"]), name
+        assert torch.equal(got.histogram, want["histogram"]), name
+
+
 # ------------------------------------------------------------ the report: files, plot; calibrate takes it
 def test_report_save_load_and_plot(tmp_path):
     report = collect_activations(_model(), _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False)
@@ -336,6 +357,8 @@ def test_calibrate_takes_a_collected_report(tmp_path):
         layers = calibrate(fed, _data(), recipe, batch_size=BATCH, progress=False, activation_report=tmp_path).layers
         a, b = _amax(plain), _amax(fed)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-identical to observing
+        counts = [{n: q.num_observed for n, q in iter_quantizers(m)} for m in (plain, fed)]
+        assert counts[0] == counts[1]
         assert "model.layers.0.mlp.down_proj:input" in layers[0].from_activation_report
         assert len(layers[0].from_activation_report) == 7
     plain, fed = _model(), _model()
@@ -348,6 +371,17 @@ def test_calibrate_takes_a_collected_report(tmp_path):
     p, f = dict(plain.named_parameters()), dict(fed.named_parameters())
     assert all(torch.equal(p[n], f[n]) for n in p if n.startswith("model.layers.0."))  # layer 0: the same scales
     assert all(torch.allclose(p[n], f[n], rtol=1e-4, atol=1e-6) for n in p)
+    # MoE experts: fed when they observe their routed tokens, observed when every expert sees every token
+    moe = collect_activations(_model(MOE), _data(), "model.layers.*.mlp.experts.*.*_proj:input", batch_size=BATCH,
+                              progress=False)  # fmt: skip
+    for all_experts in (False, True):
+        plain, fed = _model(MOE), _model(MOE)
+        options = dict(batch_size=BATCH, progress=False, calibrate_all_experts=all_experts)
+        calibrate(plain, _data(), "w8a8-int8", **options)
+        layers = calibrate(fed, _data(), "w8a8-int8", activation_report=moe, **options).layers
+        a, b = _amax(plain), _amax(fed)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert len(layers[1].from_activation_report) == (0 if all_experts else 4 * 3)
     cases = [
         (dict(data=_data()[:2]), "different data or batch size"),
         (dict(model=_model(seed=3)), "different model weights"),

@@ -89,8 +89,9 @@ class ActivationFeed:
         """Identifies the report in a calibration checkpoint's fingerprint."""
         return json_digest({k: v for k, v in self.report.to_dict().items() if k not in ("seconds", "save_dir")})
 
-    def amax_for(self, name: str, quantizer: TensorQuantizer) -> torch.Tensor | None:
-        """The amax of quantizer ``name`` (``<linear>.input_quantizer``) from the report, or None (observe it)."""
+    def amax_for(self, name: str, quantizer: TensorQuantizer) -> tuple[torch.Tensor, int] | None:
+        """The amax of quantizer ``name`` (``<linear>.input_quantizer``) from the report and the number of elements it
+        stands for (what the observer would have counted), or None (observe it)."""
         owner, _, role = name.rpartition(".")
         if not self.quantizers or role not in ROLES or not _reusable(quantizer.spec, self.report):
             return None
@@ -101,12 +102,13 @@ class ActivationFeed:
             return None
         self.used.append(stats.name)
         top = stats.absmax.max().reshape(quantizer.layout.amax_shape).float()
+        elements = stats.tokens * stats.channels
         if quantizer.spec.observer == "max":
-            return top
+            return top, elements
         observer = make_observer(quantizer.spec, quantizer.layout, "cpu")  # the percentile from the same counts
         observer.amax = top
         observer.counts = stats.histogram.to(torch.float64)
-        return observer.compute_amax()
+        return observer.compute_amax(), elements
 
     def smoothing_maxima(self, candidates: Sequence[Sequence[str]]) -> list[torch.Tensor] | None:
         """Per smoothing pair, the absmax of the first of its candidate targets the report has; None when a pair

@@ -141,8 +141,9 @@ def _calibrate_layer(
             fp_outputs = outs
         end_pass_all(activation, group)  # collective, also for a rank with no batches
     finish_calibration_all(activation)
-    for q, amax in fed.values():
+    for q, (amax, elements) in fed.values():
         q.set_amax(amax)
+        q.num_observed = elements  # as if observed: an MoE expert no token reached still gets its siblings' range
         q.mode = QuantMode.QUANTIZE
     for q in weights:
         q.mode = QuantMode.QUANTIZE
@@ -165,14 +166,14 @@ def _calibrate_layer(
 
 def _fed_amax(
     step: LayerStep, feed: ActivationFeed, all_experts: bool
-) -> dict[int, tuple[TensorQuantizer, torch.Tensor]]:
+) -> dict[int, tuple[TensorQuantizer, tuple[torch.Tensor, int]]]:
     """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode)."""
     skip = {id(q) for b in moe_blocks(step.layer) for _, q in iter_quantizers(b.experts)} if all_experts else set()
     out = {}
     for name, q in _activation_quantizers(step.layer, step.name):
-        amax = None if id(q) in skip else feed.amax_for(name, q)
-        if amax is not None:
-            out[id(q)] = (q, amax)
+        found = None if id(q) in skip else feed.amax_for(name, q)
+        if found is not None:
+            out[id(q)] = (q, found)
     return out
 
 
