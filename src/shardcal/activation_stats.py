@@ -172,11 +172,13 @@ class TargetObserver:
             self.hist += histogram_counts(a.to(self.device), self.histogram_range(), self.bins).to(self.hist.device)
 
     def count_kept(self) -> None:
-        """Pass 1 on the rows kept from pass 0 (signed when they are to be saved, else ``|x|``, whose squares are
-        added here)."""
+        """Pass 1 on the rows kept from pass 0: ``|x|``, whose squares are added here, or the signed rows once they are
+        saved (made ``|x|`` in place)."""
         for batch in sorted(self.kept):
             for kept in self.kept[batch]:
-                self.count_histogram(kept.abs().float() if self.per_token else kept)
+                if self.per_token:  # signed rows, already saved: |x| in place when they are float32
+                    kept = kept.abs_() if kept.dtype == torch.float32 else kept.abs().float()
+                self.count_histogram(kept)
         self.square_kept()
 
     def square_kept(self) -> None:

@@ -380,6 +380,10 @@ def _collect_layer(
     for obs, channels in zip(observers, flags[:, 1].tolist()):
         obs.adopt(int(channels))
     merge_maxima(observers, group)
+    if writer is not None:  # first: the histogram turns the kept rows into |x|
+        report_phase(f"collect {step.name}: writing")
+        for i, batch in enumerate(mine):
+            writer.write(step.index, batch, {obs.target.name: _rows_of(obs, i) for obs in observers})
     if histogram:
         for obs in observers:
             obs.start_histogram()
@@ -389,10 +393,6 @@ def _collect_layer(
         else:
             _second_pass(step, observers)
     merge_sums(observers, group)
-    if writer is not None:
-        report_phase(f"collect {step.name}: writing")
-        for i, batch in enumerate(mine):
-            writer.write(step.index, batch, {obs.target.name: _rows_of(obs, i) for obs in observers})
     for obs in observers:
         obs.drop_kept()
     return [obs.result(o["top_k"]) for obs in observers]
