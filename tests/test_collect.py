@@ -198,6 +198,9 @@ def test_resume_after_interrupt_gives_the_same_report_and_files(tmp_path):
     assert _files(tmp_path / "a-acts") == _files(tmp_path / "b-acts")
     a, b = (json.loads((tmp_path / d / "activations.json").read_text()) for d in ("a-acts", "b-acts"))
     assert a == b
+    again = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"))  # finished
+    assert again[0]["report"].resumed_from_layer == 3 and again[0]["top"] == full[0]["top"]
+    assert _files(tmp_path / "a-acts") == _files(tmp_path / "b-acts")
 
 
 def _rank_without_batches() -> dict:
@@ -399,6 +402,28 @@ def test_calibrate_takes_a_collected_report(tmp_path):
 
 
 # ------------------------------------------------------------ the command
+@pytest.fixture
+def single_process_group():
+    """The command in this process forms a one-rank process group and sets RANK etc.: undo both afterwards (a later
+    subprocess must not believe it runs under torchrun)."""
+    import os
+
+    import torch.distributed as dist
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    was_initialized = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not was_initialized:
+        dist.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.mark.usefixtures("single_process_group")
 def test_collect_command(tmp_path, capsys):
     import numpy as np
 
