@@ -26,6 +26,7 @@ COLLECT = [
     "activation_stats",
     "activation_store",
     "activation_feed",
+    "collect_checkpoint",
     "collect",
 ]
 #: The layers, bottom up: a module may import from its own layer (without a cycle) and from the layers below.

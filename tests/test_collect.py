@@ -1,13 +1,14 @@
 """Activation collection against independent references: plain torch hooks on the unsharded model's own forward.
 
 Statistics (absmax exact, mean / meansq to float tolerance, histograms exact) and raw activations read back through
-ActivationDataset, on 1 and 2 real gloo ranks (bit-identical); resume after an interrupt; one-line errors for bad
-targets with nothing written; transformers' classes; what calibrate takes from a collected report.
+ActivationDataset, on 1 and 2 real gloo ranks (bit-identical); resume after an interrupt on any number of ranks (killed
+commits, failed writes, another run's checkpoint); one-line errors for bad targets with nothing written; transformers' classes; what calibrate takes from a collected report.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from shardcal import ActivationDataset, ActivationReport, collect_activations
-from shardcal.errors import CollectionError
+from shardcal.errors import CalibrationCheckpointError, CollectionError
 from shardcal.faults import armed
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
@@ -181,26 +182,126 @@ def test_statistics_and_raw_activations_equal_the_plain_forward_on_1_and_2_ranks
         assert torch.equal(ds[4][names[1]], rows[names[1]][4])
 
 
-def test_resume_after_interrupt_gives_the_same_report_and_files(tmp_path):
+def _assert_same(want: dict, got: dict, resumed_from: int | None = 2) -> None:
+    if resumed_from is not None:
+        assert got["report"].resumed_from_layer == resumed_from
+    assert want["stats"].keys() == got["stats"].keys()
+    for name in want["stats"]:
+        for stat, value in want["stats"][name].items():
+            other = got["stats"][name][stat]
+            assert (other == value) if stat == "tokens" else torch.equal(other, value), (name, stat)
+    assert want["top"] == got["top"]
+
+
+def _checkpoint_files(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def _listed(directory: Path) -> set[str]:
+    return {"collect-manifest.json", *json.loads((directory / "collect-manifest.json").read_text())["files"]}
+
+
+def test_resume_after_interrupt_gives_the_same_report_and_files_on_any_number_of_ranks(tmp_path):
     full = run_on_ranks(2, _collect_run, str(tmp_path / "a-acts"), True, str(tmp_path / "a-ckpt"))
     assert run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"), 2) == [None, None]
-    manifest = json.loads((tmp_path / "b-ckpt" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "b-ckpt" / "collect-manifest.json").read_text())
     assert manifest["completed_layers"] == 2 and not (tmp_path / "b-acts" / "activations.json").exists()
-    resumed = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"))
-    for want, got in zip(full, resumed):
-        assert got["report"].resumed_from_layer == 2
-        assert want["stats"].keys() == got["stats"].keys()
-        for name in want["stats"]:
-            for stat, value in want["stats"][name].items():
-                other = got["stats"][name][stat]
-                assert (other == value) if stat == "tokens" else torch.equal(other, value), (name, stat)
-        assert want["top"] == got["top"]
-    assert _files(tmp_path / "a-acts") == _files(tmp_path / "b-acts")
-    a, b = (json.loads((tmp_path / d / "activations.json").read_text()) for d in ("a-acts", "b-acts"))
-    assert a == b
-    again = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(tmp_path / "b-ckpt"))  # finished
+    assert sorted(manifest["batches"]) == ["0", "1", "2"] and "world_size" not in manifest["fingerprint"]
+    for kind in ("acts", "ckpt"):  # the same interrupted run, to resume on 1 rank
+        shutil.copytree(tmp_path / f"b-{kind}", tmp_path / f"c-{kind}")
+    # what killed commits leave: a temporary, a later commit's inputs and statistics (no manifest lists them)
+    ckpt = tmp_path / "b-ckpt"
+    for stray in (".inputs-L00002-B000001.safetensors.x1y2", "inputs-L00003-B000000.safetensors", "stats-L00002.safetensors",
+                  ".collect-manifest.json.a7b8"):  # fmt: skip
+        (ckpt / stray).write_bytes(b"left by a killed commit")
+    (ckpt / "notes.txt").write_text("not the checkpoint's")
+    resumed = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(ckpt))
+    assert _checkpoint_files(ckpt) == _listed(ckpt) | {"notes.txt"}
+    assert not any(n.startswith("inputs-") for n in _checkpoint_files(ckpt))  # finished: no inputs are kept
+    resumed += run_on_ranks(1, _collect_run, str(tmp_path / "c-acts"), True, str(tmp_path / "c-ckpt"))
+    # and the other way round: interrupted on 1 rank, resumed on 2
+    assert run_on_ranks(1, _collect_run, str(tmp_path / "d-acts"), True, str(tmp_path / "d-ckpt"), 2) == [None]
+    resumed += run_on_ranks(2, _collect_run, str(tmp_path / "d-acts"), True, str(tmp_path / "d-ckpt"))
+    for want, got in zip(full + full[:1] + full, resumed):
+        _assert_same(want, got)
+    runs = ("a-acts", "b-acts", "c-acts", "d-acts")
+    assert all(_files(tmp_path / "a-acts") == _files(tmp_path / d) for d in runs)
+    manifests = [json.loads((tmp_path / d / "activations.json").read_text()) for d in runs]
+    assert all(m == manifests[0] for m in manifests)
+    again = run_on_ranks(2, _collect_run, str(tmp_path / "b-acts"), True, str(ckpt))  # finished
     assert again[0]["report"].resumed_from_layer == 3 and again[0]["top"] == full[0]["top"]
     assert _files(tmp_path / "a-acts") == _files(tmp_path / "b-acts")
+    # another run's checkpoint is refused naming what differs, before anything runs
+    cases = [
+        (dict(bins=32), "another run (different histogram bins: checkpoint 64, this run 32)"),
+        (dict(batch_size=2), "different data or batch size"),
+        (dict(targets=TARGETS[:2]), "different targets"),
+        (dict(stats=("absmax",)), "different statistics"),
+        (dict(save_dir=None), "different raw activations"),
+    ]
+    for change, message in cases:
+        args = dict(targets=TARGETS, save_dir=tmp_path / "e-acts", batch_size=BATCH, bins=BINS, top_k=3) | change
+        with pytest.raises(CalibrationCheckpointError) as info:
+            collect_activations(_model(), _data(), args.pop("targets"), checkpoint_dir=ckpt, progress=False, **args)
+        assert message in str(info.value) and "collect-manifest.json" in str(info.value), str(info.value)
+    assert not (tmp_path / "e-acts").exists()
+
+
+def _stop_at(where: str, commits: int):
+    """A ``collect.commit`` action raising at the ``commits``-th time the commit reaches step ``where``."""
+    seen = []
+
+    def stop(step: str, rank: int) -> None:
+        seen.append(step)
+        if step == where and seen.count(where) == commits:
+            raise Interrupted(step)
+
+    return stop
+
+
+def test_a_commit_killed_midway_resumes_exactly(tmp_path):
+    """In one process: a commit stopped after writing its inputs (no manifest yet), or after the manifest (the older
+    files not yet removed), resumes to the uninterrupted result and leaves only what the manifest lists."""
+    want = collect_activations(_model(), _data(), TARGETS, batch_size=BATCH, bins=BINS, top_k=3, progress=False)
+    want = {"stats": _stats_of(want), "top": {n: t.top_channels for n, t in want.targets.items()}}
+    for step, commits, resumed_from in (("inputs written", 2, 1), ("manifest written", 2, 2), ("inputs written", 1, 0)):
+        ckpt = tmp_path / f"{step.split()[0]}-{commits}"
+        with armed("collect.commit", _stop_at(step, commits)), pytest.raises(Interrupted):
+            collect_activations(_model(), _data(), TARGETS, batch_size=BATCH, bins=BINS, top_k=3, checkpoint_dir=ckpt,
+                                progress=False)  # fmt: skip
+        names = _checkpoint_files(ckpt)
+        if step == "manifest written":
+            assert any(n.startswith("inputs-L00001") for n in names) and names > _listed(ckpt)
+        got = collect_activations(_model(), _data(), TARGETS, batch_size=BATCH, bins=BINS, top_k=3,
+                                  checkpoint_dir=ckpt, progress=False)  # fmt: skip
+        _assert_same(want, {"stats": _stats_of(got), "top": {n: t.top_channels for n, t in got.targets.items()}, "report": got},
+                     resumed_from)  # fmt: skip
+        assert _checkpoint_files(ckpt) == _listed(ckpt), step
+
+
+def test_a_failed_checkpoint_write_stops_with_the_error_and_keeps_the_previous_commit(tmp_path, monkeypatch):
+    import errno
+
+    from shardcal import collect_checkpoint
+
+    real, calls = collect_checkpoint.save_file, []
+
+    def full_disk(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 6:  # the second commit: after its first batch (3 batches, then layer 0's statistics)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(collect_checkpoint, "save_file", full_disk)
+    with pytest.raises(CalibrationCheckpointError, match="cannot write the checkpoint .*No space left on device"):
+        collect_activations(_model(), _data(), TARGETS, batch_size=BATCH, bins=BINS, checkpoint_dir=tmp_path,
+                            progress=False)  # fmt: skip
+    manifest = json.loads((tmp_path / "collect-manifest.json").read_text())
+    assert manifest["completed_layers"] == 1 and _checkpoint_files(tmp_path) == _listed(tmp_path)
+    monkeypatch.setattr(collect_checkpoint, "save_file", real)
+    got = collect_activations(_model(), _data(), TARGETS, batch_size=BATCH, bins=BINS, checkpoint_dir=tmp_path,
+                              progress=False)  # fmt: skip
+    assert got.resumed_from_layer == 1
 
 
 def _rank_without_batches() -> dict:

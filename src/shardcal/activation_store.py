@@ -124,15 +124,15 @@ class ActivationWriter:
 
     def finish(self, targets: dict[str, dict[str, Any]], fingerprint: dict[str, str]) -> None:
         """Write the manifest (rank 0) once every rank's files are in place, and remove files of this layout it does
-        not list (an earlier unfinished run's). ``targets``: name -> ``{"layer", "channels", "pattern"}``.
-        Collective."""
+        not list (an earlier unfinished run's), and temporaries a killed writer left. ``targets``: name ->
+        ``{"layer", "channels", "pattern"}``. Collective."""
         barrier()
         if world()[0] == 0:
             manifest = self._manifest(targets, fingerprint)
             listed = {f["name"] for f in manifest["files"]}
             atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
             for path in self.dir.iterdir():
-                if _FILE.fullmatch(path.name) and path.name not in listed:
+                if (_FILE.fullmatch(path.name) and path.name not in listed) or _TEMPORARY.fullmatch(path.name):
                     path.unlink(missing_ok=True)
         barrier()
 

@@ -12,13 +12,12 @@ are removed. Stepping stops after the last layer holding a target. Batches are d
 Bad targets fail before anything is written: a pattern that matches nothing, a module outside the decoder layers or
 an unknown selector at once; a target whose module the forward never runs (or that yields no tensor) after the
 first pass of its layer, on every rank alike (the ranks merge what their hooks saw first). With ``checkpoint_dir``
-an interrupted run resumes after the last committed layer (:class:`shardcal.calib_checkpoint.CalibrationCheckpoint`
-keeps the next inputs; rank 0 writes each layer's merged statistics to ``stats-L<layer>.safetensors`` beside it).
+an interrupted run resumes after the last committed layer, on any number of ranks
+(:mod:`shardcal.collect_checkpoint`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
@@ -27,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from .activation_report import (
@@ -53,11 +50,10 @@ from .activation_stats import (
 from .activation_store import ActivationWriter, dtype_name, parse_dtype
 from .activation_targets import Target, observed_tensor, parse_targets, resolve_targets
 from .batches import Batch, make_batches, rank_batch_indices
-from .calib_checkpoint import CalibrationCheckpoint
+from .collect_checkpoint import CollectionCheckpoint
 from .distributed import dp_group, world
 from .errors import CalibrationCheckpointError, CollectionError, ModelLayoutError
 from .faults import fault_point
-from .fsutil import atomic_path
 from .health import rank_guard, report_phase
 from .layer_inputs import CachedInputs
 from .moe import ExpertTokenMasks
@@ -135,7 +131,7 @@ class CollectionPlan:
     mine: list[int]
     fingerprint: dict[str, str]
     writer: ActivationWriter | None
-    checkpoint: CalibrationCheckpoint | None
+    checkpoint: CollectionCheckpoint | None
 
     @property
     def by_layer(self) -> dict[int, list[Target]]:
@@ -182,9 +178,9 @@ def _plan(model: nn.Module, data: Any, targets: Any, o: dict[str, Any]) -> Colle
     if writer is not None:
         writer.check()
     checkpoint = None
-    if o["checkpoint_dir"] is not None:
-        keys = {**fingerprint, "world_size": world_size, "options": run}
-        checkpoint = CalibrationCheckpoint(o["checkpoint_dir"], keys, rank, world_size)
+    if o["checkpoint_dir"] is not None:  # not the world size: a run can resume on another number of ranks
+        checkpoint = CollectionCheckpoint(o["checkpoint_dir"], {**fingerprint, **settings})
+        checkpoint.check_directory()
     return CollectionPlan(
         resolved, settings["patterns"], stats, o, batches, rank_batch_indices(len(batches), rank, world_size),
         fingerprint, writer, checkpoint,
@@ -201,11 +197,13 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
     results: dict[str, TargetStats] = {}
     entries: list[dict[str, Any]] = []
     start, initial = 0, None
-    resume = plan.checkpoint.load() if plan.checkpoint is not None else None
+    resume = plan.checkpoint.load(plan.mine) if plan.checkpoint is not None else None
     if resume is not None:
-        start = resume.completed_layers
-        entries = list(resume.report)
-        results = _restore_stats(plan.checkpoint.dir, entries)
+        start, entries, results = resume.completed_layers, resume.entries, resume.stats
+        missing = [t.name for t in plan.targets if t.layer < start and t.name not in results]
+        if missing or resume.finished != (start > last):
+            what = f"no statistics of {missing[0]}" if missing else f"{start} layers done of {last + 1}"
+            raise CalibrationCheckpointError(f"{plan.checkpoint.dir}: collection checkpoint is inconsistent ({what})")
         if start <= last:
             initial = _restore_inputs(model, local_batches, resume.activations, o["offload_activations"])
     bar = _progress_bar(last + 1, min(start, last + 1), o["progress"] and rank == 0)
@@ -224,7 +222,7 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
         finally:
             steps.close()
         if plan.checkpoint is not None:
-            plan.checkpoint.commit(last + 1, [], {}, entries)
+            plan.checkpoint.commit(last + 1, {}, entries, finished=True)
     if bar is not None:
         bar.close()
     ordered = {t.name: results[t.name] for t in plan.targets}
@@ -260,17 +258,19 @@ def _step_through(
     """Visit the layers up to the last holding a target: commit (from after the first such layer on), collect."""
     by_layer, every = plan.by_layer, plan.options["checkpoint_every"]
     first, last = min(by_layer), max(by_layer)
-    rank, group = world()[0], dp_group()
+    group = dp_group()
     for step in steps:
         report_phase(f"collect {step.name}")
         if plan.checkpoint is not None and step.index > max(start, first) and step.index % every == 0:
-            plan.checkpoint.commit(step.index, [x.hidden_states for x in step.inputs], {}, entries)
+            inputs = {b: x.hidden_states for b, x in zip(plan.mine, step.inputs)}
+            plan.checkpoint.commit(step.index, inputs, entries)
             fault_point("collect.committed", completed_layers=step.index)
         if step.index in by_layer:
             layer_start = time.perf_counter()
             found = _collect_layer(step, by_layer[step.index], plan.stats, plan.options, plan.writer, plan.mine, group)
             results.update({s.name: s for s in found})
-            entries.append(_entry(step, found, plan.checkpoint, rank))
+            if plan.checkpoint is not None:
+                entries.append(plan.checkpoint.record_layer(step.index, found))
             if bar is not None:
                 bar.set_postfix_str(f"{step.name} {time.perf_counter() - layer_start:.2f}s")
         if bar is not None:
@@ -403,54 +403,7 @@ def _rows_of(observer: TargetObserver, batch: int) -> torch.Tensor:
     return kept[0] if kept else torch.zeros(0, observer.channels)
 
 
-# ----------------------------------------------------------------------------------------------- checkpoint
-
-
-def _stats_name(layer: int) -> str:
-    return f"stats-L{layer:05d}.safetensors"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _entry(step: LayerStep, found: list[TargetStats], checkpoint: CalibrationCheckpoint | None, rank: int) -> dict:
-    """The layer's record for the checkpoint manifest; rank 0 writes its merged statistics beside it."""
-    entry: dict[str, Any] = {"layer": step.index, "targets": [s.summary() for s in found]}
-    if checkpoint is not None and rank == 0:
-        checkpoint.dir.mkdir(parents=True, exist_ok=True)
-        path = checkpoint.dir / _stats_name(step.index)
-        with atomic_path(path) as tmp:
-            save_file({k: v for s in found for k, v in s.tensors().items()}, str(tmp))
-        entry["stats"] = {"file": path.name, "sha256": _sha256(path)}
-    return entry
-
-
-def _restore_stats(directory: Path, entries: list[dict[str, Any]]) -> dict[str, TargetStats]:
-    """The statistics of the committed layers, from their files (digests checked)."""
-    out = {}
-    for entry in entries:
-        try:
-            name, digest = entry["stats"]["file"], entry["stats"]["sha256"]
-            path = directory / Path(name).name
-            if not path.is_file():
-                raise CalibrationCheckpointError(
-                    f"{path}: listed by the manifest but missing; the checkpoint is incomplete"
-                )
-            if _sha256(path) != digest:
-                raise CalibrationCheckpointError(f"{path}: contents do not match the manifest's SHA-256 (corrupt)")
-            with safe_open(str(path), framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            for summary in entry["targets"]:
-                found = TargetStats.from_saved(summary, tensors)
-                out[found.name] = found
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CalibrationCheckpointError(f"{directory}: corrupt collection checkpoint (bad {exc})") from None
-    return out
+# ----------------------------------------------------------------------------------------------- resume
 
 
 def _restore_inputs(
@@ -461,7 +414,7 @@ def _restore_inputs(
     cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
     if len(activations) != len(local_batches):
         raise CalibrationCheckpointError(
-            f"collection checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
+            f"collection checkpoint holds {len(activations)} of this rank's {len(local_batches)} batches; it is incomplete"
         )
     inputs = embed_batches(model, local_batches, device, cache_device)
     for x, stored in zip(inputs, activations):

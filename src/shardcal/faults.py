@@ -7,8 +7,9 @@ has armed that name in this process::
         calibrate(...)
 
 Points in the package: ``calibrate.committed`` (after a calibration checkpoint commit; ``completed_layers``),
-``checkpoint.commit`` (inside a commit, at each of its steps; ``step``), ``collect.committed`` (after an activation
-collection's checkpoint commit; ``completed_layers``), ``export.unit`` (before the owner writes
+``checkpoint.commit`` (inside a commit, at each of its steps; ``step``), ``collect.commit`` (inside an activation
+collection's checkpoint commit: ``step`` "inputs written", "manifest written"; ``rank``), ``collect.committed`` (after
+such a commit; ``completed_layers``), ``export.unit`` (before the owner writes
 an export unit; ``unit``, ``unit_name``).
 """
 
