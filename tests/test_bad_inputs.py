@@ -511,7 +511,54 @@ def _(env: Env):
     return env.eval(), str(index)
 
 
+@case(
+    "index-absolute-path",
+    "the index names a shard by an absolute path",
+    CheckpointError,
+    "points outside the model directory ('/",
+    via="eval",
+)
+def _(env: Env):
+    index = env.shard()
+    doc = json.loads(index.read_text())
+    shutil.copy(env.model / doc["weight_map"][KEY], env.tmp / "elsewhere.safetensors")
+    doc["weight_map"][KEY] = str(env.tmp / "elsewhere.safetensors")
+    index.write_text(json.dumps(doc))
+    return env.eval(), str(index)
+
+
+@case(
+    "index-symlink-out",
+    "the index names a shard that is a symlink out of the model directory",
+    CheckpointError,
+    "points outside the model directory ('link.safetensors')",
+    via="eval",
+)
+def _(env: Env):
+    index = env.shard()
+    doc = json.loads(index.read_text())
+    shutil.copy(env.model / doc["weight_map"][KEY], env.tmp / "elsewhere.safetensors")
+    (env.model / "link.safetensors").symlink_to(env.tmp / "elsewhere.safetensors")
+    doc["weight_map"][KEY] = "link.safetensors"
+    index.write_text(json.dumps(doc))
+    return env.eval(), str(index)
+
+
 # --- tokenizer.json (text data is tokenized with the model's tokenizer) -----------------------------------------
+
+
+@case(
+    "tokenizer-absurd-size",
+    "tokenizer.json of 300 MiB (a forged size; refused before reading)",
+    TokenizerError,
+    "implausibly large (314572800 bytes",
+    via="calibrate",
+)
+def _(env: Env):
+    path = env.model / "tokenizer.json"
+    with open(path, "r+b") as f:
+        f.truncate(300 * 2**20)  # sparse: nothing is written to disk
+    return env.calibrate(data=env.text), str(path)
 
 
 @case("tokenizer-missing", "text --data, but the model has no tokenizer.json", TokenizerError, "no tokenizer.json")
@@ -891,6 +938,37 @@ def _(env: Env):
 # --- --out ------------------------------------------------------------------------------------------------------
 
 
+@case("out-is-model-dir", "--out MODEL_DIR --overwrite", ExportError, "is the model directory")
+def _(env: Env):
+    return env.calibrate("--overwrite", out=env.model), str(env.model)
+
+
+@case("out-inside-model-dir", "--out MODEL_DIR/fp8", ExportError, "lies inside the model directory")
+def _(env: Env):
+    return env.calibrate(out=env.model / "fp8"), str(env.model)
+
+
+@case(
+    "out-contains-data", "--out a directory holding the --data file, --overwrite", ExportError, "contains the data file"
+)
+def _(env: Env):
+    folder = env.tmp / "work"
+    folder.mkdir()
+    data = folder / "ids.npy"
+    shutil.copy(env.ids, data)
+    return env.calibrate("--overwrite", out=folder, data=data), str(data)
+
+
+@case(
+    "checkpoint-dir-is-model-dir",
+    "--checkpoint-dir MODEL_DIR",
+    CalibrationCheckpointError,
+    "is the model directory",
+)
+def _(env: Env):
+    return env.calibrate("--checkpoint-dir", env.model), str(env.model)
+
+
 @case("out-not-empty", "--out an existing, non-empty directory", ExportError, "exists and is not empty")
 def _(env: Env):
     env.out.mkdir()
@@ -980,14 +1058,14 @@ def _(env: Env):
 
 
 @case(
-    "checkpoint-other-world-size",
-    "--checkpoint-dir written by 2 ranks, resumed on 1",
+    "checkpoint-report-unknown-key",
+    "--checkpoint-dir manifest: a report entry with a key no version writes (fingerprint intact)",
     CalibrationCheckpointError,
-    "checkpoint is from a different world size (checkpoint: 2, this run: 1)",
+    "corrupt manifest (field 'report' has an entry with unknown key 'surprise')",
     checkpoint=True,
 )
 def _(env: Env):
-    path = env.manifest(lambda m: m["fingerprint"].update(world_size=2))
+    path = env.manifest(lambda m: m["report"][0].update(surprise=1))
     return env.resume(), str(path)
 
 

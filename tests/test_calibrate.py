@@ -193,11 +193,21 @@ def test_kill_and_resume_bit_identical(tmp_path):
             assert torch.equal(want["amax"][name], got["amax"][name]), name
         assert want["sqnr"] == got["sqnr"]
         assert torch.equal(want["logits"], got["logits"])
-    # A finished checkpoint resumes to the end at once; another world size is refused.
-    again = run_on_ranks(2, _resume_run, str(tmp_path / "b"), None)
-    assert again[0]["resumed"] == 4 and torch.equal(again[0]["logits"], full[0]["logits"])
-    with pytest.raises(AssertionError, match="different world size"):
-        run_on_ranks(1, _resume_run, str(tmp_path / "b"), None)
+    # A finished checkpoint resumes to the end at once, on any world size.
+    for world_size in (2, 1):
+        again = run_on_ranks(world_size, _resume_run, str(tmp_path / "b"), None)
+        assert again[0]["resumed"] == 4 and torch.equal(again[0]["logits"], full[0]["logits"])
+
+
+@pytest.mark.parametrize(("written_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_elastic_resume_on_another_world_size(tmp_path, written_on, resumed_on):
+    """A checkpoint written by N ranks resumes on M ranks to the same amax and logits as an uninterrupted run."""
+    (full,) = run_on_ranks(1, _resume_run, str(tmp_path / "full"), None)
+    assert all(r["interrupted"] for r in run_on_ranks(written_on, _resume_run, str(tmp_path / "ckpt"), 2))
+    for got in run_on_ranks(resumed_on, _resume_run, str(tmp_path / "ckpt"), None):
+        assert got["resumed"] == 2
+        assert all(torch.equal(full["amax"][n], got["amax"][n]) for n in full["amax"])
+        assert torch.equal(full["logits"], got["logits"])
 
 
 def _resume_errors(directory: str) -> str:

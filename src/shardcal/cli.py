@@ -179,7 +179,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
     from .distributed import all_gather_floats, init_distributed
+    from .errors import CalibrationCheckpointError, ExportError
     from .export import check_destination, export_checkpoint
+    from .fsutil import check_apart
     from .loading.foreign import choose_impl, load_transformers_sharded, raw_config, text_field
     from .loading.sharded import load_pretrained
     from .models.config import load_config
@@ -191,6 +193,12 @@ def calibrate_job(options: dict) -> dict:
     rank, world = init_distributed()
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     recipe = load_recipe(args.recipe)  # bad input fails here, before anything is loaded or written
+    protected = {"the model directory": model_dir, "the data file": args.data}
+    check_apart(out_dir, "--out", protected, ExportError)  # before anything is loaded, --overwrite or not
+    if args.checkpoint_dir is not None:
+        check_apart(
+            args.checkpoint_dir, "--checkpoint-dir", {**protected, "--out": out_dir}, CalibrationCheckpointError
+        )
     impl = choose_impl(model_dir, args.model_impl)
     vocab_size = (
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")

@@ -23,10 +23,10 @@ from .algorithms import LayerAlgorithm, make_algorithm
 from .batches import Batch, make_batches, rank_batch_indices
 from .calib_checkpoint import (
     CalibrationCheckpoint,
-    local_weight_shards,
+    local_weight_pieces,
     quantizer_state,
     restore_quantizers,
-    restore_weight_shards,
+    restore_weights,
     run_fingerprint,
 )
 from .distributed import all_reduce_, dp_group, world
@@ -150,10 +150,6 @@ def _calibrate_layer(
     )
 
 
-def _local_activations(inputs: list) -> list[torch.Tensor]:
-    return [x.hidden_states for x in inputs]
-
-
 def calibrate(
     model: nn.Module,
     data: Any,
@@ -211,9 +207,9 @@ def _calibrate(
     checkpoint = None
     resume = None
     if options.checkpoint_dir is not None:
-        fingerprint = run_fingerprint(model, recipe, batches, world_size, options.fingerprint())
+        fingerprint = run_fingerprint(model, recipe, batches, options.fingerprint())
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
-        resume = checkpoint.load()
+        resume = checkpoint.load(mine)
     report = CalibrationReport(
         recipe=recipe.name,
         propagate=propagate,
@@ -225,7 +221,7 @@ def _calibrate(
     if resume is not None:
         start = resume.completed_layers
         restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
-        restore_weight_shards(model, resume.local_weights)
+        restore_weights(model, resume.weights)
         report.layers = [LayerReport(**entry) for entry in resume.report]
         report.resumed_from_layer = start
         if start < len(layers):
@@ -241,20 +237,25 @@ def _calibrate(
         initial_inputs=initial,
     )
     report_phase("calibrate: embedding")
-    for step in steps:
-        report_phase(f"calibrate {step.name}")
-        if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
-            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, keep_weights)
-            fault_point("calibrate.committed", completed_layers=step.index)
-        entry = _calibrate_layer(step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate)
-        report.layers.append(entry)
-        if bar is not None:
-            bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        for step in steps:
+            report_phase(f"calibrate {step.name}")
+            if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
+                acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                fault_point("calibrate.committed", completed_layers=step.index)
+            entry = _calibrate_layer(
+                step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate
+            )
+            report.layers.append(entry)
+            if bar is not None:
+                bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
+                bar.update(1)
+    finally:
+        if bar is not None:  # closed before any message, so that an error starts on a line of its own
+            bar.close()
     if checkpoint is not None and start < len(layers):
-        _commit(checkpoint, model, names, len(layers), [], report, keep_weights)
+        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
@@ -266,16 +267,17 @@ def _commit(
     model: nn.Module,
     names: list[str],
     done: int,
-    acts: list[torch.Tensor],
+    acts: dict[int, torch.Tensor],
     report: CalibrationReport,
     keep_weights: bool,
 ) -> None:
     checkpoint.commit(
         done,
+        len(names),
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
-        local_weights=local_weight_shards(model, names[:done]) if keep_weights else None,
+        weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
     )
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .batches import Batch
-from .errors import ModelLayoutError
+from .distributed import ranks_with_flag, world
+from .errors import ModelLayoutError, NumericsError
 from .fsdp2_utils import layer_unsharded
 from .layer_inputs import CachedInputs, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
@@ -120,8 +121,21 @@ def layer_steps(
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
             outputs = step.outputs
+            _check_finite(step.name, outputs)
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
+
+
+def _check_finite(name: str, outputs: list[torch.Tensor]) -> None:
+    """Stop every rank together when any rank's layer output holds NaN or inf (collective: one small all-reduce)."""
+    bad = next((i for i, out in enumerate(outputs) if not bool(torch.isfinite(out).all())), None)
+    ranks = ranks_with_flag(bad is not None)
+    if ranks:
+        where = f"batch {bad} of rank {world()[0]}" if bad is not None else f"a batch of rank {ranks[0]}"
+        raise NumericsError(
+            f"{name}: the layer's output holds NaN or infinite values ({where}): corrupt weights, or an overflow in "
+            "a low-precision dtype; a calibration checkpoint stays at the previous layer"
+        )
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -35,7 +35,7 @@ from ..distributed import broadcast_json, ranks_with_flag, world
 from ..errors import ExportError
 from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from ..fsutil import check_creatable, read_json_object, umask
+from ..fsutil import check_apart, check_creatable, read_json_object, umask
 from ..quant.experts import weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..recipes import Recipe, load_recipe
@@ -296,6 +296,7 @@ def export_checkpoint(
     if recipe is not None and not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     rank, world_size = world()
+    check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
     plan = build_plan(model, recipe, world_size, max_shard_bytes)
     config = model_config_dict(model, Path(config_dir) if config_dir is not None else None)
 
