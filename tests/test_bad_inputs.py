@@ -1193,6 +1193,42 @@ def _(env: Env):
     return ["import-gguf", str(path), str(env.out)], str(path)
 
 
+@case(
+    "gguf-absurd-array-length",
+    "import-gguf of a GGUF file whose token list claims 2**62 entries",
+    CheckpointError,
+    "is larger than the rest of the file",
+    via="import-gguf",
+)
+def _(env: Env):
+    pytest.importorskip("gguf")
+
+    def corrupt(data: bytes) -> bytes:  # key, then the array tag (u32 9), the item type (u32), the count (u64)
+        at = data.index(b"tokenizer.ggml.tokens\x09\x00\x00\x00") + len(b"tokenizer.ggml.tokens") + 8
+        return data[:at] + (1 << 62).to_bytes(8, "little") + data[at + 8 :]
+
+    path = _gguf(env, corrupt)
+    return ["import-gguf", str(path), str(env.out)], str(path)
+
+
+@case(
+    "gguf-absurd-string-length",
+    "import-gguf of a GGUF file whose architecture string claims 2**60 bytes",
+    CheckpointError,
+    "runs past the end of the file",
+    via="import-gguf",
+)
+def _(env: Env):
+    pytest.importorskip("gguf")
+
+    def corrupt(data: bytes) -> bytes:  # key, then the string tag (u32 8), the length (u64)
+        at = data.index(b"general.architecture\x08\x00\x00\x00") + len(b"general.architecture") + 4
+        return data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8 :]
+
+    path = _gguf(env, corrupt)
+    return ["import-gguf", str(path), str(env.out)], str(path)
+
+
 # ---------------------------------------------------------------------------------------------- running a case
 
 

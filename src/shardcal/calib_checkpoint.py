@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .batches import Batch, data_fingerprint
-from .distributed import all_gather_strings, all_reduce_, barrier, dp_group, world
+from .distributed import all_gather_strings, all_reduce_, barrier, broadcast_string, dp_group, world
 from .errors import CalibrationCheckpointError
 from .faults import fault_point
 from .fsdp2_utils import local_rows
@@ -42,6 +43,8 @@ from .recipes import Recipe, quantize_modules
 from .report import LayerReport
 
 MANIFEST = "manifest.json"
+#: The names of the files a commit writes, and of the temporaries it writes them through (``.name.XXXX``).
+_OWN_FILE = re.compile(r"^\.?(activations|weights|quantizers)-L\d{5}[-\w]*\.safetensors(\..+)?$|^\.manifest\.json\..+$")
 FORMAT_VERSION = 2
 _REPORT_FIELDS = {f.name for f in dataclasses.fields(LayerReport)}
 _REPORT_REQUIRED = {
@@ -71,8 +74,16 @@ def _sha256(path: Path) -> str:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    with atomic_path(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    """Write a safetensors file atomically; a failed write (a full disk, a file size limit) leaves nothing."""
+    try:
+        with atomic_path(path) as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    except CalibrationCheckpointError:
+        raise
+    except Exception as exc:  # OSError, or safetensors' own error wrapping one
+        raise CalibrationCheckpointError(
+            f"{path}: cannot write the checkpoint ({' '.join(str(exc).split())[:200]})"
+        ) from None
 
 
 class CalibrationCheckpoint:
@@ -175,8 +186,59 @@ class CalibrationCheckpoint:
         """
         self.dir.mkdir(parents=True, exist_ok=True)
         previous = self._manifest_or_none()  # read before the gather below: rank 0 replaces it after
+        part: dict[str, Any] = {"files": {}, "batches": {}, "weights": {}, "error": ""}
+        try:
+            self._write_part(part, completed_layers, activations, quantizer_state, weights)
+        except CalibrationCheckpointError as exc:
+            part["error"] = str(exc)
+        fault_point("checkpoint.commit", step="parts written", rank=self.rank)
+        parts = [json.loads(p) for p in all_gather_strings(json.dumps(part))]
+        errors = [p["error"] for p in parts if p["error"]]
+        if errors:  # every rank stops; the previous commit stays the checkpoint
+            kept = previous.get("files", {}) if previous is not None else {}
+            for name in part["files"]:
+                if name not in kept:
+                    (self.dir / name).unlink(missing_ok=True)
+            raise CalibrationCheckpointError(errors[0])
+        merged = _merge_parts(parts)
+        if self.rank == 0:
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "fingerprint": self.fingerprint,
+                "completed_layers": completed_layers,
+                "num_layers": num_layers,
+                "report": report,
+                **merged,
+            }
+            try:
+                atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
+            except OSError as exc:
+                part["error"] = f"{self.dir / MANIFEST}: cannot write the checkpoint ({exc.strerror or exc})"
+        fault_point("checkpoint.commit", step="manifest written", rank=self.rank)
+        failure = broadcast_string(part["error"] if self.rank == 0 else "")
+        if failure:
+            raise CalibrationCheckpointError(failure)
+        if self.rank == 0:  # the new manifest is in place: the old files can go
+            self._remove_files_except(merged["files"])
+        barrier()
+
+    def _remove_files_except(self, keep: dict[str, str]) -> None:
+        """Remove this checkpoint's own files (and temporaries a killed run left) that ``keep`` does not list."""
+        for path in sorted(self.dir.iterdir()):
+            if _OWN_FILE.match(path.name) and path.name not in keep:
+                path.unlink(missing_ok=True)
+                fault_point("checkpoint.commit", step="old file removed", rank=self.rank)
+
+    def _write_part(
+        self,
+        part: dict[str, Any],
+        completed_layers: int,
+        activations: dict[int, torch.Tensor],
+        quantizer_state: dict[str, torch.Tensor],
+        weights: dict[str, tuple[int, torch.Tensor]] | None,
+    ) -> None:
+        """This rank's files, recorded in ``part`` as they are written."""
         meta = {"completed_layers": str(completed_layers), "rank": str(self.rank)}
-        part: dict[str, Any] = {"files": {}, "batches": {}, "weights": {}}
         if activations:
             name = f"activations-L{completed_layers:05d}-rank{self.rank:05d}.safetensors"
             _atomic_save({f"batch{b}": a for b, a in activations.items()}, self.dir / name, meta)
@@ -193,25 +255,6 @@ class CalibrationCheckpoint:
             _atomic_save(quantizer_state, self.dir / name, meta)
             part["files"][name] = _sha256(self.dir / name)
             part["quantizers"] = name
-        fault_point("checkpoint.commit", step="parts written", rank=self.rank)
-        merged = _merge_parts([json.loads(p) for p in all_gather_strings(json.dumps(part))])
-        if self.rank == 0:
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "fingerprint": self.fingerprint,
-                "completed_layers": completed_layers,
-                "num_layers": num_layers,
-                "report": report,
-                **merged,
-            }
-            atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
-        fault_point("checkpoint.commit", step="manifest written", rank=self.rank)
-        barrier()
-        if previous is not None and self.rank == 0:  # the new manifest is in place: the old files can go
-            for name in previous.get("files", {}):
-                if name not in merged["files"]:
-                    (self.dir / name).unlink(missing_ok=True)
-                    fault_point("checkpoint.commit", step="old file removed", rank=self.rank)
 
     def _manifest_or_none(self) -> dict[str, Any] | None:
         try:

@@ -59,6 +59,8 @@ def _hard_exit(errors: Any, status: int) -> None:
 
 #: A rank's exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
+#: Seconds the launcher gives interrupted ranks to leave on their own before it terminates them.
+INTERRUPT_GRACE_S = 5.0
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
@@ -88,8 +90,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
         reports = _drain(errors)
         if first_failed is not None:
             raise _origin_of_failure(procs, sorted(reports), first_failed, status_dir)
-    except KeyboardInterrupt:
-        _stop_now(procs)
+    except KeyboardInterrupt:  # Ctrl-C reached the ranks too: let them close their progress bar and go
+        _stop_now(procs, grace=INTERRUPT_GRACE_S)
         raise
     finally:
         _drain(errors)
@@ -117,7 +119,11 @@ def _stop_survivors(procs: list[Any]) -> None:
     _stop_now(procs)
 
 
-def _stop_now(procs: list[Any]) -> None:
+def _stop_now(procs: list[Any], grace: float = 0.0) -> None:
+    """Stop the ranks still running: after ``grace`` seconds, SIGTERM, and SIGKILL for one that ignores it."""
+    deadline = time.monotonic() + grace
+    while grace and any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .moe import AllExpertsObserve, ExpertTokenMasks, fallback_unobserved
+from .moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved
 from .options import CalibrationOptions
 from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
 from .quant.linear import QuantLinear
@@ -119,6 +120,7 @@ def _calibrate_layer(
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    routing = RoutingCounts(step.layer, step.name)
     # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
     # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
     passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
@@ -126,7 +128,8 @@ def _calibrate_layer(
         fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
-        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer):
+        counting = routing if p == 0 else contextlib.nullcontext()
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
             outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
         if p == 0:
             fp_outputs = outs
@@ -139,6 +142,7 @@ def _calibrate_layer(
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
+    moe_report = _moe_report(routing.merged(group), fallbacks, calibrate_all_experts)  # collective
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,
@@ -147,7 +151,28 @@ def _calibrate_layer(
         sqnr_db=sqnr,
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
+        moe=moe_report,
+        algorithm=algorithm.layer_report(step),
     )
+
+
+#: The expert index of a quantizer name, after its MoE block's name (``.experts.3.`` ours, ``.3.`` fused experts).
+_EXPERT = re.compile(r"^\.(?:experts\.)?(\d+)\.")
+
+
+def _moe_report(routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool) -> dict[str, dict[str, list]]:
+    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from."""
+    out = {}
+    for block, counts in routed.items():
+        fell_back = {
+            int(m.group(1)) for n in fallbacks if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))
+        }
+        sources = [
+            "sibling fallback" if e in fell_back else "all tokens" if all_experts else "routed tokens"
+            for e in range(len(counts))
+        ]
+        out[block] = {"routed_tokens": counts, "scales_from": sources}
+    return out
 
 
 def calibrate(
@@ -235,6 +260,7 @@ def _calibrate(
         offload_activations=options.offload_activations,
         start=start,
         initial_inputs=initial,
+        batch_numbers=mine,
     )
     report_phase("calibrate: embedding")
     try:

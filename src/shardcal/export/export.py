@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import broadcast_json, ranks_with_flag, world
+from ..distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..errors import ExportError
 from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
@@ -188,7 +188,26 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
             if module_name not in encoded:
                 encoded = {module_name: _encode_module(plan.quant_modules[module_name])}
             tensor = encoded[module_name][suffix]
+            if entry.key.endswith("scale"):  # a quantization scale (a model's own *_scale parameter may be anything)
+                _check_scale(entry.key, tensor)
         writer.write(entry, tensor)
+
+
+def _in_a_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if isinstance(error, ExportError) else f"{type(error).__name__}: {text}"
+
+
+def _check_scale(key: str, scale: torch.Tensor) -> None:
+    """Refuse a scale no runtime can use: zero, negative, NaN or infinite (vLLM would compute garbage silently)."""
+    values = scale.float()
+    bad = ~torch.isfinite(values) | (values <= 0)
+    if bool(bad.any()):
+        first = values.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ExportError(
+            f"{key}: {int(bad.sum())} of {values.numel()} scale value(s) are zero, negative, NaN or infinite (e.g. "
+            f"{first}); recalibrate (or exclude the module) before exporting"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- finishing
@@ -329,11 +348,12 @@ def export_checkpoint(
                                 _write_unit(model, plan, unit, writer)
                             except Exception as exc:
                                 error = exc
-                        failed = ranks_with_flag(error is not None)
+                        # Only the owner writes; every rank learns whether it failed, and why.
+                        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
                     if error is not None:
                         raise error
-                    if failed:
-                        raise ExportError(f"export to {out_dir} failed on rank(s) {failed} while writing {unit.name}")
+                    if why:
+                        raise ExportError(f"export to {out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
             if not writer.done:
                 raise RuntimeError("export plan: this rank's shards are incomplete")
         finally:
