@@ -745,6 +745,29 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
+@case(
+    "data-longer-than-max-positions",
+    "rows of 600 tokens for a model with max_position_embeddings 256",
+    DataError,
+    "sequences of 600 tokens exceed",
+)
+def _(env: Env):
+    path = env.npy("long.npy", np.arange(2 * 600).reshape(2, 600) % 300)
+    return [a if a != "16" else "600" for a in env.calibrate(data=path)], str(path)
+
+
+@case(
+    "eval-longer-than-max-positions",
+    "eval on rows of 600 tokens for a model with max_position_embeddings 256",
+    DataError,
+    "max_position_embeddings=256 (pass a shorter --seq-len)",
+    via="eval",
+)
+def _(env: Env):
+    path = env.npy("long.npy", np.arange(2 * 600).reshape(2, 600) % 300)
+    return [a if a != "16" else "600" for a in env.eval(data=path)], str(path)
+
+
 @case("data-ids-negative", ".npy with negative ids", DataError, "token id -1 is negative", via="eval")
 def _(env: Env):
     path = env.npy("ids.npy", -np.ones((2, 16), dtype=np.int64))
@@ -1272,7 +1295,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     np.save(root / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, (4, 16)))
     (root / "doc.txt").write_text(TEXT)
     env = _env(root)
-    assert cli.main(env.resume()) == 0
+    assert cli.main(env.resume("--keep-checkpoint")) == 0
     shutil.rmtree(env.out)
     return root
 

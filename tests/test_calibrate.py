@@ -405,7 +405,15 @@ def test_report_json_and_plot(tmp_path):
     assert q["amax"] > 0 and q["shape"] == [1]
     plot = report.save_plot(tmp_path / "sqnr.png")
     if plot is not None:
+        import os
+
         assert plot.read_bytes()[:4] == b"\x89PNG"
+        mask = os.umask(0)
+        os.umask(mask)
+        assert plot.stat().st_mode & 0o777 == 0o666 & ~mask  # as every other file, not mkstemp's 0600
+        report.layers = report.layers[:2]  # a 2-layer model: ticks 0 and 1, never 0.25, 0.5 ...
+        figure = report.sqnr_figure()
+        assert all(float(t).is_integer() for t in figure.axes[0].get_xticks())
 
 
 # ------------------------------------------------------------ padding never counts
@@ -456,3 +464,21 @@ def test_padding_never_counts(recipe, all_experts):
     if recipe == "max":
         q = model.model.layers[0].self_attn.q_proj.input_quantizer
         assert q.num_observed == sum(r.numel() for r in PAD_ROWS) * 64  # real tokens x hidden, not 2 x 3 x 12 x 64
+
+
+def _idle_rank_warning() -> list[str]:
+    model = _model(dict(TINY_CONFIGS["llama"], num_hidden_layers=1))
+    fsdp2_wrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate(model, _data(n=3), "fp8", batch_size=4, progress=False)
+    return [str(w.message) for w in caught if "get none" in str(w.message)]
+
+
+def test_a_rank_without_a_batch_is_said_once():
+    rank0, rank1 = run_on_ranks(2, _idle_rank_warning)
+    assert rank0 == [
+        "1 batch(es) of up to 4 sequences for 2 ranks: rank(s) 1 get none and only take part in the gathers (a "
+        "smaller batch size, or more samples, gives every rank work)"
+    ]
+    assert rank1 == []

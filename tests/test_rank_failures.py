@@ -64,6 +64,27 @@ def test_launcher_names_failed_rank_and_layer(mode, capfd):
         assert capfd.readouterr().err.count("Traceback (most recent call last)") == 1  # once, by the failed rank
 
 
+def _refuse(ranks: list[int]) -> None:
+    import torch.distributed as dist
+
+    from shardcal.errors import DataError
+
+    if dist.get_rank() in ranks:
+        raise DataError("data.txt: no text in it")
+    dist.barrier()
+
+
+def test_a_user_error_every_rank_raises_is_itself_one_rank_is_named():
+    from shardcal.errors import DataError
+    from shardcal.launcher import launch
+
+    with pytest.raises(DataError) as info:
+        launch(_refuse, 2, [0, 1])
+    assert str(info.value) == "data.txt: no text in it"  # the same refusal on every rank: no rank to name
+    with pytest.raises(DistributedError, match=r"^rank 1 failed: data.txt: no text in it$"):
+        launch(_refuse, 2, [1])
+
+
 TORCHRUN_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})

@@ -16,6 +16,7 @@ or run options is refused, and a file whose digest does not match is reported as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -63,6 +64,7 @@ class ResumeState:
     quantizer_state: dict[str, torch.Tensor]  # merged, identical on every rank
     report: list[dict[str, Any]]
     weights: dict[str, list[tuple[str, int, int]]]  # parameter -> pieces (file, first row, last row + 1)
+    committed_at: float = 0.0  # when the manifest was written (seconds since the epoch)
 
 
 def _sha256(path: Path) -> str:
@@ -167,7 +169,8 @@ class CalibrationCheckpoint:
         weights = {}
         for pname, pieces in manifest["weights"].items():
             weights[pname] = [(str(self._verified(manifest, f, seen)), a, b) for f, a, b in pieces]
-        return ResumeState(done, activations, quant, list(manifest["report"]), weights)
+        committed_at = (self.dir / MANIFEST).stat().st_mtime
+        return ResumeState(done, activations, quant, list(manifest["report"]), weights, committed_at)
 
     # ------------------------------------------------------------------ writing
     def commit(
@@ -473,3 +476,21 @@ def restore_weights(model: nn.Module, pieces: dict[str, list[tuple[str, int, int
                 raise CalibrationCheckpointError(
                     f"calibration checkpoint holds {covered} of the {stop - start} rows {start}:{stop} of {name!r}"
                 )
+
+
+def remove_checkpoint(directory: str | Path) -> int:
+    """Delete a calibration checkpoint: its manifest first (so a half-removed one is never resumed), then its own
+    files, then the directory when nothing else is in it. Returns the bytes freed. Not collective (one rank, after
+    the run); files that are not the checkpoint's are left alone."""
+    folder = Path(directory)
+    if not (folder / MANIFEST).is_file():
+        return 0
+    freed = (folder / MANIFEST).stat().st_size
+    (folder / MANIFEST).unlink()
+    for path in sorted(folder.iterdir()):
+        if _OWN_FILE.match(path.name):
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return freed

@@ -96,7 +96,7 @@ def check_apart(
         else:
             continue
         raise error(
-            f"{what} {path} {relation} {label} {other}; write it elsewhere (this is refused even with --overwrite)"
+            f"{what} {path} {relation} {label} {other}; write it elsewhere (refused even when overwriting is allowed)"
         )
 
 

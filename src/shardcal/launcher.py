@@ -67,7 +67,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run ``fn(*args)`` in ``nproc`` local processes forming one process group.
 
     ``fn`` must be importable (module level). If any process fails, the others are terminated and a
-    :class:`DistributedError` names the first failed rank and its error. On Ctrl-C (SIGINT to the process group)
+    :class:`DistributedError` names the first failed rank and its error; a user error (a
+    :class:`~shardcal.errors.ShardcalError`) that every rank raised with the same message is raised as itself. On Ctrl-C (SIGINT to the process group)
     every rank is stopped, nothing is left behind (status folder, queues), and ``KeyboardInterrupt`` is raised once.
     """
     if nproc < 1:
@@ -135,11 +136,17 @@ def _stop_now(procs: list[Any], grace: float = 0.0) -> None:
                 p.join()
 
 
-def _origin_of_failure(procs: list[Any], reports: list[tuple], first_failed: int, status_dir: str) -> DistributedError:
-    """The error that names the rank where the failure started (not a survivor that merely noticed it)."""
+def _origin_of_failure(
+    procs: list[Any], reports: list[tuple], first_failed: int, status_dir: str
+) -> errors.ShardcalError:
+    """The error that names the rank where the failure started (not a survivor that merely noticed it); a user
+    error that every rank raised alike, as itself."""
     own = [r for r in reports if r[1] != "DistributedError"]
+    own.sort(key=lambda r: r[0] != first_failed)  # the first rank to go, not a peer that saw its connection close
     if own:  # a rank raised: its own error, its traceback once (unless it is a plain user error)
         rank, kind, message, tb = own[0]
+        if kind in _USER_ERRORS and {r[0] for r in own if r[1:3] == (kind, message)} == set(range(len(procs))):
+            return getattr(errors, kind)(message)  # every rank refused the same input: no rank to name
         if kind not in _USER_ERRORS:
             sys.stderr.write(f"--- rank {rank} traceback ---\n{tb}")
         return DistributedError(

@@ -82,25 +82,36 @@ class CalibrationReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
-    def save_plot(self, path: str | Path) -> Path | None:
-        """A PNG of per-layer SQNR; None (nothing written) when matplotlib is not installed."""
-        try:
-            import matplotlib
+    def sqnr_figure(self) -> Any:
+        """A matplotlib Figure of per-layer SQNR (integer layer ticks); ImportError without matplotlib."""
+        import matplotlib
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        path = Path(path)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
         xs = [layer_report.index for layer_report in self.layers if layer_report.sqnr_db is not None]
         ys = [layer_report.sqnr_db for layer_report in self.layers if layer_report.sqnr_db is not None]
         fig, ax = plt.subplots(figsize=(8, 3.5))
         ax.plot(xs, ys, marker="o")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers, also for 2 of them
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("output SQNR (dB)")
         ax.set_title(f"{self.recipe}: per-layer output SQNR (propagate={self.propagate})")
         ax.grid(alpha=0.3)
         fig.tight_layout()
+        return fig
+
+    def save_plot(self, path: str | Path) -> Path | None:
+        """A PNG of per-layer SQNR, written atomically with the umask's permissions; None (nothing written) when
+        matplotlib is not installed."""
+        try:
+            fig = self.sqnr_figure()
+        except ImportError:
+            return None
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
         try:
             with atomic_path(path, suffix=".png") as tmp:
                 fig.savefig(tmp, dpi=100)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +254,10 @@ def _calibrate(
         if start < len(layers):
             initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
 
+    if rank == 0:
+        _warn_idle_ranks(len(batches), options.batch_size, world_size)
+    if resume is not None and options.progress and rank == 0:
+        _announce_resume(resume, options.checkpoint_dir, len(layers))
     bar = _progress_bar(len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
         model,
@@ -321,6 +327,25 @@ def _restore_inputs(
     for x, stored in zip(inputs, activations):
         x.hidden_states = stored.to(cache_device)
     return inputs
+
+
+def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
+    print(
+        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
+        file=sys.stderr,
+    )
+
+
+def _warn_idle_ranks(num_batches: int, batch_size: int, world_size: int) -> None:
+    idle = [r for r in range(world_size) if not rank_batch_indices(num_batches, r, world_size)]
+    if idle:
+        warnings.warn(
+            f"{num_batches} batch(es) of up to {batch_size} sequences for {world_size} ranks: rank(s) "
+            f"{', '.join(map(str, idle))} get none and only take part in the gathers (a smaller batch size, or more "
+            "samples, gives every rank work)",
+            stacklevel=4,
+        )
 
 
 def _progress_bar(total: int, initial: int, enabled: bool) -> Any:

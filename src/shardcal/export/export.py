@@ -70,20 +70,21 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
+def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
     if out_dir.exists() or out_dir.is_symlink():
         if not out_dir.is_dir():
             raise ExportError(f"{out_dir}: exists and is not a directory")
         if any(out_dir.iterdir()) and not overwrite:
-            raise ExportError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+            raise ExportError(f"{out_dir}: exists and is not empty (pass {flag} to replace it)")
 
 
-def check_destination(out_dir: str | Path, overwrite: bool = False) -> None:
+def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
     """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
     calibration): a non-empty directory without ``overwrite``, a file, or a parent that cannot be created or
-    written. Checks only; creates nothing. Not collective."""
+    written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
+    replacing (a command line says ``--overwrite``)."""
     out_dir = Path(out_dir).absolute()
-    _check_destination(out_dir, overwrite)
+    _check_destination(out_dir, overwrite, flag)
     check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
 
 
