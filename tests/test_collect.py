@@ -304,17 +304,30 @@ def test_a_failed_checkpoint_write_stops_with_the_error_and_keeps_the_previous_c
     assert got.resumed_from_layer == 1
 
 
-def _rank_without_batches() -> dict:
+def _rank_without_batches() -> tuple[dict, list[str]]:
+    import warnings
+
     model = _model()
     fsdp2_wrap(model)
     data = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(3))
-    report = collect_activations(model, data, "model.layers.*.mlp.down_proj:input", batch_size=4, progress=False)
-    return _stats_of(report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = collect_activations(model, data, "model.layers.*.mlp.down_proj:input", batch_size=4, progress=False)
+    return _stats_of(report), [str(w.message) for w in caught if "get none" in str(w.message)]
 
 
-def test_a_rank_without_batches_takes_every_merge():
-    (single,) = run_on_ranks(1, _rank_without_batches)
-    for result in run_on_ranks(2, _rank_without_batches):  # one batch: rank 1 has none
+def test_a_rank_without_batches_takes_every_merge_and_one_warning():
+    ((single, quiet),) = run_on_ranks(1, _rank_without_batches)
+    assert quiet == []
+    results = run_on_ranks(2, _rank_without_batches)  # one batch: rank 1 has none
+    assert [r[1] for r in results] == [
+        [
+            "1 batch(es) of up to 4 sequences for 2 ranks: rank(s) 1 get none and only take part in the gathers (a "
+            "smaller batch size, or more samples, gives every rank work)"
+        ],
+        [],
+    ]
+    for result, _ in results:
         for name, stats in single.items():
             assert all(
                 (v == result[name][k]) if k == "tokens" else torch.equal(v, result[name][k]) for k, v in stats.items()
@@ -526,9 +539,12 @@ def single_process_group():
 
 @pytest.mark.usefixtures("single_process_group")
 def test_collect_command(tmp_path, capsys):
+    """The report equals the library's; a rerun with --checkpoint-dir says it resumes and removes the checkpoint
+    after; short data is one warning line; bad input is one error line, before anything is loaded or written."""
     import numpy as np
 
     from shardcal import cli
+    from shardcal.activation_report import DEFAULT_BINS, DEFAULT_TOP_K
     from shardcal.loading.plain import from_pretrained
 
     from _tiny_models import make_tiny_checkpoint
@@ -536,11 +552,21 @@ def test_collect_command(tmp_path, capsys):
     model_dir = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2)
     ids = np.random.default_rng(0).integers(0, 256, (5, 16))
     np.save(tmp_path / "ids.npy", ids)
-    out = tmp_path / "out"
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     argv = ["collect", model_dir, "--targets", "model.layers.*:output", "model.layers.*.mlp.down_proj:input", "--out",
             out, "--data", tmp_path / "ids.npy", "--batch-size", 2, "--bins", 32]  # fmt: skip
-    assert cli.main([str(a) for a in [*argv, "--save-activations"]]) == 0, capsys.readouterr().err
-    assert "collected 4 targets in 2 layers on 5 x 16 tokens" in capsys.readouterr().out
+    parsed = cli.build_parser().parse_args([str(a) for a in argv[:5]] + ["--out", "o"])
+    assert (parsed.bins, parsed.top_k) == (DEFAULT_BINS, DEFAULT_TOP_K)  # the command's defaults are the library's
+    with armed("collect.committed", lambda completed_layers: _raise(Interrupted())), pytest.raises(Interrupted):
+        cli.main([str(a) for a in [*argv, "--save-activations", "--checkpoint-dir", ckpt]])
+    interrupted = capsys.readouterr().err
+    warning = f"warning: {tmp_path / 'ids.npy'}: holds 5 samples of 16 tokens, fewer than the 32 asked for"
+    assert interrupted.count(warning) == 1 and interrupted.endswith("\n"), interrupted  # the bar closed first
+    assert cli.main([str(a) for a in [*argv, "--save-activations", "--checkpoint-dir", ckpt]]) == 0
+    captured = capsys.readouterr()
+    assert "collected 4 targets in 2 layers on 5 x 16 tokens" in captured.out, captured.err
+    assert f"resuming after layer 1 of 2 from {ckpt} (committed " in captured.err
+    assert f"removed the collection checkpoint {ckpt} (" in captured.out and not ckpt.exists()
     assert {p.name for p in out.iterdir()} >= {"activation_report.json", "activation_stats.safetensors", "activations"}
     saved = ActivationReport.load(out)
     plain = collect_activations(from_pretrained(model_dir), torch.from_numpy(ids), TARGETS[:2], bins=32,
@@ -548,9 +574,21 @@ def test_collect_command(tmp_path, capsys):
     for name, t in plain.targets.items():
         assert all(torch.equal(v, saved[name].tensors()[k]) for k, v in t.tensors().items()), name
     assert len(ActivationDataset(out / "activations")) == 5
-    for extra, message in (([], "already holds an activation report"), (["--stats", "median"], "unknown statistic")):
-        target = out if not extra else tmp_path / "other"
-        status = cli.main([str(a) for a in [*argv[:5], "--out", target, *argv[7:], *extra]])
+    other = tmp_path / "other"
+    cases = [
+        (["--out", out], "already holds an activation report"),
+        (["--out", other, "--stats", "median"], "unknown statistic 'median'"),
+        (["--out", other, "--bins", 0], "--bins must be >= 1, got 0"),
+        (["--out", other, "--targets", "model.layers.*:weights"], "unknown tensor selector ':weights'"),
+        (["--out", model_dir], "--out " + str(model_dir) + " is the model directory"),
+        (["--out", other, "--checkpoint-dir", Path(model_dir) / "ckpt"], "lies inside the model directory"),
+    ]
+    for extra, message in cases:
+        status = cli.main([str(a) for a in [*argv[:5], *argv[7:], *extra]])
         err = capsys.readouterr().err
-        assert status == 2 and message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "other").exists()
+        assert status == 2 and message in err and err.count("\n") == 1 and err.startswith("error: "), err
+    assert not other.exists() and not (Path(model_dir) / "ckpt").exists()
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc

@@ -11,7 +11,8 @@ Each reader gets random and mutated input for a bounded number of examples (the 
   arbitrary JSON (and plausible component types), arbitrary documents; what loads must also encode and decode;
 * the recipe reader (``parse_recipe`` / ``recipe_from_dict``): arbitrary and mutated TOML text, valid recipes
   with values replaced by arbitrary TOML values, ``re:`` patterns;
-* the calibration-checkpoint manifest (``CalibrationCheckpoint.load``).
+* the calibration-checkpoint manifest (``CalibrationCheckpoint.load``) and the activation-collection one
+  (``CollectionCheckpoint.load``).
 
 "Clean" means: a :class:`~shardcal.errors.ShardcalError` subclass of the reader's kind (or success) — never another
 exception, a hang (hypothesis deadlines are off, but every test runs in a few seconds) or a large allocation (the
@@ -41,6 +42,8 @@ from safetensors.torch import save_file
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
 from shardcal.calib_checkpoint import MANIFEST, CalibrationCheckpoint
+from shardcal.collect_checkpoint import MANIFEST as COLLECT_MANIFEST
+from shardcal.collect_checkpoint import CollectionCheckpoint, sha256
 from shardcal.errors import (
     CalibrationCheckpointError,
     CheckpointError,
@@ -895,28 +898,38 @@ def test_gguf_import_fuzz(workdir: Path, data: bytes) -> None:
 
 # ---------------------------------------------------------------------------------------------- calibration checkpoint
 
-FINGERPRINT = {"model": "m", "model_weights": "1.0", "recipe": "r", "data": "d", "world_size": 1, "options": "o"}
+FINGERPRINT = {"model": "m", "model_weights": "1", "recipe": "r", "data": "d", "options": "o"}
 MANIFEST_PATHS = [
     (),
     ("format_version",),
     ("fingerprint",),
     ("fingerprint", "model"),
-    ("fingerprint", "world_size"),
     ("completed_layers",),
+    ("num_layers",),
     ("files",),
     ("files", "quantizers-L00001.safetensors"),
+    ("files", "activations-L00001-rank00000.safetensors"),
     ("report",),
+    ("batches",),
+    ("batches", "0"),
+    ("weights",),
+    ("weights", "w"),
+    ("quantizers",),
 ]
 
 
 @st.composite
 def fuzzed_manifests(draw: st.DrawFn) -> str:
     manifest = {
-        "format_version": 1,
+        "format_version": 2,
         "fingerprint": dict(FINGERPRINT),
         "completed_layers": 1,
-        "files": {"quantizers-L00001.safetensors": "0" * 64},
-        "report": [],
+        "num_layers": 2,
+        "files": {"quantizers-L00001.safetensors": "0" * 64, "activations-L00001-rank00000.safetensors": "0" * 64},
+        "report": [{"index": 0, "name": "model.layers.0", "seconds": 0.1, "sqnr_db": 30.0}],
+        "batches": {"0": "activations-L00001-rank00000.safetensors"},
+        "weights": {"w": [["activations-L00001-rank00000.safetensors", 0, 2]]},
+        "quantizers": "quantizers-L00001.safetensors",
     }
     for _ in range(draw(st.integers(1, 3))):
         manifest = _set(manifest, draw(st.sampled_from(MANIFEST_PATHS)), draw(JSON_VALUES))
@@ -930,5 +943,71 @@ def test_calibration_manifest_fuzz(workdir: Path, text: str) -> None:
     folder.mkdir(exist_ok=True)
     (folder / MANIFEST).write_text(text, encoding="utf-8", errors="surrogatepass")
     (folder / "quantizers-L00001.safetensors").write_bytes(SMALL)
+    (folder / "activations-L00001-rank00000.safetensors").write_bytes(SMALL)
     checkpoint = CalibrationCheckpoint(folder, dict(FINGERPRINT), rank=0, world_size=1)
-    clean(CalibrationCheckpointError, checkpoint.load)
+    clean(CalibrationCheckpointError, lambda: checkpoint.load([0, 1]))
+
+
+# ---------------------------------------------------------------------------------------------- collection checkpoint
+
+COLLECT_FINGERPRINT = {"model": "m", "model_weights": "w", "data": "d", "targets": ["t:output"], "bins": 64}
+STATS_FILE, INPUTS_FILE = "stats-L00000.safetensors", "inputs-L00001-B000000.safetensors"
+COLLECT_PATHS = [
+    (),
+    ("format",),
+    ("format_version",),
+    ("fingerprint",),
+    ("fingerprint", "targets"),
+    ("completed_layers",),
+    ("finished",),
+    ("files",),
+    ("files", STATS_FILE),
+    ("files", INPUTS_FILE),
+    ("batches",),
+    ("batches", "0"),
+    ("layers",),
+    ("layers", 0),
+    ("layers", 0, "layer"),
+    ("layers", 0, "stats"),
+    ("layers", 0, "targets"),
+    ("layers", 0, "targets", 0),
+    ("layers", 0, "targets", 0, "name"),
+    ("layers", 0, "targets", 0, "tokens"),
+    ("layers", 0, "targets", 0, "top_channels"),
+]
+
+
+def _collection_files(folder: Path) -> dict[str, str]:
+    save_file({"t:output/absmax": torch.ones(2)}, str(folder / STATS_FILE))
+    save_file({"hidden": torch.zeros(1, 2, 2)}, str(folder / INPUTS_FILE))
+    return {name: sha256(folder / name) for name in (STATS_FILE, INPUTS_FILE)}
+
+
+@st.composite
+def fuzzed_collection_manifests(draw: st.DrawFn, digests: dict[str, str]) -> str:
+    summary = {"name": "t:output", "pattern": "t", "layer": 0, "channels": 2, "tokens": 3, "top_channels": [[0, 1.0]]}
+    manifest = {
+        "format": "shardcal-collect-checkpoint",
+        "format_version": 1,
+        "fingerprint": dict(COLLECT_FINGERPRINT),
+        "completed_layers": 1,
+        "finished": False,
+        "files": dict(digests),
+        "batches": {"0": INPUTS_FILE},
+        "layers": [{"layer": 0, "stats": STATS_FILE, "targets": [summary]}],
+    }
+    for _ in range(draw(st.integers(0, 3))):
+        manifest = _set(manifest, draw(st.sampled_from(COLLECT_PATHS)), draw(JSON_VALUES))
+    return to_json(manifest)
+
+
+@fuzz(100)
+@given(data=st.data())
+def test_collection_manifest_fuzz(workdir: Path, data: st.DataObject) -> None:
+    folder = workdir / "collect-ckpt"
+    folder.mkdir(exist_ok=True)
+    digests = _collection_files(folder)
+    text = data.draw(fuzzed_collection_manifests(digests) | st.text(max_size=40))
+    (folder / COLLECT_MANIFEST).write_text(text, encoding="utf-8", errors="surrogatepass")
+    checkpoint = CollectionCheckpoint(folder, dict(COLLECT_FINGERPRINT))
+    clean(CalibrationCheckpointError, lambda: checkpoint.load([0]))

@@ -9,6 +9,7 @@ sizes. A rank may get no batch at all (fewer batches than ranks); it still takes
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,19 @@ def rank_batch_indices(num_batches: int, rank: int, world_size: int) -> list[int
     base, extra = divmod(num_batches, world_size)
     start = rank * base + min(rank, extra)
     return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def warn_idle_ranks(num_batches: int, batch_size: int, world_size: int, stacklevel: int = 1) -> None:
+    """One warning when some ranks get no batch (they only take part in the gathers); ``stacklevel`` as
+    ``warnings.warn``'s, counted from the caller."""
+    idle = [r for r in range(world_size) if not rank_batch_indices(num_batches, r, world_size)]
+    if idle:
+        warnings.warn(
+            f"{num_batches} batch(es) of up to {batch_size} sequences for {world_size} ranks: rank(s) "
+            f"{', '.join(map(str, idle))} get none and only take part in the gathers (a smaller batch size, or more "
+            "samples, gives every rank work)",
+            stacklevel=stacklevel + 1,
+        )
 
 
 def data_fingerprint(batches: Sequence[Batch]) -> str:

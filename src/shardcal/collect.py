@@ -18,6 +18,7 @@ an interrupted run resumes after the last committed layer, on any number of rank
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
@@ -49,7 +50,7 @@ from .activation_stats import (
 )
 from .activation_store import ActivationWriter, dtype_name, parse_dtype
 from .activation_targets import Target, observed_tensor, parse_targets, resolve_targets
-from .batches import Batch, make_batches, rank_batch_indices
+from .batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
 from .collect_checkpoint import CollectionCheckpoint
 from .distributed import dp_group, world
 from .errors import CalibrationCheckpointError, CollectionError, ModelLayoutError
@@ -206,6 +207,13 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
             raise CalibrationCheckpointError(f"{plan.checkpoint.dir}: collection checkpoint is inconsistent ({what})")
         if start <= last:
             initial = _restore_inputs(model, local_batches, resume.activations, o["offload_activations"])
+    if rank == 0:
+        warn_idle_ranks(len(plan.batches), o["batch_size"], world()[1], stacklevel=3)  # collect_activations' caller
+    if resume is not None and o["progress"] and rank == 0:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
+        print(
+            f"resuming after layer {start} of {last + 1} from {plan.checkpoint.dir} (committed {when})", file=sys.stderr
+        )
     bar = _progress_bar(last + 1, min(start, last + 1), o["progress"] and rank == 0)
     if start <= last:
         steps = layer_steps(
@@ -215,15 +223,18 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
             offload_activations=o["offload_activations"],
             start=start,
             initial_inputs=initial,
+            batch_numbers=plan.mine,
         )
         report_phase("collect: embedding")
         try:
             _step_through(steps, plan, start, results, entries, bar)
         finally:
             steps.close()
+            if bar is not None:  # closed before any message, so that an error starts on a line of its own
+                bar.close()
         if plan.checkpoint is not None:
             plan.checkpoint.commit(last + 1, {}, entries, finished=True)
-    if bar is not None:
+    elif bar is not None:
         bar.close()
     ordered = {t.name: results[t.name] for t in plan.targets}
     if plan.writer is not None:

@@ -21,6 +21,7 @@ digest does not match is reported as corrupt, never used. All ranks must see one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -103,6 +104,7 @@ class CollectionResume:
     activations: list[torch.Tensor]  # layer ``completed_layers``' inputs of this rank's batches, in order (unfinished)
     stats: dict[str, TargetStats]  # every finished layer's targets
     entries: list[dict[str, Any]]  # per finished layer holding a target: its manifest record
+    committed_at: float = 0.0  # when the manifest was written (seconds since the epoch)
 
 
 class CollectionCheckpoint:
@@ -191,7 +193,7 @@ class CollectionCheckpoint:
                 for summary in entry["targets"]:
                     found = TargetStats.from_saved(summary, tensors)
                     stats[found.name] = found
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise CalibrationCheckpointError(
                     f"{self.dir / MANIFEST}: corrupt manifest (layer {entry['layer']}'s statistics: bad {exc})"
                 ) from None
@@ -199,8 +201,8 @@ class CollectionCheckpoint:
         self.stats_files = {e["stats"]: manifest["files"][e["stats"]] for e in manifest["layers"]}
         if finished and world()[0] == 0:  # no commit follows to clear what a killed final commit left
             self._remove_files_except(self.committed)
-        done = manifest["completed_layers"]
-        return CollectionResume(done, finished, activations, stats, list(manifest["layers"]))
+        done, committed_at = manifest["completed_layers"], (self.dir / MANIFEST).stat().st_mtime
+        return CollectionResume(done, finished, activations, stats, list(manifest["layers"]), committed_at)
 
     # ------------------------------------------------------------------ writing
     def record_layer(self, layer: int, found: list[TargetStats]) -> dict[str, Any]:
@@ -317,3 +319,21 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
         for e in layers
     ):
         raise bad("layers", "is not a list of finished layers' records (layer, listed stats file, targets)")
+
+
+def remove_checkpoint(directory: str | Path) -> int:
+    """Delete a collection checkpoint: its manifest first (so a half-removed one is never resumed), then its own
+    files, then the directory when nothing else is in it. Returns the bytes freed. Not collective (one rank, after
+    the run); files that are not the checkpoint's are left alone."""
+    folder = Path(directory)
+    if not (folder / MANIFEST).is_file():
+        return 0
+    freed = (folder / MANIFEST).stat().st_size
+    (folder / MANIFEST).unlink()
+    for path in sorted(folder.iterdir()):
+        if _OWN_FILE.fullmatch(path.name):
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return freed

@@ -168,6 +168,24 @@ def shipped_recipe_path(name: str) -> Path:
     return shipped_recipes_dir() / f"{stem}.toml"
 
 
+def algorithm_summary(recipe: Recipe) -> str:
+    """``gptq``, ``smoothquant + gptq`` (a smoothing pass first), ``rtn``."""
+    name = str(recipe.algorithm.get("name", "rtn"))
+    smooth = recipe.algorithm.get("smooth")
+    return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
+
+
+def recipe_rows() -> list[tuple[str, str, str, str, str]]:
+    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (``shardcal recipes``)."""
+    rows = []
+    for name in shipped_recipes():
+        recipe = load_recipe(name)
+        weight = recipe.weight.describe() if recipe.weight else "-"
+        inputs = recipe.input.describe() if recipe.input else "- (weight only)"
+        rows.append((name, weight, inputs, algorithm_summary(recipe), recipe.description))
+    return rows
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,13 @@ from torch import nn
 from .activation_feed import ActivationFeed
 from .activation_report import ActivationReport
 from .algorithms import LayerAlgorithm, make_algorithm
-from .batches import Batch, make_batches, rank_batch_indices
+from .batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
 from .calib_checkpoint import (
     CalibrationCheckpoint,
-    local_weight_shards,
+    local_weight_pieces,
     quantizer_state,
     restore_quantizers,
-    restore_weight_shards,
+    restore_weights,
     run_fingerprint,
 )
 from .distributed import all_reduce_, dp_group, world
@@ -36,7 +38,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .moe import AllExpertsObserve, ExpertTokenMasks, fallback_unobserved, moe_blocks
+from .moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from .options import CalibrationOptions
 from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
 from .quant.linear import QuantLinear
@@ -128,6 +130,7 @@ def _calibrate_layer(
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    routing = RoutingCounts(step.layer, step.name)
     # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
     # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
     passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
@@ -135,7 +138,8 @@ def _calibrate_layer(
         fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
-        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer):
+        counting = routing if p == 0 else contextlib.nullcontext()
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
             outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
         if p == 0:
             fp_outputs = outs
@@ -152,6 +156,7 @@ def _calibrate_layer(
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
+    moe_report = _moe_report(routing.merged(group), fallbacks, calibrate_all_experts)  # collective
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,
@@ -160,6 +165,8 @@ def _calibrate_layer(
         sqnr_db=sqnr,
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
+        moe=moe_report,
+        algorithm=algorithm.layer_report(step),
         from_activation_report=list(feed.used) if feed is not None else [],
     )
 
@@ -177,8 +184,23 @@ def _fed_amax(
     return out
 
 
-def _local_activations(inputs: list) -> list[torch.Tensor]:
-    return [x.hidden_states for x in inputs]
+#: The expert index of a quantizer name, after its MoE block's name (``.experts.3.`` ours, ``.3.`` fused experts).
+_EXPERT = re.compile(r"^\.(?:experts\.)?(\d+)\.")
+
+
+def _moe_report(routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool) -> dict[str, dict[str, list]]:
+    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from."""
+    out = {}
+    for block, counts in routed.items():
+        fell_back = {
+            int(m.group(1)) for n in fallbacks if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))
+        }
+        sources = [
+            "sibling fallback" if e in fell_back else "all tokens" if all_experts else "routed tokens"
+            for e in range(len(counts))
+        ]
+        out[block] = {"routed_tokens": counts, "scales_from": sources}
+    return out
 
 
 def calibrate(
@@ -252,9 +274,9 @@ def _calibrate(
     resume = None
     if options.checkpoint_dir is not None:
         fingerprinted = options.fingerprint() | ({"activation_report": feed.digest()} if feed is not None else {})
-        fingerprint = run_fingerprint(model, recipe, batches, world_size, fingerprinted)
+        fingerprint = run_fingerprint(model, recipe, batches, fingerprinted)
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
-        resume = checkpoint.load()
+        resume = checkpoint.load(mine)
     report = CalibrationReport(
         recipe=recipe.name,
         propagate=propagate,
@@ -266,12 +288,16 @@ def _calibrate(
     if resume is not None:
         start = resume.completed_layers
         restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
-        restore_weight_shards(model, resume.local_weights)
+        restore_weights(model, resume.weights)
         report.layers = [LayerReport(**entry) for entry in resume.report]
         report.resumed_from_layer = start
         if start < len(layers):
             initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
 
+    if rank == 0:
+        warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
+    if resume is not None and options.progress and rank == 0:
+        _announce_resume(resume, options.checkpoint_dir, len(layers))
     bar = _progress_bar(len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
         model,
@@ -280,24 +306,28 @@ def _calibrate(
         offload_activations=options.offload_activations,
         start=start,
         initial_inputs=initial,
+        batch_numbers=mine,
     )
     report_phase("calibrate: embedding")
-    for step in steps:
-        report_phase(f"calibrate {step.name}")
-        if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
-            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, keep_weights)
-            fault_point("calibrate.committed", completed_layers=step.index)
-        entry = _calibrate_layer(
-            step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate, feed
-        )
-        report.layers.append(entry)
-        if bar is not None:
-            bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        for step in steps:
+            report_phase(f"calibrate {step.name}")
+            if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
+                acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                fault_point("calibrate.committed", completed_layers=step.index)
+            entry = _calibrate_layer(
+                step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate, feed
+            )
+            report.layers.append(entry)
+            if bar is not None:
+                bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
+                bar.update(1)
+    finally:
+        if bar is not None:  # closed before any message, so that an error starts on a line of its own
+            bar.close()
     if checkpoint is not None and start < len(layers):
-        _commit(checkpoint, model, names, len(layers), [], report, keep_weights)
+        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
@@ -309,16 +339,17 @@ def _commit(
     model: nn.Module,
     names: list[str],
     done: int,
-    acts: list[torch.Tensor],
+    acts: dict[int, torch.Tensor],
     report: CalibrationReport,
     keep_weights: bool,
 ) -> None:
     checkpoint.commit(
         done,
+        len(names),
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
-        local_weights=local_weight_shards(model, names[:done]) if keep_weights else None,
+        weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
     )
 
 
@@ -336,6 +367,14 @@ def _restore_inputs(
     for x, stored in zip(inputs, activations):
         x.hidden_states = stored.to(cache_device)
     return inputs
+
+
+def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
+    print(
+        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
+        file=sys.stderr,
+    )
 
 
 def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
