@@ -66,15 +66,20 @@ TESTS: dict[str, list[str]] = {
         "tests/test_quant_observers.py",
         "tests/test_quant_linear.py",
     ],
-    "quant/observers.py": ["tests/test_quant_observers.py", "tests/test_quant_linear.py"],
+    "quant/observers.py": [
+        "tests/test_quant_observers.py",
+        "tests/test_quant_references.py",
+        "tests/test_quant_linear.py",
+    ],
     "quant/quantizer.py": [
+        "tests/test_quant_references.py",
         "tests/test_quant_linear.py",
         "tests/test_quant_observers.py",
         "tests/test_padding_reference.py",
         "tests/test_calibrate.py",
     ],
     "quant/merge.py": ["tests/test_quant_observers.py", "tests/test_calibrate.py"],
-    "quant/session.py": ["tests/test_quant_observers.py", "tests/test_calibrate.py"],
+    "quant/session.py": ["tests/test_quant_references.py", "tests/test_quant_observers.py", "tests/test_calibrate.py"],
     "quant/experts.py": ["tests/test_foreign_models.py"],
     "moe.py": ["tests/test_moe_reference.py", "tests/test_calibrate.py"],
     "fsdp2_utils.py": ["tests/test_fsdp2.py", "tests/test_calibrate.py", "tests/test_algorithms.py"],
@@ -94,10 +99,10 @@ TESTS: dict[str, list[str]] = {
         "tests/test_calibrate.py",
     ],
     "calib_checkpoint.py": ["tests/test_fingerprint_options.py", "tests/test_calibrate.py"],
-    "export/plan.py": ["tests/test_export.py", "tests/test_export_families.py"],
+    "export/plan.py": ["tests/test_export_claims.py", "tests/test_export.py", "tests/test_export_families.py"],
     "export/ct_tensors.py": ["tests/test_export.py"],
     "export/ct_config.py": ["tests/test_export.py"],
-    "export/shards.py": ["tests/test_export.py"],
+    "export/shards.py": ["tests/test_export_claims.py", "tests/test_export.py"],
     "export/export.py": ["tests/test_export.py"],
     "evaluate.py": ["tests/test_cli.py", "tests/test_embedded_model.py"],
 }
@@ -191,12 +196,27 @@ def apply(mutant: Mutant, tree: Path) -> str:
     return text.replace(mutant.old, mutant.new, 1)
 
 
+#: Not copied into the scratch tree: version control, environments, caches, build outputs.
+_SKIP = (
+    ".git",
+    ".venv",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    ".hypothesis",
+    "*.egg-info",
+    "build",
+    "dist",
+    "out",
+    "runs",
+)
+
+
 def _copy_tree(target: Path, tests_dir: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", "*.egg-info")
-    shutil.copytree(ROOT / "src", target / "src", ignore=ignore)
-    shutil.copytree(ROOT / "calibration", target / "calibration", ignore=ignore)
+    """The repository (tests read docs/, the Makefile, benchmarks/) with ``tests_dir`` as its tests."""
+    ignore = shutil.ignore_patterns(*_SKIP)
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(*_SKIP, "tests"), dirs_exist_ok=True)
     shutil.copytree(tests_dir, target / "tests", ignore=ignore)
-    shutil.copy2(ROOT / "pyproject.toml", target / "pyproject.toml")
 
 
 def _run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
