@@ -130,3 +130,29 @@ def test_dead_experts_get_their_siblings_largest_amax():
             assert len(siblings) == 2
             assert result["observed"][name][0] == 0
             assert result["observed"][name][1] == pytest.approx(max(siblings), rel=1e-5), name
+
+
+def test_fused_experts_quantize_their_block_input_with_the_largest_expert_range():
+    """transformers' fused experts (Qwen3-MoE): in routed mode each expert calibrates its own input range, and the
+    block input is fake-quantized with the largest of them (vLLM's rule for per-expert static input scales)."""
+    pytest.importorskip("transformers")
+    from _hf_models import hf_model
+
+    model = hf_model("qwen3_moe")
+    ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(5))
+    calibrate(model, ids, "w8a8-int8", batch_size=2, progress=False, calibrate_all_experts=False)
+    experts = model.model.layers[1].mlp.experts
+    ranges = [q.amax for n, q in iter_quantizers(experts) if n.endswith("gate_proj.input_quantizer")]
+    assert len(ranges) == EXPERTS and len({float(r) for r in ranges}) > 1  # the experts' ranges differ
+    largest = torch.stack(ranges).amax()
+    seen = {}
+    first = experts.register_forward_pre_hook(lambda m, args: seen.__setitem__("in", args[0].clone()), prepend=True)
+    after = experts.register_forward_pre_hook(lambda m, args: seen.__setitem__("quantized", args[0].clone()))
+    with torch.no_grad():
+        model(ids[:2])
+    first.remove()
+    after.remove()
+    scale = largest / 127.0
+    want = torch.clamp(torch.round(seen["in"] / scale), -128, 127) * scale
+    assert not torch.equal(seen["in"], seen["quantized"])
+    torch.testing.assert_close(seen["quantized"], want, rtol=0, atol=1e-6)

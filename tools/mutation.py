@@ -80,9 +80,14 @@ TESTS: dict[str, list[str]] = {
     ],
     "quant/merge.py": ["tests/test_quant_observers.py", "tests/test_calibrate.py"],
     "quant/session.py": ["tests/test_quant_references.py", "tests/test_quant_observers.py", "tests/test_calibrate.py"],
-    "quant/experts.py": ["tests/test_foreign_models.py"],
+    "quant/experts.py": ["tests/test_moe_reference.py", "tests/test_foreign_models.py"],
     "moe.py": ["tests/test_moe_reference.py", "tests/test_calibrate.py"],
-    "fsdp2_utils.py": ["tests/test_fsdp2.py", "tests/test_calibrate.py", "tests/test_algorithms.py"],
+    "fsdp2_utils.py": [
+        "tests/test_fsdp2.py",
+        "tests/test_sharded_edits.py",
+        "tests/test_calibrate.py",
+        "tests/test_algorithms.py",
+    ],
     "steps.py": [
         "tests/test_layer_steps.py",
         "tests/test_runner_options.py",
