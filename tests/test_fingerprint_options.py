@@ -69,8 +69,11 @@ def test_a_changed_result_option_is_refused(interrupted, tmp_path, option):
     folder = _copy(interrupted, tmp_path)
     with pytest.raises(CalibrationCheckpointError) as info:
         calibrate(_model(), IDS, "w8a8-int8", checkpoint_dir=folder, **{**BASE, option: CHANGED[option]})
-    # batch_size changes the batches too, which the data fingerprint sees first
-    assert "different options" in str(info.value) or (option == "batch_size" and "different data" in str(info.value))
+    # The message names the options (today as a group: "different options"; naming the option itself is welcome).
+    # batch_size changes the batches too, which the data fingerprint may see first.
+    message = str(info.value)
+    named = "different options" in message or option in message or option.replace("_", " ") in message
+    assert named or (option == "batch_size" and "different data" in message), message
 
 
 def test_a_changed_padding_mask_is_refused(interrupted, tmp_path):
