@@ -5,6 +5,7 @@ Run it on demand (``make mutation``; not part of ``make test``: it is slow)::
     python tools/mutation.py                 # the curated catalogue (tools/mutants.py), ~70 mutants
     python tools/mutation.py --only break-3  # one mutant (ids as in the catalogue; repeatable)
     python tools/mutation.py --all           # the catalogue + every operator/constant mutant of the core modules
+    python tools/mutation.py --all --skip-catalogue --sample 20   # 20 operator mutants drawn at random
     python tools/mutation.py --list          # print the mutants, run nothing
     python tools/mutation.py --check         # check that every catalogue entry still applies, run nothing
 
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="also every operator/constant mutant of the core modules")
     parser.add_argument("--sample", type=int, default=None, help="with --all: this many operator mutants at random")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-catalogue", action="store_true", help="with --all: the operator mutants only")
     parser.add_argument("--only", action="append", default=[], help="run the mutant(s) with this id")
     parser.add_argument("--module", action="append", default=[], help="only mutants of this module (src/shardcal/...)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the scratch copy is removed
 
-    mutants = list(CATALOGUE)
+    mutants = [] if args.all and args.skip_catalogue else list(CATALOGUE)
     if args.all:
         extra = [m for module in CORE for m in operator_mutants(module)]
         if args.sample is not None:
