@@ -189,10 +189,15 @@ def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
 
 
 def _reference_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
-    from shardcal.evaluate import perplexity
+    """exp(mean next-token cross-entropy), computed here from the logits (float64 log-softmax, one forward of all
+    rows), not with shardcal's perplexity."""
     from shardcal.models import from_pretrained
 
-    return perplexity(from_pretrained(model_dir), ids, batch_size=2)
+    with torch.no_grad():
+        logits = from_pretrained(model_dir)(ids).double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return float(torch.exp(nll.mean()))
 
 
 def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
@@ -469,3 +474,32 @@ def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
         f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
         f"{tmp_path / 'stream.npy'}: holds 3 samples of 32 tokens, fewer than the 5 asked for; using 3",
     ]
+
+
+@pytest.mark.parametrize("impl", ["shardcal", "transformers"])
+def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_weights(
+    capsys, tiny_dir, tmp_path, monkeypatch, impl
+):
+    """A group size that divides no Linear fails from config.json, the headers and the recipe alone: the data
+    is never read, no tensor is read, nothing is written; the error names the module and the fix."""
+    from shardcal.models.checkpoint import CheckpointReader
+
+    if impl == "transformers":
+        pytest.importorskip("transformers")
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
+    monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
+    recipe = tmp_path / "g48.toml"
+    recipe.write_text('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n')
+    status, out, err = run_cli(
+        capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out", "--model-impl", impl
+    )
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    width = json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
+    assert err.startswith(f"error: {recipe}: recipe 'g48' does not fit module 'model.layers.0.self_attn.q_proj': ")
+    assert f"group_size 48 does not divide the last dimension {width}" in err
+    assert err.rstrip().endswith(
+        f"fix: group_size = 32 (divides {width}), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"
+    )
+    assert not (tmp_path / "out").exists()

@@ -540,7 +540,8 @@ def single_process_group():
 @pytest.mark.usefixtures("single_process_group")
 def test_collect_command(tmp_path, capsys):
     """The report equals the library's; a rerun with --checkpoint-dir says it resumes and removes the checkpoint
-    after; short data is one warning line; bad input is one error line, before anything is loaded or written."""
+    after; short data is one warning line; bad input is one error line, before data or weights are loaded (no data
+    warning) and before anything is written."""
     import numpy as np
 
     from shardcal import cli
@@ -580,6 +581,8 @@ def test_collect_command(tmp_path, capsys):
         (["--out", other, "--stats", "median"], "unknown statistic 'median'"),
         (["--out", other, "--bins", 0], "--bins must be >= 1, got 0"),
         (["--out", other, "--targets", "model.layers.*:weights"], "unknown tensor selector ':weights'"),
+        (["--out", other, "--targets", "model.layers.*.mlp.nothing:input"], "matches no module of"),  # the skeleton
+        (["--out", other, "--targets", "model.norm:output"], "outside the decoder layers"),
         (["--out", model_dir], "--out " + str(model_dir) + " is the model directory"),
         (["--out", other, "--checkpoint-dir", Path(model_dir) / "ckpt"], "lies inside the model directory"),
     ]

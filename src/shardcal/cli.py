@@ -208,12 +208,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
-    input, ``--overwrite`` or not), the model's config. Returns ``(recipe, model implementation, vocab_size)``."""
+    input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
+    the recipe against every decoder layer (:mod:`shardcal.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
     from .errors import CalibrationCheckpointError, ExportError
     from .export import check_destination
     from .fsutil import check_apart
     from .loading.foreign import choose_impl, raw_config, text_field
     from .models.config import load_config
+    from .preflight import check_recipe_fits, meta_skeleton
     from .recipes import load_recipe
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
@@ -228,6 +230,7 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     vocab_size = (
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
     )
+    check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
     check_destination(out_dir, args.overwrite, flag="--overwrite")
     return recipe, impl, vocab_size
 
@@ -243,11 +246,8 @@ def cli_warnings(rank: int) -> None:
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
 
+    warnings.simplefilter("default")  # each warning once per run (a new filter also forgets earlier runs' ones)
     warnings.showwarning = show
-    # Each command reports its warnings afresh: adding a filter (last, so that -W and the caller's filters still
-    # win; UserWarning's action is "default" anyway) resets what "once per location" remembers, so a second command
-    # in the same process (tests, a notebook) shows them again, whatever was imported in between.
-    warnings.filterwarnings("default", category=UserWarning, append=True)
 
 
 def calibrate_job(options: dict) -> dict:
@@ -383,8 +383,9 @@ def _collect(args: argparse.Namespace) -> int:
 
 def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     """What ``collect`` can refuse before loading weights or data: the targets' syntax, the statistics and counts,
-    where the report and the checkpoint go (never over an input), the model's config. Returns ``(model
-    implementation, vocab_size)``."""
+    where the report and the checkpoint go (never over an input), the model's config, its tensors' names and shapes
+    (the safetensors headers) and the target patterns against its modules (:mod:`shardcal.preflight`). Returns
+    ``(model implementation, vocab_size)``."""
     from .activation_report import REPORT_JSON
     from .activation_targets import parse_targets
     from .collect import parse_stats
@@ -393,9 +394,10 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     from .fsutil import check_apart, check_creatable
     from .loading.foreign import choose_impl, raw_config, text_field
     from .models.config import load_config
+    from .preflight import check_targets_fit, meta_skeleton
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
-    parse_targets(args.targets)
+    patterns = parse_targets(args.targets)
     if args.stats is not None:
         parse_stats(args.stats)
     for flag, value, low in (
@@ -421,6 +423,7 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     vocab_size = (
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
     )
+    check_targets_fit(meta_skeleton(model_dir, impl), patterns)  # headers and shapes: no weight is read
     return impl, vocab_size
 
 
