@@ -21,6 +21,7 @@ from . import errors
 from .distributed import destroy_distributed, free_port, init_distributed, is_initialized
 from .errors import DistributedError
 from .health import read_status_file
+from .hostmem import pin_mmap_threshold
 
 
 def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, status_dir: str) -> None:
@@ -34,6 +35,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple
         SHARDCAL_STATUS_DIR=status_dir,
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.hostmem)
     try:
         init_distributed()
         fn(*args)
