@@ -37,7 +37,7 @@ class Command:
 
 #: Registered subcommands (name -> Command); ``--help`` lists them in ``_ORDER``, then any others.
 COMMANDS: dict[str, Command] = {}
-_ORDER = ("calibrate", "eval", "import-gguf", "demo")
+_ORDER = ("calibrate", "plan", "eval", "import-gguf", "demo")
 
 
 def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None):
@@ -146,6 +146,11 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when the plan predicts more memory than is free (see shardcal plan)",
+    )
 
 
 @command(
@@ -171,6 +176,7 @@ def calibrate_job(options: dict) -> dict:
     """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
     from .distributed import all_gather_floats, init_distributed
     from .export import check_destination, export_checkpoint
+    from .hostmem import pin_mmap_threshold
     from .loading.sharded import load_pretrained
     from .models.config import load_config
     from .options import CalibrationOptions
@@ -179,11 +185,18 @@ def calibrate_job(options: dict) -> dict:
 
     args = argparse.Namespace(**options)
     rank, world = init_distributed()
+    pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.hostmem)
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     recipe = load_recipe(args.recipe)  # bad input fails here, before anything is loaded or written
     cfg = load_config(model_dir)
     check_destination(out_dir, args.overwrite)
     ids, source = load_data(args, model_dir, cfg.vocab_size, split="calib")
+    if not args.force:  # plan first: stop before loading anything when the predicted peak does not fit
+        from .plan import check_before_loading
+
+        plan_options = CalibrationOptions(propagate=args.propagate, batch_size=args.batch_size)
+        check_before_loading(model_dir, recipe, tuple(ids.shape), plan_options, cpu_offload=args.cpu_offload,
+                             shard_root=not args.no_shard_root)  # fmt: skip
     start = time.perf_counter()
     model = load_pretrained(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
     options = CalibrationOptions(
@@ -214,6 +227,111 @@ def torch_peak_memory_mb() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json; safetensors optional)"
+    )
+    parser.add_argument("--recipe", required=True, metavar="NAME|FILE", help="the recipe calibrate would use")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--nproc-per-node", type=int, metavar="N", help="N ranks on this node (default 1)")
+    ranks.add_argument("--world-size", type=int, metavar="N", help="N ranks in all, over several nodes")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="N",
+        help="with --world-size: ranks sharing one node's host memory (default 8 on cuda, all on cpu)",
+    )
+    parser.add_argument("--num-samples", type=int, default=32, metavar="S", help="calibration sequences (default 32)")
+    parser.add_argument("--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default 256)")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default 8)")
+    parser.add_argument("--cpu-offload", action="store_true", help="parameter shards in host memory (as calibrate)")
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="embeddings / final norm / lm_head replicated (as calibrate)"
+    )
+    parser.add_argument(
+        "--propagate", choices=["fp", "qdq"], default=None, help="as calibrate (default: the recipe's algorithm's)"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
+    )
+    parser.add_argument(
+        "--device-memory", metavar="SIZE", help="free memory per GPU to check against (e.g. 80GB; default: this one's)"
+    )
+    parser.add_argument(
+        "--host-memory", metavar="SIZE", help="free host memory per node to check against (default: MemAvailable)"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and two batches)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
+    from .options import CalibrationOptions
+    from .plan import PlanSettings
+
+    world = args.world_size or args.nproc_per_node or 1
+    if args.world_size is not None:
+        local = args.ranks_per_node or (min(world, 8) if device == "cuda" else world)
+    else:
+        local = args.ranks_per_node or world
+    options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate)
+    return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
+                        seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,
+                        shard_root=not args.no_shard_root, options=options)  # fmt: skip
+
+
+@command(
+    "plan",
+    help="predict per-rank memory, disk reads, all-gather volume, disk space (and time, with --probe) before loading",
+    arguments=_plan_arguments,
+)
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import plan as planning
+    from .recipes import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = _plan_settings(args, device)
+    source = planning.read_source(args.model_dir)
+    plan = planning.plan_source(source, recipe, settings, args.model_dir)
+    here = (
+        planning.local_budget(device) if device == "cpu" or torch.cuda.is_available() else planning.Budget(None, None)
+    )
+    budget = planning.Budget(
+        planning.parse_bytes(args.device_memory, "--device-memory") if args.device_memory else here.device,
+        planning.parse_bytes(args.host_memory, "--host-memory") if args.host_memory else here.host,
+        "given (--device-memory)" if args.device_memory else here.device_what,
+        "given (--host-memory)" if args.host_memory else here.host_what,
+    )
+    short = planning.shortfall(plan, budget)
+    fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None
+    if args.probe:
+        from .probe import with_time
+
+        with_time(plan, source.config, recipe, args.model_dir)
+    if args.json:
+        out = plan.to_dict()
+        out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
+        out["fits"] = None if budget.device is None and budget.host is None else short is None
+        out["fix"] = fix
+        print(json.dumps(out))
+        return 0
+    print(planning.format_plan(plan))
+    if short is not None:
+        print("does not fit: " + planning.refusal_message(plan, short, fix).removesuffix("; --force runs anyway"))
+    elif budget.device is not None or budget.host is not None:
+        known = [f"{planning.fmt_bytes(v)} {w}" for v, w in ((budget.device, budget.device_what),
+                 (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
+        print("fits: " + ", ".join(known))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- eval

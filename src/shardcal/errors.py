@@ -50,3 +50,7 @@ class UsageError(ShardcalError):
 
 class DistributedError(ShardcalError):
     """Another rank failed, or a collective timed out."""
+
+
+class InsufficientMemoryError(ShardcalError):
+    """The plan predicts more memory than the device or host has free (``calibrate`` stops before loading)."""
