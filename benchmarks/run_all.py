@@ -17,7 +17,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 #: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
-BENCHMARKS: tuple[str, ...] = ("weight_sqnr", "load_memory", "calibration_speed", "ptq_quality")
+BENCHMARKS: tuple[str, ...] = (
+    "weight_sqnr",
+    "load_memory",
+    "calibration_speed",
+    "ptq_quality",
+    "plan_accuracy",
+    "scaling",
+)
 
 
 def main() -> int:
