@@ -308,8 +308,8 @@ def _plan(args: argparse.Namespace) -> int:
     budget = planning.Budget(
         planning.parse_bytes(args.device_memory, "--device-memory") if args.device_memory else here.device,
         planning.parse_bytes(args.host_memory, "--host-memory") if args.host_memory else here.host,
-        "given (--device-memory)" if args.device_memory else here.device_what,
-        "given (--host-memory)" if args.host_memory else here.host_what,
+        "per GPU (--device-memory)" if args.device_memory else here.device_what,
+        "--host-memory" if args.host_memory else here.host_what,
     )
     short = planning.shortfall(plan, budget)
     fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None

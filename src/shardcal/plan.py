@@ -99,14 +99,14 @@ class Param:
     file_dtype: torch.dtype  # in the checkpoint (the memory dtype when planning from config.json alone)
     unit: str  # the FSDP2 unit that gathers it: a decoder layer's name, "lm_head" or "<root>"
     sharded: bool
+    row_numel: int = field(init=False, repr=False)  # elements per dim-0 row
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_numel", math.prod(self.shape[1:]))
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
+        return self.shape[0] * self.row_numel
 
     @property
     def nbytes(self) -> int:
@@ -238,6 +238,20 @@ class ModelSource:
     config: ModelConfig
     file_dtypes: dict[str, torch.dtype] | None  # None: config.json only
     checkpoint_bytes: int  # the checkpoint's tensor data (from the headers), or the config's size in its dtype
+    _tensors: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def tensors(self) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
+        """:func:`model_tensors` of the config, computed once."""
+        if "tensors" not in self._tensors:
+            self._tensors["tensors"] = model_tensors(self.config)
+        return self._tensors["tensors"]
+
+    def params(self, dtype: torch.dtype, shard_root: bool) -> list[Param]:
+        """:func:`build_params` for this source, computed once per dtype and ``shard_root``."""
+        key = ("params", dtype, shard_root)
+        if key not in self._tensors:
+            self._tensors[key] = build_params(self.config, dtype, self.file_dtypes, shard_root, self.tensors()[0])
+        return self._tensors[key]
 
 
 def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None) -> ModelSource:
@@ -692,8 +706,9 @@ class PreparedModel:
                  dtype: torch.dtype | str | None = None):  # fmt: skip
         cfg = self.cfg = source.config
         self.recipe, self.shard_root = recipe, shard_root
-        shapes, linears = model_tensors(cfg)
-        params = self.params = build_params(cfg, resolve_dtype(cfg, dtype), source.file_dtypes, shard_root, shapes)
+        linears = source.tensors()[1]
+        params = self.params = source.params(resolve_dtype(cfg, dtype), shard_root)
+        self.numel, self.nbytes = sum(p.numel for p in params), sum(p.nbytes for p in params)
         self.targets = quant_targets(linears, recipe)
         self.dtype = next(p.dtype for p in params if p.name == "model.embed_tokens.weight")
         self.e = self.dtype.itemsize
@@ -713,10 +728,15 @@ class PreparedModel:
         if shard_root and "lm_head" in self.by_unit:
             units.append("lm_head")
         self.export_units = [*units, "<root>"]
+        # parameters of the same rows, row size, dtypes and sharding shard alike: count them once per kind
         self.read_groups: dict[tuple[int, int, int, bool], int] = {}
+        self.unit_groups: dict[str, dict[tuple[int, int, int, bool], int]] = {}
         for p in params:
             key = (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded)
             self.read_groups[key] = self.read_groups.get(key, 0) + 1
+            groups = self.unit_groups.setdefault(p.unit, {})
+            key = (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded)
+            groups[key] = groups.get(key, 0) + 1
         self.quantizer_upto: list[int] = []
         total = 0
         for i in range(cfg.num_hidden_layers):
@@ -737,6 +757,8 @@ class PreparedModel:
             kind = kinds.setdefault(key, len(kinds))
             self.kind_of.append(kind)
             self.example.setdefault(kind, i)
+        # the last layer of each structure: the same needs as the others of its kind, with the most quantizers
+        self.last_of_kind = sorted({k: i for i, k in enumerate(self.kind_of)}.values())
         self._entries: dict[str, list[tuple[Entry, int]]] | None = None
 
     def unit_entries(self) -> dict[str, list[tuple[Entry, int]]]:
@@ -754,8 +776,17 @@ class _Model:
         self.propagate = s.options.propagate or prepared.default_propagate
         self.rows = batch_rows(s.num_samples, s.options.batch_size)
         world = s.world_size
-        self.gathered = {u: gathered_bytes(prepared.by_unit.get(u, []), world) for u in prepared.export_units}
-        self.shards = sum(shard_bytes(p, world) for p in prepared.params)
+
+        def grouped(groups: dict[tuple[int, int, int, bool], int], gathered: bool) -> int:
+            total = 0
+            for (rows, row_numel, itemsize, sharded), count in groups.items():
+                held = (world if gathered else 1) * -(-rows // world) if sharded else (0 if gathered else rows)
+                total += count * held * row_numel * itemsize
+            return total
+
+        units = prepared.unit_groups
+        self.gathered = {u: grouped(units.get(u, {}), True) for u in prepared.export_units}
+        self.shards = sum(grouped(g, False) for g in units.values())
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def __getattr__(self, name: str) -> Any:  # the world-independent parts
@@ -870,7 +901,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     )
     layer_peaks: list[tuple[int, int]] = []
     algo_peak, layer_fwd, wobs = 0, 0, 0
-    for i, unit in enumerate(m.layer_names):
+    for i in m.last_of_kind:
+        unit = m.layer_names[i]
         base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
         algo = m.algorithm_state(i, rank, len(mine))
         fwd, fwd_q = m.forward(i, biggest, False), m.forward(i, biggest, True)
@@ -957,18 +989,23 @@ def export_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
     quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
     out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
     own_units = set(m.export_units[:-1])
+    layouts: dict[tuple[int, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}  # one recipe: by shape
     for p in m.params:
         unit = p.unit if p.unit in own_units else "<root>"
         module, _, leaf = p.name.rpartition(".")
         t = quantized.get(module)
         if t is not None and leaf == "weight":
-            spec_in = t.input.spec if t.input is not None else None
-            fmt = infer_format(t.weight.spec, spec_in)
-            layout = tensor_layout(fmt, t.weight.spec, spec_in, t.linear.out_features, t.linear.in_features)
-            entries = [Entry(f"{module}.{k}", dt, shape, ("quant", module, k)) for k, (dt, shape) in layout.items()]
+            key = (t.linear.out_features, t.linear.in_features)
+            if key not in layouts:
+                spec_in = t.input.spec if t.input is not None else None
+                fmt = infer_format(t.weight.spec, spec_in)
+                layout = tensor_layout(fmt, t.weight.spec, spec_in, *key)
+                layouts[key] = [(k, dt, shape, math.prod(shape) * dt.itemsize) for k, (dt, shape) in layout.items()]
+            out[unit] += [
+                (Entry(f"{module}.{k}", dt, shape, ("quant", module, k)), n) for k, dt, shape, n in layouts[key]
+            ]
         else:
-            entries = [Entry(p.name, p.dtype, p.shape, ("param", p.name))]
-        out[unit] += [(e, e.nbytes) for e in entries]
+            out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
     return out
 
 
@@ -1004,7 +1041,8 @@ def checkpoint_dir_bytes(m: _Model) -> int:
     acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
     weights_upto = [0]
     for unit in m.layer_names:  # the ranks' own rows of each layer together: the whole layer, in the model's dtype
-        weights_upto.append(weights_upto[-1] + sum(p.nbytes for p in m.by_unit.get(unit, [])))
+        groups = m.unit_groups.get(unit, {})
+        weights_upto.append(weights_upto[-1] + sum(n * rows * row * size for (rows, row, size, _), n in groups.items()))
     every = m.s.options.checkpoint_every
     commits = [k for k in range(1, layers) if k % every == 0] + [layers]
 
@@ -1031,13 +1069,13 @@ def plan_prepared(prepared: PreparedModel, settings: PlanSettings, model_dir: st
         raise UsageError("settings.shard_root differs from the prepared model's")
     m = _Model(prepared, settings)
     ranks = [_rank_plan(m, r) for r in range(settings.world_size)]
-    cfg, params = prepared.cfg, prepared.params
+    cfg = prepared.cfg
     model = {
         "dir": str(model_dir) if model_dir is not None else None,
         "model_type": cfg.model_type,
         "layers": cfg.num_hidden_layers,
-        "parameters": sum(p.numel for p in params),
-        "parameter_bytes": sum(p.nbytes for p in params),
+        "parameters": prepared.numel,
+        "parameter_bytes": prepared.nbytes,
         "dtype": str(prepared.dtype).removeprefix("torch."),
     }
     io = traffic(m)
