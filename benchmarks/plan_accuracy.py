@@ -11,9 +11,11 @@ and world size. Cases: SmolLM2-135M (float32) at N = 1 and 2, and a model with L
 layers (bfloat16, random weights written by this script) at N = 2 — plus two informative rows (GPTQ's state; an
 activation-dominated run). Bound: measured / predicted - 1 within -20 % / +25 % for the whole process's peak.
 
-**Time.** ``plan --probe``'s estimate (one layer calibrated on one and on two batches, with the threads a rank gets,
-extrapolated over layers and batches) against the measured ``calibrate()`` time of the same run, SmolLM2 at N = 1
-and 2. Bound: ±30 %. Both are taken back to back; this machine's 2 cores are shared, so each is the best of two.
+**Time.** ``plan --probe``'s estimate (one layer calibrated on one and on three batches, with the threads a rank
+gets, extrapolated over layers and batches) against the measured ``calibrate()`` of the same run, SmolLM2 at N = 1
+and 2, each the mean of two interleaved tries. This machine's 2 cores are shared with other jobs, so the bound
+(±30 %) is checked on the CPU seconds of the busiest rank — the work, which other jobs do not change — and the wall
+times are printed beside them.
 
 Exits 1 when a bound is missed.
 """
@@ -97,8 +99,10 @@ def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_di
     model = load_pretrained(model_dir)
     measured["bytes_read"] = model._shardcal_distribution_plan["bytes_read"]
     phase("load")
+    cpu = time.process_time()
     report = calibrate(model, ids, recipe, batch_size=batch_size, progress=False)
     measured["calibrate_seconds"] = report.seconds
+    measured["calibrate_cpu_seconds"] = time.process_time() - cpu
     phase("calibrate")
     export_checkpoint(model, out_dir, recipe=recipe, overwrite=True)
     phase("export")
@@ -210,27 +214,32 @@ def run_time() -> tuple[list[dict], bool]:
     cfg = read_source(smol).config
     rows, ok = [], True
     print(
-        f"\n{'time, SmolLM2-135M, w8a8-int8, 32 x 256, batch 8':52} {'N':>2} {'probe':>8} {'predicted':>10} {'measured':>10} {'error':>7}"
+        f"\n{'time, SmolLM2-135M, w8a8-int8, 32 x 256, batch 8':52} {'N':>2} {'probe':>7} "
+        f"{'CPU s/rank: predicted':>21} {'measured':>9} {'error':>7}   {'wall: predicted':>15} {'measured':>9}"
     )
     for nproc in (1, 2):
         settings = PlanSettings(world_size=nproc, num_samples=32, seq_len=256, options=CalibrationOptions(batch_size=8))
-        estimates, times = [], []
+        estimates, runs = [], []
         for _ in range(2):  # interleaved: the machine's load drifts
             estimates.append(estimate_time(cfg, "w8a8-int8", settings, smol))
-            got, _ = measure(smol, "w8a8-int8", ids, 8, nproc)
-            times.append(max(r["calibrate_seconds"] for r in got))
-        est = min(estimates, key=lambda e: e["calibrate_seconds"])
-        predicted, measured = est["calibrate_seconds"], min(times)
+            runs.append(measure(smol, "w8a8-int8", ids, 8, nproc)[0])
+        mean = lambda values: sum(values) / len(values)
+        predicted = mean([e["cpu_seconds_per_rank"] for e in estimates])
+        measured = mean([max(r["calibrate_cpu_seconds"] for r in run) for run in runs])
+        wall_predicted = mean([e["calibrate_seconds"] for e in estimates])
+        wall_measured = mean([max(r["calibrate_seconds"] for r in run) for run in runs])
         err = measured / predicted - 1
         hit = abs(err) <= TIME_BOUND
         ok = ok and hit
         print(
-            f"{'':52} {nproc:>2} {est['probe_seconds']:>6.1f} s {predicted:>8.1f} s {measured:>8.1f} s {100 * err:>+6.1f}%  "
+            f"{'':52} {nproc:>2} {mean([e['probe_seconds'] for e in estimates]):>5.1f} s {predicted:>19.1f} s "
+            f"{measured:>7.1f} s {100 * err:>+6.1f}%   {wall_predicted:>13.1f} s {wall_measured:>7.1f} s  "
             f"{'ok' if hit else 'MISSED'}",
             flush=True,
         )
-        rows.append({"ranks": nproc, "predicted": predicted, "measured": measured, "error": err, "probe": est,
-                     "all_measured": times, "all_predicted": [e["calibrate_seconds"] for e in estimates]})  # fmt: skip
+        rows.append({"ranks": nproc, "predicted_cpu": predicted, "measured_cpu": measured, "error": err,
+                     "predicted_wall": wall_predicted, "measured_wall": wall_measured, "estimates": estimates,
+                     "runs": runs})  # fmt: skip
     return rows, ok
 
 

@@ -333,6 +333,7 @@ def test_plan_text_and_the_time_probe(capsys, tmp_path):
     t = doc["time"]
     assert t["batches_per_rank"] == 2 and t["calibrate_seconds"] > 0 and t["probe_threads"] >= 1
     assert t["calibrate_seconds"] == pytest.approx(2 * (t["fixed_seconds"] + 2 * t["batch_seconds"]))
+    assert t["cpu_seconds_per_rank"] > 0 and "CPU-seconds per rank" in out
 
 
 def test_plan_on_a_config_only_directory(capsys, tmp_path):

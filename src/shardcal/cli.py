@@ -266,7 +266,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-memory", metavar="SIZE", help="free host memory per node to check against (default: MemAvailable)"
     )
     parser.add_argument(
-        "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and two batches)"
+        "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and three batches)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 

@@ -1293,7 +1293,8 @@ def format_plan(plan: CalibrationPlan, max_ranks: int = 4) -> str:
         lines.append(
             f"time: about {t['calibrate_seconds']:.0f} s to calibrate ({t['layer_seconds']:.2f} s per layer: "
             f"{t['fixed_seconds']:.2f} s + {t['batch_seconds']:.3f} s x {t['batches_per_rank']} batch(es) per rank; "
-            f"probed on {t['probe_device']})"
+            f"{t['cpu_seconds_per_rank']:.0f} CPU-seconds per rank; probed on {t['probe_device']}, "
+            f"{t['probe_threads']} thread(s))"
         )
     return "\n".join(lines)
 

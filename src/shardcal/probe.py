@@ -1,13 +1,15 @@
-"""How long a calibration will take, from a short probe: one decoder layer calibrated on one batch and on two.
+"""How long a calibration will take, from a short probe: one decoder layer calibrated on one batch and on three.
 
 The probe builds a one-layer model with the checkpoint's own layer weights (random ones when the directory has only
-``config.json``), runs the real :func:`shardcal.calibrate` on it with one batch and with two, and fits
+``config.json``), runs the real :func:`shardcal.calibrate` on it with one batch and with three, and fits
 ``t(batches) = fixed + per_batch * batches``: ``fixed`` is what a layer costs whatever the data (weight scales,
 algorithm solves, the SQNR batch), ``per_batch`` what each cached batch adds (observing passes, statistics,
 propagation). The estimate for the whole run is, summed over the decoder layers (each layer structure probed once),
 ``fixed + per_batch * (batches on the busiest rank)``: ranks calibrate their batches in parallel.
 
 On CPU the probe runs with the threads one rank will have (cores / ranks per node), as the launcher gives them.
+Wall-clock seconds assume the machine as busy as during the probe; the CPU seconds the probe's process used give
+the work itself (``cpu_seconds_per_rank``), which is what to compare on a machine that other jobs share.
 Not counted: loading, the embedding pass, gathers and merges across ranks, export; GPTQ's solves are counted as
 if one rank did them all (with N ranks they are shared, so the estimate is an upper bound there).
 """
@@ -34,7 +36,7 @@ from .runner import calibrate
 
 #: Vocabulary of the probe model: its embeddings only feed the probed layer (calibrate never runs the head).
 PROBE_VOCAB = 64
-#: Timed repeats of each probe run (the fastest counts); one untimed run first warms kernels and allocator.
+#: Timed repeats of each probe run (their mean counts); one untimed run first warms kernels and allocator.
 PROBE_REPEATS = 2
 
 
@@ -81,23 +83,32 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _seconds(model: CausalLM, recipe: Recipe, rows: int, seq_len: int, batches: int, plan: PlanSettings) -> float:
+def _seconds(
+    model: CausalLM, recipe: Recipe, rows: int, seq_len: int, batches: int, plan: PlanSettings
+) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of calibrating the probe model on ``batches`` batches, the mean of the repeats."""
     ids = torch.randint(0, PROBE_VOCAB, (rows * batches, seq_len), generator=torch.Generator().manual_seed(1))
-    options = plan.options.replace(
-        batch_size=rows, progress=False, checkpoint_dir=None, report_path=None, sqnr_batches=plan.options.sqnr_batches
-    )
-    best = float("inf")
+    options = plan.options.replace(batch_size=rows, progress=False, checkpoint_dir=None, report_path=None)
+    wall = cpu = 0.0
     for _ in range(PROBE_REPEATS):  # a calibrated layer is calibrated again: the same work (its quantizers exist)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         calibrate(model, ids, recipe, options)
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+    return wall / PROBE_REPEATS, cpu / PROBE_REPEATS
+
+
+def _fit(one: float, three: float) -> tuple[float, float]:
+    """``(fixed, per_batch)`` of ``t(b) = fixed + per_batch * b`` through ``t(1)`` and ``t(3)``."""
+    per_batch = max((three - one) / 2, 0.0)
+    return max(one - per_batch, 0.0), per_batch
 
 
 def probe_layer(
     cfg: ModelConfig, model_dir: Path | None, layer: int, recipe: Recipe, settings: PlanSettings, device: str
-) -> tuple[float, float]:
-    """``(fixed, per_batch)`` seconds of calibrating ``cfg``'s layer ``layer`` (see the module docstring)."""
+) -> dict[str, tuple[float, float]]:
+    """``{"wall": (fixed, per_batch), "cpu": (fixed, per_batch)}`` seconds of calibrating ``cfg``'s layer
+    ``layer`` (see the module docstring); ``cpu`` is the process's CPU time (all its threads)."""
     probe_cfg = _probe_config(cfg, layer)
     model = build_on_meta(probe_cfg, cfg.torch_dtype or torch.float32).to_empty(device="cpu")
     model.tie_weights()
@@ -106,10 +117,9 @@ def probe_layer(
     rows = min(settings.options.batch_size, settings.num_samples)
     calibrate(model, torch.zeros(1, min(settings.seq_len, 16), dtype=torch.long), recipe,
               settings.options.replace(batch_size=1, progress=False, checkpoint_dir=None, report_path=None))  # fmt: skip
-    t1 = _seconds(model, recipe, rows, settings.seq_len, 1, settings)
-    t2 = _seconds(model, recipe, rows, settings.seq_len, 2, settings)
-    per_batch = max(t2 - t1, 0.0)
-    return max(t1 - per_batch, 0.0), per_batch
+    one = _seconds(model, recipe, rows, settings.seq_len, 1, settings)
+    three = _seconds(model, recipe, rows, settings.seq_len, 3, settings)
+    return {"wall": _fit(one[0], three[0]), "cpu": _fit(one[1], three[1])}
 
 
 def _layer_kinds(cfg: ModelConfig) -> dict[tuple[Any, ...], list[int]]:
@@ -128,9 +138,10 @@ def estimate_time(
 ) -> dict[str, Any]:
     """Probe each layer structure once and extrapolate the calibration time over layers and batches.
 
-    Returns ``calibrate_seconds`` (the estimate for ``calibrate()``), ``layer_seconds`` (per layer, the busiest
-    rank), ``fixed_seconds``, ``batch_seconds``, ``batches_per_rank``, ``probe_seconds`` (what the probe took),
-    ``probe_device`` and ``probe_threads``.
+    Returns ``calibrate_seconds`` (the estimate for ``calibrate()``, as busy a machine as during the probe assumed),
+    ``layer_seconds`` (per layer, the busiest rank), ``fixed_seconds``, ``batch_seconds``, ``batches_per_rank``,
+    ``cpu_seconds_per_rank`` (the CPU time the busiest rank's process needs, all its threads: the work, whatever
+    else runs on the machine), ``probe_seconds`` (what the probe took), ``probe_device`` and ``probe_threads``.
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     device = device or settings.device
@@ -145,21 +156,24 @@ def estimate_time(
     busiest = max(len(rank_batch_indices(len(rows), r, settings.world_size)) for r in range(settings.world_size))
     folder = Path(model_dir) if model_dir is not None else None
     start = time.perf_counter()
-    total, fixed_sum, batch_sum = 0.0, 0.0, 0.0
+    sums = {"wall": [0.0, 0.0], "cpu": [0.0, 0.0]}  # (fixed, per_batch) summed over the layers
     with _threads(threads):
         for layers in _layer_kinds(cfg).values():
-            fixed, per_batch = probe_layer(cfg, folder, layers[0], recipe, settings, device)
-            total += len(layers) * (fixed + per_batch * busiest)
-            fixed_sum += len(layers) * fixed
-            batch_sum += len(layers) * per_batch
+            for key, (fixed, per_batch) in probe_layer(cfg, folder, layers[0], recipe, settings, device).items():
+                sums[key][0] += len(layers) * fixed
+                sums[key][1] += len(layers) * per_batch
+    probe_seconds = time.perf_counter() - start
     n = cfg.num_hidden_layers
+    (fixed, per_batch), (cpu_fixed, cpu_batch) = sums["wall"], sums["cpu"]
+    total = fixed + per_batch * busiest
     return {
         "calibrate_seconds": total,
         "layer_seconds": total / n,
-        "fixed_seconds": fixed_sum / n,
-        "batch_seconds": batch_sum / n,
+        "fixed_seconds": fixed / n,
+        "batch_seconds": per_batch / n,
         "batches_per_rank": busiest,
-        "probe_seconds": time.perf_counter() - start,
+        "cpu_seconds_per_rank": cpu_fixed + cpu_batch * busiest,
+        "probe_seconds": probe_seconds,
         "probe_device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name()})",
         "probe_threads": threads,
     }
