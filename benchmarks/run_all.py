@@ -21,6 +21,7 @@ BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr",
     "load_memory",
     "calibration_speed",
+    "foreign_speed",
     "ptq_quality",
     "plan_accuracy",
     "scaling",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import importlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["errors", "fsutil", "params", "faults", "distributed", "health", "launcher", "hostmem"]),
     ("models and quantizers", ["models.*", "quant", "quant.*", "batches"]),
     ("sharding", ["registry", "fsdp2_utils"]),
-    ("layer stepping and algorithms", ["options", "steps", "moe", "algorithms", "algorithms.*"]),
+    ("layer stepping and algorithms", ["options", "layer_inputs", "steps", "moe", "algorithms", "algorithms.*"]),
     ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*"]),
     ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate", "plan", "probe"]),
     ("command line", ["cli", "__main__"]),
@@ -303,3 +304,10 @@ def _problems_of(tmp_path: Path, files: dict[str, str]) -> list[str]:
 def test_the_check_sees_each_kind_of_break(tmp_path, files, expected):
     problems = _problems_of(tmp_path, files)
     assert any(expected in p for p in problems), problems
+
+
+def test_transformers_is_loaded_by_name_in_one_place_only():
+    """Beside the static check: the package loads transformers dynamically only in loading/foreign.py."""
+    pattern = re.compile(r"import_module\(\s*[\"'](transformers|huggingface_hub)")
+    found = [str(p.relative_to(SRC)) for p in all_modules().values() if pattern.search(p.read_text(encoding="utf-8"))]
+    assert found == ["shardcal/loading/foreign.py"], found

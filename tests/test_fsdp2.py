@@ -297,9 +297,24 @@ def _refusals() -> dict:
     wrapped = _model(LLAMA)
     fsdp2_wrap(wrapped)
     out["wrapped"] = message(lambda: fsdp2_wrap(wrapped))
-    tp = _model(LLAMA)
-    tp.model.layers[1].self_attn._tp_plan = {"q_proj": "colwise"}
-    out["tp_plan"] = message(lambda: fsdp2_wrap(tp))
+    planned = _model(LLAMA)  # a plan says how a model could be split; it records nothing
+    planned._tp_plan = {"lm_head": "colwise_gather_output"}
+    planned.model._ep_plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts"}
+    out["tp_plan"] = message(lambda: fsdp2_wrap(planned))
+    meshed = _model(LLAMA)
+    meshed.model.layers[1].self_attn.device_mesh = object()
+    out["mesh"] = message(lambda: fsdp2_wrap(meshed))
+    tp_sized = _model(LLAMA)
+    tp_sized._tp_size = 2
+    out["tp_size"] = message(lambda: fsdp2_wrap(tp_sized))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dtensor = _model(LLAMA)
+    mesh = init_device_mesh("cpu", (1,))
+    weight = dtensor.model.layers[0].mlp.up_proj.weight
+    dtensor.model.layers[0].mlp.up_proj.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, [Replicate()]))
+    out["dtensor"] = message(lambda: fsdp2_wrap(dtensor))
     return out
 
 
@@ -307,9 +322,10 @@ def test_refusals():
     (r,) = run_on_ranks(1, _refusals)
     assert "Sequential" in r["no_layers"] and "register_decoder_layer_support" in r["no_layers"]
     assert "already FSDP2-wrapped" in r["wrapped"]
-    assert (
-        "model.layers.1.self_attn" in r["tp_plan"] and "_tp_plan" in r["tp_plan"] and "from_pretrained" in r["tp_plan"]
-    )
+    assert r["tp_plan"] is None  # wrapped
+    assert "'model.layers.1.self_attn' carries a device mesh (device_mesh)" in r["mesh"]
+    assert "module '<root>' has _tp_size=2" in r["tp_size"]
+    assert "'model.layers.0.mlp.up_proj.weight' is a DTensor" in r["dtensor"]
 
 
 def test_wrap_without_process_group_is_a_clear_error():

@@ -41,8 +41,11 @@ AUXILIARY_MODULE_NAMES: tuple[str, ...] = (
     "mtp",
 )
 
-#: Attributes that tensor-, expert- or pipeline-parallel loaders leave on modules they distributed.
-_PLAN_ATTRIBUTES: tuple[str, ...] = ("_tp_plan", "_ep_plan", "_pp_plan")
+#: Attributes a parallel loader sets on a model it actually distributed (transformers' ``_device_mesh``,
+#: ``_tp_size``, ``_is_distributed_loading_by_transformers``; a ``device_mesh`` of other libraries). A ``_tp_plan``
+#: is not one of them: transformers sets it on every model, distributed or not (it says how a model *could* be split).
+_MESH_ATTRIBUTES: tuple[str, ...] = ("device_mesh", "_device_mesh")
+_PARALLEL_SIZE_ATTRIBUTES: tuple[str, ...] = ("_tp_size", "tp_size", "_ep_size", "_pp_size")
 
 #: Set on a model by ``load_pretrained``: what was sharded, over which mesh.
 DISTRIBUTION_PLAN_ATTR = "_shardcal_distribution_plan"
@@ -60,29 +63,39 @@ def _decoder_layers_or_raise(model: nn.Module) -> nn.ModuleList:
 
 
 def _refuse_distributed(model: nn.Module) -> None:
-    """Refuse a model that is already FSDP2-wrapped or that a parallel loader has distributed."""
+    """Refuse a model that is already FSDP2-wrapped or that a parallel loader has actually distributed."""
     if getattr(model, DISTRIBUTION_PLAN_ATTR, None):
         raise ModelLayoutError(
             f"{type(model).__name__}: this model was loaded already sharded (load_pretrained records a distribution "
             "plan); fsdp2_wrap needs a plain model: load it with shardcal.models.from_pretrained instead"
         )
+    hint = "load the model plainly (one full copy per process, or on the meta device) and let fsdp2_wrap shard it"
     for name, module in model.named_modules():
         where = name or "<root>"
         if isinstance(module, FSDPModule):
             raise ModelLayoutError(
                 f"{type(model).__name__}: module {where!r} is already FSDP2-wrapped; wrap a plain model"
             )
-        for attr in _PLAN_ATTRIBUTES:
-            if getattr(module, attr, None):
-                raise ModelLayoutError(
-                    f"{type(model).__name__}: module {where!r} carries a non-empty {attr} (distributed by a "
-                    "tensor/expert/pipeline-parallel loader); load the model with shardcal.models.from_pretrained "
-                    "and wrap that instead"
-                )
-        if getattr(module, "device_mesh", None) is not None:
+        if getattr(module, "_is_distributed_loading_by_transformers", False) is True:
             raise ModelLayoutError(
-                f"{type(model).__name__}: module {where!r} carries a device_mesh (distributed by another loader); "
-                "load the model with shardcal.models.from_pretrained and wrap that instead"
+                f"{type(model).__name__}: module {where!r} was distributed by transformers' loader; {hint}"
+            )
+        for attr in _MESH_ATTRIBUTES:
+            if getattr(module, attr, None) is not None:
+                raise ModelLayoutError(
+                    f"{type(model).__name__}: module {where!r} carries a device mesh ({attr}): it was distributed by "
+                    f"another loader; {hint}"
+                )
+        for attr in _PARALLEL_SIZE_ATTRIBUTES:
+            size = getattr(module, attr, None)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+                raise ModelLayoutError(
+                    f"{type(model).__name__}: module {where!r} has {attr}={size} (tensor/expert/pipeline parallel); {hint}"
+                )
+    for pname, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ModelLayoutError(
+                f"{type(model).__name__}: parameter {pname!r} is a DTensor (already distributed over a device mesh); {hint}"
             )
 
 

@@ -43,7 +43,7 @@ import torch
 
 from .algorithms import make_algorithm
 from .batches import rank_batch_indices
-from .errors import CheckpointError, RecipeError, UsageError
+from .errors import CheckpointError, ConfigError, RecipeError, UsageError
 from .export.ct_config import infer_format, tensor_layout
 from .export.export import DEFAULT_MAX_SHARD_BYTES
 from .export.plan import SHARD_NAME, Entry
@@ -51,7 +51,7 @@ from .export.shards import header_bytes
 from .hostmem import available_bytes
 from .loading.build import check_float_shapes, check_tensor_names, resolve_dtype
 from .models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
-from .models.config import ModelConfig, load_config
+from .models.config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
 from .options import CalibrationOptions
 from .quant.granularity import Layout
 from .quant.spec import QuantizerSpec
@@ -1314,6 +1314,27 @@ def parse_bytes(text: str, what: str = "size") -> int:
     if match is None or match.group(2) not in _UNITS:
         raise UsageError(f"{what} {text!r} is not a size (e.g. 80GB, 80GiB, 81920MiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def plannable(model_dir: str | Path) -> bool:
+    """Whether the planner models ``model_dir``'s model: shardcal has a class for its ``model_type``. A model that
+    only transformers' class runs (``--model-impl auto|transformers`` on another ``model_type``) is not planned;
+    a shardcal model type loaded with transformers' class is planned as shardcal's (the same parameters)."""
+    from .loading.foreign import raw_config
+
+    return raw_config(model_dir).get("model_type") in SUPPORTED_MODEL_TYPES
+
+
+def check_plannable(model_dir: str | Path) -> None:
+    """Raise :class:`~shardcal.errors.ConfigError` (one line) when :func:`plannable` is false."""
+    from .loading.foreign import raw_config
+
+    if not plannable(model_dir):
+        raise ConfigError(
+            f"{Path(model_dir) / 'config.json'}: model_type {raw_config(model_dir).get('model_type')!r} has no "
+            f"shardcal class, and the planner models shardcal's classes only ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+            "`shardcal calibrate` runs it with transformers' class (--model-impl), without a plan"
+        )
 
 
 def check_before_loading(

@@ -48,6 +48,7 @@ from torch import nn
 from .algorithms import validate_algorithm
 from .errors import RecipeError
 from .params import SpecError
+from .quant.experts import PROJECTIONS, attach_expert_quantizers
 from .quant.linear import QuantLinear
 from .quant.spec import QuantizerSpec
 
@@ -165,6 +166,24 @@ def shipped_recipe_path(name: str) -> Path:
             f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
         )
     return shipped_recipes_dir() / f"{stem}.toml"
+
+
+def algorithm_summary(recipe: Recipe) -> str:
+    """``gptq``, ``smoothquant + gptq`` (a smoothing pass first), ``rtn``."""
+    name = str(recipe.algorithm.get("name", "rtn"))
+    smooth = recipe.algorithm.get("smooth")
+    return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
+
+
+def recipe_rows() -> list[tuple[str, str, str, str, str]]:
+    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (``shardcal recipes``)."""
+    rows = []
+    for name in shipped_recipes():
+        recipe = load_recipe(name)
+        weight = recipe.weight.describe() if recipe.weight else "-"
+        inputs = recipe.input.describe() if recipe.input else "- (weight only)"
+        rows.append((name, weight, inputs, algorithm_summary(recipe), recipe.description))
+    return rows
 
 
 def _read(path: Path) -> str:
@@ -336,4 +355,23 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
             ) from None
-    return [name for name, _ in targets]
+    return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
+
+
+def _quantize_fused_experts(module: nn.Module, recipe: Recipe, prefix: str) -> list[str]:
+    """Per-expert quantizers for fused 3-D experts (no nn.Linear per expert), named like per-expert Linears."""
+    names: list[str] = []
+    for name, sub in module.named_modules(prefix=prefix):
+        if not any(p.dim() == 3 for p in sub.parameters(recurse=False)):
+            continue
+        if not any(recipe.matches(f"{name}.0.{proj}") for proj in PROJECTIONS):
+            continue  # excluded as a whole: an unknown layout there is no error
+        if recipe.output is not None:
+            raise RecipeError(f"{recipe.source or recipe.name}: fused experts {name!r} take no output quantizer")
+        try:
+            names += attach_expert_quantizers(sub, name, recipe.matches, recipe.weight, recipe.input)
+        except ValueError as exc:
+            raise RecipeError(
+                f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit {name!r}: {exc}"
+            ) from None
+    return names

@@ -7,6 +7,8 @@ inputs it sees, then move on". :func:`layer_steps` does the moving on::
         my_algorithm(step.layer, step)           # step.layer is unsharded on every rank for the whole step
         # step.forward(i) / step.forward_all() run the layer on this rank's cached batch(es)
 
+The layers' inputs come from the model (:mod:`shardcal.layer_inputs`): shardcal's own models embed directly,
+any other causal LM runs its own forward up to the decoder layers, which records what each layer is called with.
 Between iterations it computes the next layer's inputs — reusing the outputs of the step's own pass over
 the data when they are still valid (``propagate="fp"``), or recomputing them with whatever the caller left in
 the layer (quantizers on, updated weights: ``propagate="qdq"``) — then reshards the layer and drops the old
@@ -22,59 +24,24 @@ import torch
 from torch import nn
 
 from .batches import Batch
-from .errors import ModelLayoutError
-from .fsdp2_utils import fsdp2_root_unsharded, layer_unsharded
+from .distributed import all_gather_floats
+from .errors import ModelLayoutError, NumericsError
+from .fsdp2_utils import layer_unsharded
+from .layer_inputs import CachedInputs, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
+from .quant.tokens import real_tokens_of
 from .registry import LayerActivationCollector, decoder_layer_prefix
-
-
-@dataclass
-class CachedInputs:
-    """One batch's inputs to a decoder layer: hidden states plus what every layer shares (rotary, mask)."""
-
-    hidden_states: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    attention_mask: torch.Tensor | None
-    token_mask: torch.Tensor | None  # [B, L] 1 = real token; statistics skip padding
-
-
-def _embedder(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
-    """The module that owns the decoder layers and knows how to embed (``embed(input_ids, attention_mask)``)."""
-    for module in model.modules():
-        if any(child is layers for child in module.children()) and hasattr(module, "embed"):
-            return module
-    raise ModelLayoutError(
-        f"{type(model).__name__}: the module holding the decoder layers has no embed(input_ids, attention_mask) "
-        "method returning the layers' inputs (hidden_states, position_embeddings, attention_mask)"
-    )
 
 
 def embed_batches(
     model: nn.Module, batches: Sequence[Batch], device: torch.device, cache_device: torch.device
 ) -> list[CachedInputs]:
-    """The decoder stack's inputs for each batch, computed inside :func:`fsdp2_root_unsharded`.
-
-    Collective when the root is sharded: every rank enters the context, even one with no batches.
-    """
+    """The decoder stack's inputs for each batch (see :mod:`shardcal.layer_inputs`). Collective when sharded:
+    every rank calls it, even one with no batches."""
     layers = LayerActivationCollector.get_decoder_layers(model)
     if layers is None:
         raise ModelLayoutError(f"{type(model).__name__}: no decoder layers found (register the layout)")
-    embedder = _embedder(model, layers)
-    cached = []
-    with torch.no_grad(), fsdp2_root_unsharded(model):
-        for batch in batches:
-            mask = None if batch.attention_mask is None else batch.attention_mask.to(device)
-            inputs = embedder.embed(batch.input_ids.to(device), mask)
-            cos, sin = inputs.position_embeddings
-            cached.append(
-                CachedInputs(
-                    inputs.hidden_states.to(cache_device),
-                    (cos.to(cache_device), sin.to(cache_device)),
-                    None if inputs.attention_mask is None else inputs.attention_mask.to(cache_device),
-                    None if batch.attention_mask is None else batch.attention_mask.to(cache_device),
-                )
-            )
-    return cached
+    return layer_inputs(model, layers, decoder_layer_prefix(model, layers), batches, device, cache_device)
 
 
 @dataclass
@@ -90,14 +57,12 @@ class LayerStep:
     outputs: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def forward(self, i: int) -> torch.Tensor:
-        """Run the layer on cached batch ``i``; the output is on the compute device."""
+        """Run the layer on cached batch ``i`` (with the arguments the model gives this layer); the output (the
+        hidden states) is on the compute device."""
         x = self.inputs[i]
-        cos, sin = x.position_embeddings
-        with torch.no_grad():
-            return self.layer(
-                x.hidden_states.to(self.device),
-                position_embeddings=(cos.to(self.device), sin.to(self.device)),
-                attention_mask=None if x.attention_mask is None else x.attention_mask.to(self.device),
+        with torch.no_grad(), real_tokens_of(x.token_mask):
+            return call_layer(
+                self.layer, self.name, x.hidden_states.to(self.device), x.call_of(self.index).to(self.device)
             )
 
     def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
@@ -126,6 +91,7 @@ def layer_steps(
     start: int = 0,
     initial_inputs: list[CachedInputs] | None = None,
     device: torch.device | None = None,
+    batch_numbers: Sequence[int] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -135,7 +101,9 @@ def layer_steps(
     them after the caller is done, i.e. with the caller's quantizers enabled. ``offload_activations`` keeps the
     cache on CPU while layers run on an accelerator (default: on exactly when the model is on an accelerator).
     ``start``/``initial_inputs`` resume at a layer with inputs restored from a checkpoint. At most two layers'
-    worth of activations (inputs and outputs of the current layer) are alive at once.
+    worth of activations (inputs and outputs of the current layer) are alive at once. ``batch_numbers``: the
+    global numbers of ``batches`` (default ``0, 1, ...``), named when a layer's output holds NaN or inf — which
+    stops every rank with a :class:`~shardcal.errors.NumericsError`.
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
@@ -147,6 +115,7 @@ def layer_steps(
         offload_activations = device.type != "cpu"
     cache_device = torch.device("cpu") if offload_activations else device
     prefix = decoder_layer_prefix(model, layers)
+    numbers = list(batch_numbers) if batch_numbers is not None else list(range(len(batches)))
     inputs = initial_inputs if initial_inputs is not None else embed_batches(model, batches, device, cache_device)
     for index in range(start, len(layers)):
         layer = layers[index]
@@ -156,10 +125,24 @@ def layer_steps(
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
             outputs = step.outputs
-        inputs = [
-            CachedInputs(out, x.position_embeddings, x.attention_mask, x.token_mask) for out, x in zip(outputs, inputs)
-        ]
+            _check_finite(step.name, outputs, numbers)
+        inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
+
+
+def _check_finite(name: str, outputs: list[torch.Tensor], batch_numbers: Sequence[int]) -> None:
+    """Stop every rank together, with the same message, when any rank's layer output holds NaN or inf (collective:
+    one small all-gather of each rank's first bad batch number, -1 for none)."""
+    bad = next((i for i, out in enumerate(outputs) if not bool(torch.isfinite(out).all())), None)
+    found = all_gather_floats(-1.0 if bad is None else float(batch_numbers[bad]))
+    culprits = [(int(n), r) for r, n in enumerate(found) if n >= 0]
+    if culprits:
+        batch, rank = min(culprits)
+        on = f" on rank {rank}" if len(found) > 1 else ""
+        raise NumericsError(
+            f"{name}: the layer's output holds NaN or infinite values (batch {batch}{on}): corrupt weights, or an "
+            "overflow in a low-precision dtype; a calibration checkpoint stays at the previous layer"
+        )
 
 
 def compute_device(model: nn.Module) -> torch.device:

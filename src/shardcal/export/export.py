@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import broadcast_json, ranks_with_flag, world
+from ..distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..errors import ExportError
 from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from ..fsutil import check_creatable, umask
+from ..fsutil import check_apart, check_creatable, read_json_object, umask
+from ..quant.experts import weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..recipes import Recipe, load_recipe
 from .ct_tensors import encode_input, encode_weight
@@ -69,20 +70,21 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
+def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
     if out_dir.exists() or out_dir.is_symlink():
         if not out_dir.is_dir():
             raise ExportError(f"{out_dir}: exists and is not a directory")
         if any(out_dir.iterdir()) and not overwrite:
-            raise ExportError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+            raise ExportError(f"{out_dir}: exists and is not empty (pass {flag} to replace it)")
 
 
-def check_destination(out_dir: str | Path, overwrite: bool = False) -> None:
+def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
     """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
     calibration): a non-empty directory without ``overwrite``, a file, or a parent that cannot be created or
-    written. Checks only; creates nothing. Not collective."""
+    written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
+    replacing (a command line says ``--overwrite``)."""
     out_dir = Path(out_dir).absolute()
-    _check_destination(out_dir, overwrite)
+    _check_destination(out_dir, overwrite, flag)
     check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
 
 
@@ -159,7 +161,7 @@ def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
-    weight = _plain(qm.module.weight, f"{qm.name}.weight")
+    weight = _plain(qm.weight(), f"{qm.name}.weight")
     wq = qm.weight_quantizer
     if wq is None:  # quantized at export from a weight-only recipe: the same calibration calibrate() runs
         wq = TensorQuantizer(
@@ -178,38 +180,82 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
             tensor = _plain(model.get_parameter(entry.source[1]), entry.key)
             if tensor.dtype != entry.dtype:  # a mixed-precision gather: store the parameters' own dtype
                 tensor = tensor.to(entry.dtype)
+        elif entry.source[0] == "expert":  # an unquantized slice of fused experts, under its per-expert name
+            _, module_name, expert, projection = entry.source
+            tensor = _plain(weight_slice(model.get_submodule(module_name), int(expert), projection), entry.key)
+            tensor = tensor.to(entry.dtype).contiguous()
         else:
             _, module_name, suffix = entry.source
             if module_name not in encoded:
                 encoded = {module_name: _encode_module(plan.quant_modules[module_name])}
             tensor = encoded[module_name][suffix]
+            if entry.key.endswith("scale"):  # a quantization scale (a model's own *_scale parameter may be anything)
+                _check_scale(entry.key, tensor)
         writer.write(entry, tensor)
+
+
+def _in_a_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if isinstance(error, ExportError) else f"{type(error).__name__}: {text}"
+
+
+def _check_scale(key: str, scale: torch.Tensor) -> None:
+    """Refuse a scale no runtime can use: zero, negative, NaN or infinite (vLLM would compute garbage silently)."""
+    values = scale.float()
+    bad = ~torch.isfinite(values) | (values <= 0)
+    if bool(bad.any()):
+        first = values.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ExportError(
+            f"{key}: {int(bad.sum())} of {values.numel()} scale value(s) are zero, negative, NaN or infinite (e.g. "
+            f"{first}); recalibrate (or exclude the module) before exporting"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- finishing
 
 
-def _config_dict(model: nn.Module, plan: ExportPlan) -> dict[str, Any]:
+def model_config_dict(model: nn.Module, config_dir: Path | None = None) -> dict[str, Any]:
+    """The model's config.json contents, by duck typing: shardcal's ``config.raw``, anything with ``to_dict()``
+    (transformers' configs), else ``config_dir/config.json``. Raises :class:`ExportError` naming what is missing."""
     config = getattr(model, "config", None)
     raw = getattr(config, "raw", None)
+    if not isinstance(raw, dict) and callable(getattr(config, "to_dict", None)):
+        raw = config.to_dict()
+    if not isinstance(raw, dict) and config_dir is not None:
+        path = config_dir / CONFIG_NAME
+        if not path.is_file():
+            raise ExportError(f"{path}: missing (config_dir must hold the model's config.json)")
+        raw = read_json_object(path, ExportError)
     if not isinstance(raw, dict):
         raise ExportError(
-            f"{type(model).__name__}: model.config.raw (the parsed config.json) is needed to write config.json"
+            f"{type(model).__name__}: no config to write config.json from: give the model a config with to_dict() "
+            "(as transformers' models have) or pass config_dir=<the directory of its config.json>"
         )
-    out = json.loads(json.dumps(raw))  # a deep copy that is certainly JSON-serialisable
+    try:
+        out = json.loads(json.dumps(raw))  # a deep copy that is certainly JSON-serialisable
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{type(model).__name__}: its config is not JSON-serialisable ({exc})") from None
+    if not out.get("architectures"):
+        out["architectures"] = [_original_class(model).__name__]
     dtype_name = str(dominant_dtype(model)).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
     for k in keys:  # the dtype the unquantized tensors are stored in, so that a reload picks it by default
         out[k] = dtype_name
-    out["quantization_config"] = plan.quantization_config
     return out
+
+
+def _original_class(model: nn.Module) -> type:
+    """The model's own class (fully_shard makes ``FSDP<Name>`` subclasses)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _finish(model: nn.Module, plan: ExportPlan, staging: Path, report: Any, tokenizer_dir: Path | None) -> None:
+def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any, tokenizer_dir: Path | None) -> None:
     """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json (last)."""
     for shard in plan.shards:
         path = staging / shard.file
@@ -229,7 +275,7 @@ def _finish(model: nn.Module, plan: ExportPlan, staging: Path, report: Any, toke
         if report is not None:
             report.save_json(staging / REPORT_NAME)
             os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
-        _write_json(staging / CONFIG_NAME, _config_dict(model, plan))
+        _write_json(staging / CONFIG_NAME, {**config, "quantization_config": plan.quantization_config})
     except OSError as exc:
         raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
 
@@ -246,13 +292,18 @@ def export_checkpoint(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_dir: str | Path | None = None,
+    config_dir: str | Path | None = None,
 ) -> Path:
     """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a compressed-tensors checkpoint.
 
-    ``out_dir`` gets ``config.json`` (the model's config plus ``quantization_config``), shards
+    ``out_dir`` gets ``config.json`` (the model's config — ``model.config.raw`` for shardcal's models, anything
+    with ``to_dict()`` such as transformers' configs, else ``config_dir/config.json`` — plus ``quantization_config``),
+    shards
     ``model-0000i-of-0000N.safetensors`` of at most ``max_shard_bytes`` of tensor data each (a larger single tensor
     gets its own), ``model.safetensors.index.json``, the tokenizer / generation files of ``tokenizer_dir`` and, with
-    ``report`` (a :class:`~shardcal.report.CalibrationReport`), ``calibration_report.json``.
+    ``report`` (a :class:`~shardcal.report.CalibrationReport`), ``calibration_report.json``. Tensor names are the
+    module's state-dict names; fused experts (3-D parameters) are stored per expert under the names the original
+    checkpoints use (``mlp.experts.{e}.gate_proj.weight`` ...), which is what vLLM loads.
 
     ``recipe`` (optional): every quantized module must match it; a plain Linear it targets is quantized at export
     (weight-only or dynamic-input recipes only). Collective under torch.distributed (every rank calls it; with an
@@ -265,7 +316,9 @@ def export_checkpoint(
     if recipe is not None and not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     rank, world_size = world()
+    check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
     plan = build_plan(model, recipe, world_size, max_shard_bytes)
+    config = model_config_dict(model, Path(config_dir) if config_dir is not None else None)
 
     prepared: tuple[str, str]
     if rank == 0:
@@ -296,11 +349,12 @@ def export_checkpoint(
                                 _write_unit(model, plan, unit, writer)
                             except Exception as exc:
                                 error = exc
-                        failed = ranks_with_flag(error is not None)
+                        # Only the owner writes; every rank learns whether it failed, and why.
+                        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
                     if error is not None:
                         raise error
-                    if failed:
-                        raise ExportError(f"export to {out_dir} failed on rank(s) {failed} while writing {unit.name}")
+                    if why:
+                        raise ExportError(f"export to {out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
             if not writer.done:
                 raise RuntimeError("export plan: this rank's shards are incomplete")
         finally:
@@ -308,7 +362,7 @@ def export_checkpoint(
         outcome: tuple[str, str] | None = None
         if rank == 0:
             try:
-                _finish(model, plan, staging, report, tok_dir)
+                _finish(config, plan, staging, report, tok_dir)
                 _swap_into_place(staging, out_dir, overwrite)
                 outcome = ("ok", "")
             except ExportError as exc:

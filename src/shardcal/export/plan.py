@@ -20,6 +20,7 @@ other parameter is stored as it is, in its dtype, under its own (Hugging Face) n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import ExportError
-from ..quant.linear import QuantLinear
+from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
 from ..recipes import Recipe
@@ -40,11 +41,17 @@ SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
 @dataclass
 class QuantModule:
-    """A Linear exported quantized. ``weight_quantizer`` is None when the weight is quantized at export time from
-    ``spec_weight`` (a recipe-targeted plain Linear, weight-only / dynamic-input recipe)."""
+    """A Linear exported quantized: an ``nn.Linear``, or one projection of one expert of fused experts.
+
+    ``weight()`` gives the full ``[out_features, in_features]`` weight while its unit is gathered.
+    ``weight_quantizer`` is None when the weight is quantized at export time from ``spec_weight`` (a
+    recipe-targeted plain Linear, weight-only / dynamic-input recipe).
+    """
 
     name: str
-    module: nn.Linear
+    weight: Callable[[], torch.Tensor]
+    out_features: int
+    in_features: int
     spec_weight: QuantizerSpec
     spec_input: QuantizerSpec | None
     format: str
@@ -58,7 +65,8 @@ class QuantModule:
 
 @dataclass
 class Entry:
-    """One stored tensor: ``source`` is ``("param", name)`` or ``("quant", module_name, suffix)``."""
+    """One stored tensor: ``source`` is ``("param", name)``, ``("quant", module_name, suffix)``, or
+    ``("expert", experts_module_name, expert, projection)`` for an unquantized slice of fused experts."""
 
     key: str
     dtype: torch.dtype
@@ -125,59 +133,105 @@ def _check_spec(name: str, spec: QuantizerSpec, role: str) -> None:
 def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, QuantModule]:
     """Every Linear to store quantized, checked for what compressed-tensors can express and for calibration.
 
-    A ``QuantLinear`` with a weight quantizer is exported as calibrated. With ``recipe``, a plain Linear the recipe
-    targets is quantized at export (only for recipes that need no calibration data: weight-only or dynamic
-    input), and every QuantLinear must match the recipe.
+    A ``QuantLinear`` with a weight quantizer is exported as calibrated; so is each projection of fused experts
+    with attached quantizers (named ``<experts>.<e>.<gate_proj|up_proj|down_proj>``, as the original per-expert
+    Linears). With ``recipe``, a plain Linear (or fused projection) the recipe targets is quantized at export (only
+    for recipes that need no calibration data: weight-only or dynamic input), and every quantized module must
+    match the recipe.
     """
     found: dict[str, QuantModule] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
+            candidates = [(name, lambda m=module: m.weight, module.out_features, module.in_features, module)]
+        elif (shape := fused_experts_shape(module, name, strict=False)) is not None:
+            candidates = _fused_candidates(name, module, shape)
+        else:
             continue
-        wq = getattr(module, "weight_quantizer", None) if isinstance(module, QuantLinear) else None
-        iq = getattr(module, "input_quantizer", None) if isinstance(module, QuantLinear) else None
-        oq = getattr(module, "output_quantizer", None) if isinstance(module, QuantLinear) else None
-        if wq is None and iq is None and oq is None:
-            if recipe is None or not recipe.matches(name):
-                continue
-            if recipe.weight is None:
-                raise ExportError(
-                    f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
-                )
-            if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
-                raise ExportError(
-                    f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
-                    "run shardcal.calibrate(model, data, recipe) before exporting"
-                )
-            _check_spec(name, recipe.weight, "weight")
-            if recipe.input is not None:
-                _check_spec(name, recipe.input, "input")
-            fmt = ct_config.infer_format(recipe.weight, recipe.input)
-            found[name] = QuantModule(name, module, recipe.weight, recipe.input, fmt, None, None)
-            continue
-        if oq is not None:
-            raise ExportError(
-                f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
-            )
-        if wq is None:
-            raise ExportError(
-                f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization"
-            )
-        if recipe is not None:
-            if not recipe.matches(name):
-                raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
-            if recipe.weight != wq.spec or recipe.input != (iq.spec if iq is not None else None):
-                raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
-        _check_spec(name, wq.spec, "weight")
-        if iq is not None:
-            _check_spec(name, iq.spec, "input")
-        for q in (wq, iq):
-            if q is not None and not q.calibrated:
-                raise ExportError(
-                    f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting"
-                )
-        fmt = ct_config.infer_format(wq.spec, iq.spec if iq is not None else None)
-        found[name] = QuantModule(name, module, wq.spec, iq.spec if iq is not None else None, fmt, wq, iq)
+        for full_name, weight, out_f, in_f, holder in candidates:
+            qm = _quant_module(full_name, weight, out_f, in_f, holder, recipe)
+            if qm is not None:
+                found[full_name] = qm
     return found
+
+
+def _fused_candidates(name: str, module: nn.Module, shape: tuple[int, int, int]) -> list[tuple]:
+    """``(name, weight getter, out, in, quantizer holder or None)`` per expert and projection of fused experts."""
+    experts, hidden, inter = shape
+    shared = {p: shared_input_quantizer(module, p) for p in PROJECTIONS}  # experts share input scales, as in vLLM
+    holders = {
+        (e, p): _ExportQuantizers(q.weight_quantizer, shared[p] if q.input_quantizer is not None else None)
+        for e, p, q in iter_projections(module)
+    }
+    sizes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return [
+        (f"{name}.{e}.{p}", lambda e=e, p=p: weight_slice(module, e, p), *sizes[p], holders.get((e, p)))
+        for e in range(experts)
+        for p in PROJECTIONS
+    ]
+
+
+@dataclass
+class _ExportQuantizers:
+    """What one fused expert projection is exported with: its weight quantizer and the block's shared input one."""
+
+    weight_quantizer: TensorQuantizer | None
+    input_quantizer: TensorQuantizer | None
+
+
+def _quant_module(
+    name: str, weight: Callable[[], torch.Tensor], out_f: int, in_f: int, holder: Any, recipe: Recipe | None
+) -> QuantModule | None:
+    """The export record of one Linear-like module (``holder`` carries its quantizers), or None if unquantized."""
+    wq = getattr(holder, "weight_quantizer", None)
+    iq = getattr(holder, "input_quantizer", None)
+    oq = getattr(holder, "output_quantizer", None)
+    if wq is None and iq is None and oq is None:
+        if recipe is None or not recipe.matches(name):
+            return None
+        if recipe.weight is None:
+            raise ExportError(
+                f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
+            )
+        if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
+            raise ExportError(
+                f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
+                "run shardcal.calibrate(model, data, recipe) before exporting"
+            )
+        _check_spec(name, recipe.weight, "weight")
+        if recipe.input is not None:
+            _check_spec(name, recipe.input, "input")
+        fmt = ct_config.infer_format(recipe.weight, recipe.input)
+        return QuantModule(name, weight, out_f, in_f, recipe.weight, recipe.input, fmt, None, None)
+    if oq is not None:
+        raise ExportError(
+            f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
+        )
+    if wq is None:
+        raise ExportError(
+            f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization"
+        )
+    if recipe is not None:
+        if not recipe.matches(name):
+            raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
+        if recipe.weight != wq.spec or recipe.input != (iq.spec if iq is not None else None):
+            raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
+    _check_spec(name, wq.spec, "weight")
+    if iq is not None:
+        _check_spec(name, iq.spec, "input")
+    for q in (wq, iq):
+        if q is not None and not q.calibrated:
+            raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
+    fmt = ct_config.infer_format(wq.spec, iq.spec if iq is not None else None)
+    return QuantModule(name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, fmt, wq, iq)
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a module another implementation may load as one (a router holding a 2-D ``weight``):
+    such modules go into ``ignore`` when they are not quantized, so that no loader quantizes them."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 
 def build_quantization_config(model: nn.Module, quant: dict[str, QuantModule]) -> dict[str, Any]:
@@ -190,7 +244,12 @@ def build_quantization_config(model: nn.Module, quant: dict[str, QuantModule]) -
     for (weight, input, fmt), names in schemes.items():
         targets = ["Linear"] if len(schemes) == 1 else names
         groups.append(ct_config.scheme_dict(targets, weight, input, fmt))
-    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]
+    ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]
+    for name, module in model.named_modules():  # unquantized projections of fused experts, by their export names
+        if (shape := fused_experts_shape(module, name, strict=False)) is not None:
+            ignore += [
+                f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS if f"{name}.{e}.{p}" not in quant
+            ]
     return ct_config.quantization_config(groups, ignore)
 
 
@@ -212,21 +271,43 @@ def _fsdp_units(model: nn.Module, layers: nn.ModuleList | None) -> list[tuple[st
     return units
 
 
-def _entries_for(names: list[str], params: dict[str, torch.Tensor], quant: dict[str, QuantModule]) -> list[Entry]:
+def _entries_for(
+    names: list[str],
+    params: dict[str, torch.Tensor],
+    quant: dict[str, QuantModule],
+    fused: dict[str, tuple[int, int, int]],
+) -> list[Entry]:
+    """The stored tensors of the named parameters; a fused-experts parameter becomes per-expert tensors."""
     entries: list[Entry] = []
     for pname in names:
         mod, _, leaf = pname.rpartition(".")
         qm = quant.get(mod)
         if qm is not None and leaf == "weight":
-            m = qm.module
-            layout = ct_config.tensor_layout(qm.format, qm.spec_weight, qm.spec_input, m.out_features, m.in_features)
-            entries += [
-                Entry(f"{mod}.{suffix}", dt, shape, ("quant", mod, suffix)) for suffix, (dt, shape) in layout.items()
-            ]
+            entries += _quant_entries(qm)
+            continue
+        if mod in fused and leaf in ("gate_up_proj", "down_proj"):
+            projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+            experts, hidden, inter = fused[mod]
+            dtype = params[pname].dtype
+            for e in range(experts):
+                for p in projections:
+                    name = f"{mod}.{e}.{p}"
+                    if name in quant:
+                        entries += _quant_entries(quant[name])
+                    else:
+                        shape = (hidden, inter) if p == "down_proj" else (inter, hidden)
+                        entries.append(Entry(f"{name}.weight", dtype, shape, ("expert", mod, str(e), p)))
             continue
         p = params[pname]
         entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), ("param", pname)))
     return entries
+
+
+def _quant_entries(qm: QuantModule) -> list[Entry]:
+    layout = ct_config.tensor_layout(qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features)
+    return [
+        Entry(f"{qm.name}.{suffix}", dt, shape, ("quant", qm.name, suffix)) for suffix, (dt, shape) in layout.items()
+    ]
 
 
 def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_shard_bytes: int) -> ExportPlan:
@@ -240,8 +321,11 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
             "first, or pass a weight-only recipe to quantize at export"
         )
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    fused = {
+        n: shape for n, m in model.named_modules() if (shape := fused_experts_shape(m, n, strict=False)) is not None
+    }
     for name in quant:
-        if f"{name}.weight" not in params:
+        if f"{name}.weight" not in params and name.rsplit(".", 2)[0] not in fused:
             raise ExportError(
                 f"module {name!r} is quantized but its weight is shared with another parameter (tied embeddings?); "
                 "exclude it from the recipe"
@@ -262,8 +346,10 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
 
     units: list[Unit] = []
     for i, (kind, prefix, module) in enumerate(prefixes):
-        units.append(Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant)))
-    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant)))
+        units.append(
+            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused))
+        )
+    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant, fused)))
 
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):

@@ -6,6 +6,9 @@ present, shapes and dtypes right, nothing unexpected) before anything is materia
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -33,7 +36,29 @@ def router_weight_names(model: nn.Module) -> set[str]:
     return {f"{name}.gate.weight" for name, module in model.named_modules() if isinstance(module, SparseMoeBlock)}
 
 
-def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None) -> torch.dtype:
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build a model with its parameters on the meta device and its buffers real (rotary tables, for instance).
+
+    ``with meta_parameters(): model = MyLM(cfg)`` allocates each parameter only for the moment its module's
+    constructor creates it; :func:`~shardcal.loading.sharded.load_pretrained` then shards and fills it from a
+    checkpoint. (A ``torch.device("meta")`` context would put computed buffers on the meta device too.)
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # construction only: restored on exit, also on error
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def resolve_dtype(cfg: ModelConfig | None, dtype: torch.dtype | str | None) -> torch.dtype:
     """The requested dtype (a torch dtype or its name), else the config's ``torch_dtype``, else float32.
 
     ``"auto"`` means the config's dtype, as in transformers.
@@ -48,7 +73,7 @@ def resolve_dtype(cfg: ModelConfig, dtype: torch.dtype | str | None) -> torch.dt
             dtype = _DTYPE_ARGS[name]
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
-    return dtype or cfg.torch_dtype or torch.float32
+    return dtype or (cfg.torch_dtype if cfg is not None else None) or torch.float32
 
 
 def named_keys(keys: list[str]) -> str:

@@ -22,66 +22,112 @@ from ..errors import CheckpointError
 from ..fsdp2_utils import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
-from ..models.decoder import CausalLM
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .plain import from_pretrained
+from .sources import NameMap, Source, resolve_sources
 
 
-def _fill_local(model: nn.Module, reader: CheckpointReader) -> int:
-    """Copy each parameter's local part from the checkpoint; return the bytes this rank read."""
+def _fill_local(model: nn.Module, reader: CheckpointReader, sources: dict[str, Source]) -> int:
+    """Copy each parameter's local part from its checkpoint source; return the bytes this rank read."""
     read = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
+            source = sources[name]
             if isinstance(param, DTensor):
                 start, stop = local_rows(param)
                 local = param.to_local()
                 if stop > start:
-                    rows = reader.get_rows(name, start, stop)
+                    rows = source.rows(reader, start, stop)
                     local.copy_(rows)
                     read += rows.numel() * rows.element_size()
             else:  # replicated (off-dtype, or an unsharded root): every rank reads it whole
-                full = reader.get(name)
+                full = source.full(reader)
                 param.copy_(full)
                 read += full.numel() * full.element_size()
     return read
 
 
+def _real_buffers(model: nn.Module, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """The values of the model's buffers, kept across materialisation (``to_empty`` would leave them garbage).
+
+    A buffer already real (built with :func:`~shardcal.loading.build.meta_parameters`, or computed by the module)
+    keeps its value; one on the meta device must be in the checkpoint.
+    """
+    out = {}
+    for name, buf in model.named_buffers():
+        if buf.device.type != "meta":
+            out[name] = buf.detach().clone()
+        elif name in reader:
+            out[name] = reader.get(name)
+        else:
+            raise CheckpointError(
+                f"{type(model).__name__}: buffer {name!r} is on the meta device and not in {reader.source.name}; build "
+                "the model inside shardcal.loading.meta_parameters() so that buffers (rotary tables) stay real"
+            )
+    return out
+
+
 def load_pretrained(
     path: str | Path,
     *,
+    model: nn.Module | None = None,
+    name_map: NameMap | None = None,
     shard: bool = True,
     shard_root: bool = True,
     dtype: torch.dtype | str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     mesh: DeviceMesh | None = None,
-) -> CausalLM:
+) -> nn.Module:
     """Load a Hugging Face-format directory as an FSDP2-sharded model; each rank reads only its own rows.
 
+    Without ``model``, shardcal's own class for the config's ``model_type`` is built. With ``model`` — any module
+    whose parameters are on the meta device (e.g. built inside :func:`~shardcal.loading.build.meta_parameters`) —
+    each parameter is found in the checkpoint under its state-dict name, through ``name_map`` (a dict or a function
+    from parameter name to checkpoint key), or in the layouts original checkpoints use (per-expert tensors of fused
+    experts, Llava-style VLM prefixes); ``dtype`` (optional) casts its floating parameters.
+
     Collective: every rank of the default process group must call it. ``shard=False`` is plain
-    :func:`from_pretrained` (every rank loads everything). The returned model records a distribution plan
-    (``model._shardcal_distribution_plan``: sharded modules, mesh, bytes this rank read), which is why
-    ``fsdp2_wrap`` refuses it — it is wrapped already.
+    :func:`from_pretrained` (every rank loads everything; shardcal's classes only). The returned model records a
+    distribution plan (``model._shardcal_distribution_plan``: sharded modules, mesh, bytes this rank read), which is
+    why ``fsdp2_wrap`` refuses it — it is wrapped already.
     """
     if not shard:
+        if model is not None:
+            raise CheckpointError("load_pretrained(model=..., shard=False): load a module of your own with shard=True")
         return from_pretrained(path, dtype=dtype)
-    cfg = load_config(path)
-    if cfg.raw.get("quantization_config") is not None:
+    cfg = load_config(path) if model is None else None
+    if model is None and cfg.raw.get("quantization_config") is not None:
         raise CheckpointError(
             f"{path}: load_pretrained reads unquantized checkpoints; load an exported (quantized) directory "
             "with shardcal.models.from_pretrained"
         )
-    target = resolve_dtype(cfg, dtype)
-    model = build_on_meta(cfg, target)
     with CheckpointReader(path) as reader:
-        check_checkpoint_keys(model, reader, cfg)
-        set_param_dtypes(model, param_dtypes(model, reader, target))
+        if model is None:
+            target = resolve_dtype(cfg, dtype)
+            model = build_on_meta(cfg, target)
+            check_checkpoint_keys(model, reader, cfg)
+            set_param_dtypes(model, param_dtypes(model, reader, target))
+            sources = {name: Source([[name]]) for name, _ in model.named_parameters()}
+        else:
+            _check_on_meta(model)
+            sources = resolve_sources(model, reader, name_map)
+            if dtype is not None:
+                target = resolve_dtype(None, dtype)
+                set_param_dtypes(
+                    model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()}
+                )
+        buffers = _real_buffers(model, reader)
         mesh = mesh if mesh is not None else default_mesh(model)
         fsdp2_wrap(model, shard_root=shard_root, mp_policy=mp_policy, cpu_offload=cpu_offload, mesh=mesh)
         device = "cpu" if cpu_offload else (mesh.device_type if mesh.device_type == "cpu" else _current_device(mesh))
         model.to_empty(device=device)
-        model.tie_weights()
-        read = _fill_local(model, reader)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+        if callable(getattr(model, "tie_weights", None)):
+            model.tie_weights()
+        read = _fill_local(model, reader, sources)
     init_fsdp2_root(model)
     plan: dict[str, Any] = {
         "sharded_modules": [n for n, m in model.named_modules() if any(m is u for u in fsdp2_units(model))],
@@ -94,6 +140,16 @@ def load_pretrained(
     }
     setattr(model, DISTRIBUTION_PLAN_ATTR, plan)
     return model.eval()
+
+
+def _check_on_meta(model: nn.Module) -> None:
+    real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+    if real:
+        raise CheckpointError(
+            f"{type(model).__name__}: load_pretrained(model=...) needs a model built on the meta device (no rank holds "
+            f"the full model); parameter {real[0]!r} is on {dict(model.named_parameters())[real[0]].device}: build it "
+            "inside shardcal.loading.meta_parameters()"
+        )
 
 
 def _full_bytes(p: torch.Tensor) -> int:

@@ -1,0 +1,118 @@
+"""Loading a checkpoint of an architecture shardcal has no class for, with transformers' class (when installed).
+
+shardcal never imports transformers at module level: this is the one place that loads it, by name and only when
+a command asks for a model implementation shardcal does not have (``--model-impl auto|transformers``). The model
+is built from its config on the meta device (``meta_parameters``) and filled by
+:func:`~shardcal.loading.sharded.load_pretrained`, each rank reading only its own rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..fsutil import read_json_object
+from ..models.config import SUPPORTED_MODEL_TYPES
+
+MODEL_IMPLS = ("auto", "shardcal", "transformers")
+INSTALL_HINT = "pip install transformers"
+
+
+def raw_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json as read (no checks beyond "a JSON object"), with errors naming the file."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"{model_dir}: not a directory (expected a Hugging Face-format model directory)")
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing (a model directory needs a config.json)")
+    return read_json_object(path, ConfigError)
+
+
+def text_field(raw: dict[str, Any], key: str) -> Any:
+    """A field of the language model's config: top level, or a VLM's ``text_config``."""
+    if key in raw:
+        return raw[key]
+    text = raw.get("text_config")
+    return text.get(key) if isinstance(text, dict) else None
+
+
+def transformers_available() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def choose_impl(model_dir: str | Path, impl: str) -> str:
+    """``"shardcal"`` or ``"transformers"`` for ``impl`` (auto: shardcal's class when it has one)."""
+    if impl not in MODEL_IMPLS:
+        raise ConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}, got {impl!r}")
+    model_type = raw_config(model_dir).get("model_type")
+    path = Path(model_dir) / "config.json"
+    if impl == "shardcal" or (impl == "auto" and model_type in SUPPORTED_MODEL_TYPES):
+        return "shardcal"
+    if not transformers_available():
+        if impl == "transformers":
+            raise ConfigError(
+                f"--model-impl transformers needs the transformers package, which is not installed: {INSTALL_HINT}"
+            )
+        raise ConfigError(
+            f"{path}: model_type {model_type!r} has no shardcal class (shardcal has: {', '.join(SUPPORTED_MODEL_TYPES)}); "
+            f"install transformers to use its class: {INSTALL_HINT}"
+        )
+    return "transformers"
+
+
+def _transformers_config(model_dir: Path) -> tuple[Any, Any]:
+    """``(transformers module, its config for model_dir)``."""
+    transformers = importlib.import_module("transformers")  # only here, and only when asked for
+    try:
+        return transformers, transformers.AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:
+        model_type = raw_config(model_dir).get("model_type")
+        raise ConfigError(
+            f"{model_dir / 'config.json'}: model_type {model_type!r} is not supported by shardcal (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}) and transformers {transformers.__version__} cannot read the config "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
+
+
+def _architecture(transformers: Any, config: Any) -> type | None:
+    """The class config.json's ``architectures`` names, when transformers has it."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def _build(transformers: Any, config: Any, model_dir: Path) -> nn.Module:
+    cls = _architecture(transformers, config)
+    try:
+        return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:
+        name = cls.__name__ if cls is not None else "AutoModelForCausalLM"
+        raise ConfigError(
+            f"{model_dir / 'config.json'}: transformers' {name} cannot be built from this config "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
+
+
+def load_transformers_sharded(model_dir: str | Path, **kwargs: Any) -> nn.Module:
+    """transformers' model for ``model_dir``, FSDP2-sharded, each rank reading its own rows (collective)."""
+    from .build import meta_parameters
+    from .sharded import load_pretrained
+
+    transformers, config = _transformers_config(Path(model_dir))
+    with meta_parameters():
+        model = _build(transformers, config, Path(model_dir))
+    return load_pretrained(model_dir, model=model, **kwargs)
+
+
+def load_transformers_plain(model_dir: str | Path) -> nn.Module:
+    """transformers' model for ``model_dir``, loaded by transformers itself (one process, the whole model)."""
+    transformers, config = _transformers_config(Path(model_dir))
+    cls = _architecture(transformers, config) or transformers.AutoModelForCausalLM
+    return cls.from_pretrained(model_dir).eval()
