@@ -8,8 +8,9 @@ propagation). The estimate for the whole run is, summed over the decoder layers 
 ``fixed + per_batch * (batches on the busiest rank)``: ranks calibrate their batches in parallel.
 
 On CPU the probe runs with the threads one rank will have (cores / ranks per node), as the launcher gives them.
-Wall-clock seconds assume the machine as busy as during the probe; the CPU seconds the probe's process used give
-the work itself (``cpu_seconds_per_rank``), which is what to compare on a machine that other jobs share.
+Wall-clock seconds assume the machine as busy as during the probe; the CPU seconds the probe's process used
+(``cpu_seconds_per_rank``) are the work of a one-thread rank, and what to compare on a machine that other jobs
+share — with more threads than free cores they grow with the load too (spinning OpenMP threads).
 Not counted: loading, the embedding pass, gathers and merges across ranks, export; GPTQ's solves are counted as
 if one rank did them all (with N ranks they are shared, so the estimate is an upper bound there).
 """
@@ -140,8 +141,8 @@ def estimate_time(
 
     Returns ``calibrate_seconds`` (the estimate for ``calibrate()``, as busy a machine as during the probe assumed),
     ``layer_seconds`` (per layer, the busiest rank), ``fixed_seconds``, ``batch_seconds``, ``batches_per_rank``,
-    ``cpu_seconds_per_rank`` (the CPU time the busiest rank's process needs, all its threads: the work, whatever
-    else runs on the machine), ``probe_seconds`` (what the probe took), ``probe_device`` and ``probe_threads``.
+    ``cpu_seconds_per_rank`` (the CPU time the busiest rank's process needs, all its threads; gathers across
+    ranks not counted), ``probe_seconds`` (what the probe took), ``probe_device`` and ``probe_threads``.
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     device = device or settings.device
