@@ -11,10 +11,12 @@ Everything is built from seeds (nothing is downloaded; no checkpoint travels wit
 2. **Llama-3-8B widths**: a random checkpoint with Llama-3-8B's shapes and ``--layers`` decoder layers, in
    bfloat16, loaded with ``load_pretrained`` (the default group: ``cpu:gloo,cuda:nccl``; world size 1), calibrated
    with fp8 with the activation cache offloaded to host memory: calibration time / one plain forward over the same
-   data, peak device memory (``torch.cuda.max_memory_allocated``), then the export, its size, and the reloaded
-   export's logits against the fake-quant model's.
+   data, peak device memory (``torch.cuda.max_memory_allocated``) beside what ``shardcal.plan`` predicted for the
+   same run from the config and headers, then the export, its size, and the reloaded export's logits against the
+   fake-quant model's.
 
-Prints one table; exits non-zero when a check fails (amax difference above 1e-3, reload logits not equal).
+Prints one table; exits non-zero when a check fails (amax difference above 1e-3, reload logits not equal, the
+measured peak outside -20 % / +25 % of the planner's prediction).
 """
 
 from __future__ import annotations
@@ -115,6 +117,19 @@ def _peak_mb(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
 
 
+def _predicted_peak(model_dir: Path, data: torch.Tensor, batch_size: int, device: str) -> int:
+    """The planner's device peak for the calibration alone (embedding and layers; one rank, activations offloaded)."""
+    from shardcal.options import CalibrationOptions
+    from shardcal.plan import PlanSettings, plan_calibration
+
+    options = CalibrationOptions(batch_size=batch_size, offload_activations=True)
+    settings = PlanSettings(
+        num_samples=data.shape[0], seq_len=data.shape[1], device=device.split(":")[0], options=options
+    )
+    rank = plan_calibration(model_dir, "fp8", settings, dtype="bfloat16").ranks[0]
+    return max(rank.phases["embed"], rank.phases["layers"])
+
+
 def check_wide(device: str, cfg: dict, data: torch.Tensor, batch_size: int, workdir: Path) -> dict:
     """Section 2: Llama-3-8B widths, bf16, sharded load, fp8 with offloaded activations, export and reload."""
     from shardcal.export import export_checkpoint
@@ -125,6 +140,7 @@ def check_wide(device: str, cfg: dict, data: torch.Tensor, batch_size: int, work
     start = time.perf_counter()
     model_dir = _write_checkpoint(cfg, workdir / "wide")
     write_s = time.perf_counter() - start
+    predicted = _predicted_peak(model_dir, data, batch_size, device)
     model = load_pretrained(model_dir, dtype="bfloat16")
     t_forward = _plain_forward_seconds(model, data, batch_size, device)
     if device.startswith("cuda"):
@@ -153,6 +169,8 @@ def check_wide(device: str, cfg: dict, data: torch.Tensor, batch_size: int, work
         "calibrate_s": t_calibrate,
         "ratio": t_calibrate / t_forward,
         "peak_device_mb": peak,
+        "predicted_peak_mb": predicted / 2**20,
+        "plan_error": None if peak is None else peak / (predicted / 2**20) - 1,
         "export_s": t_export,
         "export_mb": export_bytes / 2**20,
         "source_mb": source_bytes / 2**20,
@@ -193,6 +211,7 @@ def main() -> int:
         (f"2. model: Llama-3-8B widths{' (smoke)' if args.smoke else ''}, {big['layers']} layers, bf16", f"{samples} x {seq_len} tokens"),
         ("   one plain forward / fp8 calibration", f"{big['forward_s']:.2f} s / {big['calibrate_s']:.2f} s = {big['ratio']:.2f}"),
         ("   peak device memory during calibration", "n/a (cpu)" if big["peak_device_mb"] is None else f"{big['peak_device_mb']:.0f} MB"),
+        ("   planner's predicted peak (shardcal plan)", f"{big['predicted_peak_mb']:.0f} MB" + ("" if big["plan_error"] is None else f", measured {100 * big['plan_error']:+.1f}%")),
         ("   mean layer output SQNR", f"{big['mean_sqnr_db']:.1f} dB" if big["mean_sqnr_db"] is not None else "n/a"),
         ("   export (time, size vs bf16 source)", f"{big['export_s']:.1f} s, {big['export_mb']:.0f} MB vs {big['source_mb']:.0f} MB"),
         ("   reloaded export vs fake-quant logits", f"max |diff| {big['reload_max_abs_diff']:.3g} ({'equal' if big['ok'] else 'DIFFERENT'})"),
@@ -203,7 +222,8 @@ def main() -> int:
         print(f"{label:<{width}}  {value}")
     if args.json:
         Path(args.json).write_text(json.dumps({"devices": devices, "wide": big, "seconds": total}, indent=1))
-    return 0 if devices["ok"] and big["ok"] else 1
+    planned = big["plan_error"] is None or -0.20 <= big["plan_error"] <= 0.25
+    return 0 if devices["ok"] and big["ok"] and planned else 1
 
 
 if __name__ == "__main__":

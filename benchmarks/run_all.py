@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 #: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
 BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr", "load_memory", "calibration_speed", "foreign_speed", "collect_speed", "ptq_quality",
+    "plan_accuracy", "scaling",
 )  # fmt: skip
 
 

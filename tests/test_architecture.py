@@ -32,12 +32,12 @@ COLLECT = [
 #: The layers, bottom up: a module may import from its own layer (without a cycle) and from the layers below.
 #: Names are relative to ``shardcal``; a package's ``__init__`` is the package name itself.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["errors", "fsutil", "params", "faults", "distributed", "health", "launcher"]),
+    ("foundation", ["errors", "fsutil", "params", "faults", "distributed", "health", "launcher", "hostmem"]),
     ("models and quantizers", ["models.*", "quant", "quant.*", "batches"]),
     ("sharding", ["registry", "fsdp2_utils"]),
     ("layer stepping and algorithms", ["options", "layer_inputs", "steps", "moe", "algorithms", "algorithms.*"]),
     ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*", *COLLECT]),
-    ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate", "preflight"]),
+    ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate", "preflight", "plan", "probe"]),
     ("command line", ["cli", "__main__"]),
     ("public facades", ["", "models"]),
 ]

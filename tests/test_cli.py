@@ -96,6 +96,7 @@ def _subcommand_parsers() -> dict:
 REQUIRED = {
     "calibrate": ["M", "--recipe", "fp8", "--out", "O"],
     "collect": ["M", "--targets", "model.layers.*:output", "--out", "O"],
+    "plan": ["M", "--recipe", "fp8"],
     "eval": ["M"],
     "import-gguf": ["F", "O"],
 }

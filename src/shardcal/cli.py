@@ -41,7 +41,7 @@ class Command:
 
 #: Registered subcommands (name -> Command); ``--help`` lists them in ``_ORDER``, then any others.
 COMMANDS: dict[str, Command] = {}
-_ORDER = ("calibrate", "collect", "eval", "recipes", "import-gguf", "demo")
+_ORDER = ("calibrate", "plan", "collect", "eval", "recipes", "import-gguf", "demo")
 
 
 def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None):
@@ -175,6 +175,11 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when the plan predicts more memory than is free (see shardcal plan)",
+    )
     _model_impl_argument(parser)
 
 
@@ -255,6 +260,7 @@ def calibrate_job(options: dict) -> dict:
     from .calib_checkpoint import remove_checkpoint
     from .distributed import all_gather_floats, init_distributed
     from .export import export_checkpoint
+    from .hostmem import pin_mmap_threshold
     from .loading.foreign import load_transformers_sharded
     from .loading.sharded import load_pretrained
     from .options import CalibrationOptions
@@ -263,9 +269,17 @@ def calibrate_job(options: dict) -> dict:
     args = argparse.Namespace(**options)
     rank, world = init_distributed()
     cli_warnings(rank)
+    pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.hostmem)
     recipe, impl, vocab_size = check_calibrate_inputs(args)  # bad input fails here, before anything is loaded
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     ids, source = load_data(args, model_dir, vocab_size, split="calib")
+    if not args.force:  # plan first: stop before loading when the predicted peak does not fit
+        from .plan import check_before_loading, plannable
+
+        if plannable(model_dir):  # a model type only transformers' class runs is not planned
+            plan_options = CalibrationOptions(propagate=args.propagate, batch_size=args.batch_size)
+            check_before_loading(model_dir, recipe, tuple(ids.shape), plan_options, cpu_offload=args.cpu_offload,
+                                 shard_root=not args.no_shard_root)  # fmt: skip
     start = time.perf_counter()
     load = load_pretrained if impl == "shardcal" else load_transformers_sharded
     model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
@@ -477,6 +491,122 @@ def collect_job(options: dict) -> dict:
                     f"removed the collection checkpoint {args.checkpoint_dir} ({freed / 1e6:.1f} MB; --keep-checkpoint keeps it)"
                 )
     return {"seconds": seconds, "report": report.to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json; safetensors optional)"
+    )
+    parser.add_argument("--recipe", required=True, metavar="NAME|FILE", help="the recipe calibrate would use")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--nproc-per-node", type=int, metavar="N", help="N ranks on this node (default: one)")
+    ranks.add_argument("--world-size", type=int, metavar="N", help="N ranks in all, over several nodes")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="N",
+        help="with --world-size: ranks sharing one node's host memory (default: all on cpu, 8 on cuda)",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=32, metavar="S", help="calibration sequences (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default %(default)s)"
+    )
+    parser.add_argument("--cpu-offload", action="store_true", help="parameter shards in host memory (as calibrate)")
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="embeddings / final norm / lm_head replicated (as calibrate)"
+    )
+    parser.add_argument(
+        "--propagate", choices=["fp", "qdq"], default=None, help="as calibrate (default: the recipe's algorithm's)"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
+    )
+    parser.add_argument(
+        "--device-memory", metavar="SIZE", help="free memory per GPU to check against (e.g. 80GB; default: this one's)"
+    )
+    parser.add_argument(
+        "--host-memory", metavar="SIZE", help="free host memory per node to check against (default: MemAvailable)"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and three batches)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
+    from .options import CalibrationOptions
+    from .plan import PlanSettings
+
+    world = args.world_size or args.nproc_per_node or 1
+    if args.world_size is not None:
+        local = args.ranks_per_node or (min(world, 8) if device == "cuda" else world)
+    else:
+        local = args.ranks_per_node or world
+    options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate)
+    return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
+                        seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,
+                        shard_root=not args.no_shard_root, options=options)  # fmt: skip
+
+
+@command(
+    "plan",
+    help="predict per-rank memory, disk reads, all-gather volume, disk space (and time, with --probe) before loading",
+    arguments=_plan_arguments,
+)
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import plan as planning
+    from .models.checkpoint import INDEX_NAME, SINGLE_NAME
+    from .preflight import check_recipe_fits, meta_skeleton
+    from .recipes import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    planning.check_plannable(args.model_dir)
+    has_weights = any((Path(args.model_dir) / name).is_file() for name in (SINGLE_NAME, INDEX_NAME))
+    check_recipe_fits(meta_skeleton(args.model_dir, "shardcal", check_headers=has_weights), recipe)  # as calibrate
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = _plan_settings(args, device)
+    source = planning.read_source(args.model_dir)
+    plan = planning.plan_source(source, recipe, settings, args.model_dir)
+    here = (
+        planning.local_budget(device) if device == "cpu" or torch.cuda.is_available() else planning.Budget(None, None)
+    )
+    budget = planning.Budget(
+        planning.parse_bytes(args.device_memory, "--device-memory") if args.device_memory else here.device,
+        planning.parse_bytes(args.host_memory, "--host-memory") if args.host_memory else here.host,
+        "per GPU (--device-memory)" if args.device_memory else here.device_what,
+        "--host-memory" if args.host_memory else here.host_what,
+    )
+    short = planning.shortfall(plan, budget)
+    fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None
+    if args.probe:
+        from .probe import with_time
+
+        with_time(plan, source.config, recipe, args.model_dir)
+    if args.json:
+        out = plan.to_dict()
+        out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
+        out["fits"] = None if budget.device is None and budget.host is None else short is None
+        out["fix"] = fix
+        print(json.dumps(out))
+        return 0
+    print(planning.format_plan(plan))
+    if short is not None:
+        print("does not fit: " + planning.refusal_message(plan, short, fix).removesuffix("; --force runs anyway"))
+    elif budget.device is not None or budget.host is not None:
+        known = [f"{planning.fmt_bytes(v)} {w}" for v, w in ((budget.device, budget.device_what),
+                 (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
+        print("fits: " + ", ".join(known))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -788,18 +918,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shardcal``; returns the exit status (0, or 2 for a user error)."""
+    import warnings
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    cli_warnings(0)
-    try:
-        status = args._run(args)
-    except ShardcalError as exc:
-        if args.debug:
-            traceback.print_exc()
-        message = " ".join(str(exc).split("\n"))
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with warnings.catch_warnings():  # this call's warning settings (cli_warnings), and each call shows its own
+        cli_warnings(0)
+        try:
+            status = args._run(args)
+        except ShardcalError as exc:
+            if args.debug:
+                traceback.print_exc()
+            message = " ".join(str(exc).split("\n"))
+            print(f"error: {message}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
     return int(status or 0)

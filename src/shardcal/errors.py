@@ -59,3 +59,7 @@ class DistributedError(ShardcalError):
 class CollectionError(ShardcalError):
     """An activation-collection target, statistic or directory is unusable (a pattern matching nothing, a module
     the forward never runs, a save directory that holds something else, a collected report that does not fit)."""
+
+
+class InsufficientMemoryError(ShardcalError):
+    """The plan predicts more memory than the device or host has free (``calibrate`` stops before loading)."""

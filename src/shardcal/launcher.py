@@ -23,6 +23,7 @@ from . import errors
 from .distributed import destroy_distributed, host_rendezvous, init_distributed, is_initialized
 from .errors import DistributedError
 from .health import read_status_file
+from .hostmem import pin_mmap_threshold
 
 
 def _child(
@@ -33,6 +34,7 @@ def _child(
         SHARDCAL_STATUS_DIR=status_dir, **env,
     )  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.hostmem)
     try:
         init_distributed()
         fn(*args)
@@ -88,9 +90,9 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
             p.join()
         if any(p.exitcode == INTERRUPTED for p in procs):
             raise KeyboardInterrupt
-        reports = _drain(errors)
+        reports = _drain(errors)  # in the order the ranks failed: a peer fails only after it lost the first
         if first_failed is not None:
-            raise _origin_of_failure(procs, sorted(reports), first_failed, status_dir)
+            raise _origin_of_failure(procs, reports, first_failed, status_dir)
     except KeyboardInterrupt:  # Ctrl-C reached the ranks too: let them close their progress bar and go
         _stop_now(procs, grace=INTERRUPT_GRACE_S)
         raise
@@ -142,8 +144,10 @@ def _origin_of_failure(
     """The error that names the rank where the failure started (not a survivor that merely noticed it); a user
     error that every rank raised alike, as itself."""
     own = [r for r in reports if r[1] != "DistributedError"]
-    # the rank where it started, not a peer that saw its connection close (two ranks can exit in one poll)
-    own.sort(key=lambda r: (_is_peer_loss(r[2]), r[0] != first_failed))
+    # The first report is the first rank to go: a rank puts its report before it exits, and a peer that saw its
+    # connection close raises only after that (the first rank seen dead is no guide: two ranks that died within
+    # one poll are seen in rank order). A peer's lost connection never counts as the origin.
+    own.sort(key=lambda r: _is_peer_loss(r[2]))  # stable: arrival order otherwise
     if own:  # a rank raised: its own error, its traceback once (unless it is a plain user error)
         rank, kind, message, tb = own[0]
         if kind in _USER_ERRORS and {r[0] for r in own if r[1:3] == (kind, message)} == set(range(len(procs))):

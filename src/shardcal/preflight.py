@@ -29,16 +29,20 @@ from .recipes import Recipe, compile_pattern, quantize_modules
 from .registry import LayerActivationCollector, decoder_layer_prefix
 
 
-def meta_skeleton(model_dir: str | Path, impl: str) -> nn.Module:
-    """The model of ``model_dir`` on the meta device, its parameters checked against the checkpoint's headers."""
-    with CheckpointReader(model_dir) as reader:
-        if impl == "shardcal":
-            cfg = load_config(model_dir)
-            model = build_on_meta(cfg, resolve_dtype(cfg, None))
-            check_checkpoint_keys(model, reader, cfg)
-        else:
-            model = build_transformers_on_meta(model_dir)
-            resolve_sources(model, reader)
+def meta_skeleton(model_dir: str | Path, impl: str, *, check_headers: bool = True) -> nn.Module:
+    """The model of ``model_dir`` on the meta device; with ``check_headers`` its parameters are checked against
+    the checkpoint's safetensors headers (names and shapes)."""
+    if impl == "shardcal":
+        cfg = load_config(model_dir)
+        model = build_on_meta(cfg, resolve_dtype(cfg, None))
+    else:
+        model = build_transformers_on_meta(model_dir)
+    if check_headers:
+        with CheckpointReader(model_dir) as reader:
+            if impl == "shardcal":
+                check_checkpoint_keys(model, reader, cfg)
+            else:
+                resolve_sources(model, reader)
     return model
 
 
@@ -62,7 +66,7 @@ def check_recipe_fits(model: nn.Module, recipe: Recipe) -> list[str]:
         try:
             targeted += quantize_modules(layer, recipe, prefix=f"{prefix}.{i}")
         except RecipeError as exc:
-            raise RecipeError(f"{exc}{_fix(str(exc))}") from None
+            raise RecipeError(f"{exc}{fix_hint(str(exc))}") from None
     if not targeted:
         raise RecipeError(
             f"{recipe.source or recipe.name}: recipe {recipe.name!r} quantizes no Linear of the decoder layers "
@@ -121,7 +125,7 @@ _GROUP = re.compile(r"module '([^']+)': .*group_size (\d+) does not divide the l
 _MODULE = re.compile(r"(?:module|fit) '([^']+)'")
 
 
-def _fix(message: str) -> str:
+def fix_hint(message: str) -> str:
     """What to change: a group size that divides the width, or an exclude pattern for the module in every layer."""
     module = _MODULE.search(message)
     if module is None:
