@@ -12,7 +12,7 @@
 
     [weight]                     # [input] and [output] take the same keys; at least one of the three
     format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4
-    granularity = "channel"      # tensor | channel | group
+    granularity = "channel"      # tensor | channel | group | token (dynamic activations only)
     axis = 0                     # channel only (default 0 for weights, -1 for activations)
     group_size = 128             # group only
     observer = "max"             # max | percentile | mse, or a table: { name = "mse", max_shrink = 0.3 }
@@ -261,6 +261,8 @@ def _spec(table: dict[str, Any], role: str, source: str) -> QuantizerSpec:
         kwargs["axis"] = 0 if role == "weight" else -1
     if role == "weight" and kwargs.get("dynamic"):
         raise _error(source, f"{role}.dynamic", "weights are quantized statically (dynamic = false)")
+    if role == "weight" and kwargs.get("granularity") == "token":
+        raise _error(source, f"{role}.granularity", "'token' is for activations ([input] with dynamic = true)")
     if "observer" in table:
         obs = table["observer"]
         if isinstance(obs, dict):

@@ -110,6 +110,9 @@ def _calibrate_layer(
     if algorithm.changes_weights:
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
+    dynamic = [q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic]
+    for q in dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
+        q.mode = QuantMode.DISABLED
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
@@ -126,7 +129,7 @@ def _calibrate_layer(
             fp_outputs = outs
         end_pass_all(activation, group)  # collective, also for a rank with no batches
     finish_calibration_all(activation)
-    for q in weights:
+    for q in weights + dynamic:
         q.mode = QuantMode.QUANTIZE
     if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
         for experts in fused:

@@ -48,8 +48,8 @@ class UnsupportedSpec(ValueError):
 def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
     """The ``QuantizationArgs`` dict (as compressed-tensors' ``model_dump`` writes it) for a weight or input spec.
 
-    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: static per-channel or
-    per-group activations, dynamic activations other than per tensor, output quantizers.
+    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: per-channel or
+    per-group activations, output quantizers. Dynamic inputs are per tensor or per token (``strategy: token``).
     """
     if role not in ("weight", "input"):
         raise UnsupportedSpec(role, f"{role} quantizers have no compressed-tensors export (weights and inputs only)")
@@ -76,11 +76,13 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
                 )
             return {**base, "group_size": None, "strategy": "channel", "dynamic": False}
         return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": False}
+    if spec.granularity == "token":  # dynamic per token (the spec refuses a static one)
+        return {**base, "group_size": None, "strategy": "token", "dynamic": True}
     if spec.granularity != "tensor":
         raise UnsupportedSpec(
             "granularity",
             f"{'dynamic' if spec.dynamic else 'static'} per-{spec.granularity} input activations have no compressed-tensors "
-            "equivalent (use granularity 'tensor')",
+            "equivalent (use granularity 'tensor', or 'token' with dynamic = true)",
         )
     return {**base, "group_size": None, "strategy": "tensor", "dynamic": bool(spec.dynamic)}
 
@@ -192,8 +194,14 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         if strategy == "group":
             return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size))
         raise UnsupportedSpec("strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group)")
+    if strategy == "token":
+        if dynamic is not True:
+            raise UnsupportedSpec(
+                "dynamic", "per-token input scales are taken at run time: strategy 'token' needs dynamic true"
+            )
+        return QuantizerSpec(format=fmt, granularity="token", dynamic=True)
     if strategy != "tensor":
-        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor)")
+        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor, token)")
     return QuantizerSpec(format=fmt, granularity="tensor", dynamic=bool(dynamic))
 
 
