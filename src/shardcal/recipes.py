@@ -4,6 +4,7 @@
 
     name = "w8a8-int8"
     description = "int8 per-channel weights, int8 per-tensor static input activations"
+    group_size_fallback = true   # a group size that does not divide a Linear's in_features: fit it (see below)
 
     [targets]                    # optional
     include = ["*"]              # glob on full module names, or "re:<regex>" (full match)
@@ -31,6 +32,7 @@ naming the file and the key.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Mapping
@@ -68,7 +70,10 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
 )
 
 ROLES: tuple[str, ...] = ("weight", "input", "output")
-_TOP_KEYS = ("name", "description", "targets", "algorithm") + ROLES
+_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback") + ROLES
+#: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
+#: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
+VLLM_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)
 _TARGET_KEYS = ("include", "exclude", "default_excludes")
 _QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
 
@@ -94,6 +99,7 @@ class Recipe:
     algorithm: Mapping[str, Any] = field(default_factory=lambda: {"name": "rtn"})
     description: str = ""
     source: str | None = None
+    group_size_fallback: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -114,6 +120,24 @@ class Recipe:
             r.fullmatch(module_name) for r in self._exclude_re
         )
 
+    def weight_spec(self, module_name: str, in_features: int) -> QuantizerSpec | None:
+        """The weight spec for the Linear ``module_name`` with ``in_features`` inputs: the recipe's, or — for a
+        grouped weight whose group size does not divide ``in_features`` — the largest group size of
+        :data:`VLLM_GROUP_SIZES` below the recipe's that divides it, else per-channel scales. With
+        ``group_size_fallback = false`` a group size that does not fit is a :class:`RecipeError` naming the Linear."""
+        spec = self.weight
+        if spec is None or spec.granularity != "group" or spec.format == "nvfp4" or in_features % spec.group_size == 0:
+            return spec
+        if not self.group_size_fallback:
+            raise RecipeError(
+                f"{self.source or self.name}: recipe {self.name!r}: group_size {spec.group_size} does not divide "
+                f"in_features {in_features} of {module_name!r} (group_size_fallback = false)"
+            )
+        for size in VLLM_GROUP_SIZES:
+            if size < spec.group_size and in_features % size == 0:
+                return dataclasses.replace(spec, group_size=size)
+        return dataclasses.replace(spec, granularity="channel", axis=0, group_size=None)
+
     @property
     def specs(self) -> dict[str, QuantizerSpec]:
         """``{"weight": spec, "input": spec, ...}`` for the quantizers the recipe has."""
@@ -130,6 +154,7 @@ class Recipe:
             },
             **{role: spec.to_dict() for role, spec in self.specs.items()},
             "algorithm": dict(self.algorithm),
+            "group_size_fallback": self.group_size_fallback,
         }
 
 
@@ -293,6 +318,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     default_excludes = _typed(
         targets.get("default_excludes", True), (bool,), source, "targets.default_excludes", "true or false"
     )
+    fallback = _typed(data.get("group_size_fallback", True), (bool,), source, "group_size_fallback", "true or false")
     specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
     if not specs:
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
@@ -308,6 +334,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         default_excludes=default_excludes,
         algorithm=algorithm,
         source=source,
+        group_size_fallback=fallback,
         **specs,
     )
 
@@ -320,8 +347,10 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
 
     ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
     that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
-    Returns the full names of the targeted modules. A shape that does not fit the recipe (a group size that does
-    not divide ``in_features``) raises :class:`RecipeError` naming the recipe file and the module.
+    Returns the full names of the targeted modules. A grouped weight whose group size does not divide a Linear's
+    ``in_features`` gets the size :meth:`Recipe.weight_spec` fits (or, with ``group_size_fallback = false``, a
+    :class:`RecipeError`); any other shape that does not fit the recipe raises :class:`RecipeError` naming the recipe
+    file and the module.
     """
     targets = [
         (name, sub)
@@ -331,15 +360,28 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
     for name, sub in targets:
         if isinstance(sub, QuantLinear):
             continue
+        weight = recipe.weight_spec(name, sub.in_features)
         try:
-            QuantLinear.from_linear(
-                sub, weight=recipe.weight, input=recipe.input, output=recipe.output, name=name or "<root>"
-            )
+            QuantLinear.from_linear(sub, weight=weight, input=recipe.input, output=recipe.output, name=name or "<root>")
         except ValueError as exc:
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
             ) from None
     return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
+
+
+def weight_fallbacks(module: nn.Module, recipe: Recipe, prefix: str = "") -> dict[str, int | str]:
+    """Quantized Linears under ``module`` whose weight group size is not the recipe's: name -> the group size
+    used, or ``"channel"`` (per-channel scales); see :meth:`Recipe.weight_spec`."""
+    spec = recipe.weight
+    if spec is None or spec.granularity != "group":
+        return {}
+    out: dict[str, int | str] = {}
+    for name, sub in module.named_modules(prefix=prefix):
+        used = getattr(sub, "weight_quantizer", None)
+        if isinstance(sub, QuantLinear) and used is not None and used.spec != spec:
+            out[name] = used.spec.group_size if used.spec.granularity == "group" else used.spec.granularity
+    return out
 
 
 def _quantize_fused_experts(module: nn.Module, recipe: Recipe, prefix: str) -> list[str]:
@@ -353,7 +395,7 @@ def _quantize_fused_experts(module: nn.Module, recipe: Recipe, prefix: str) -> l
         if recipe.output is not None:
             raise RecipeError(f"{recipe.source or recipe.name}: fused experts {name!r} take no output quantizer")
         try:
-            names += attach_expert_quantizers(sub, name, recipe.matches, recipe.weight, recipe.input)
+            names += attach_expert_quantizers(sub, name, recipe.matches, recipe.weight_spec, recipe.input)
         except ValueError as exc:
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit {name!r}: {exc}"

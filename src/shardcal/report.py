@@ -24,6 +24,9 @@ class LayerReport:
     quantizers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: quantizers that saw no data (MoE experts no token was routed to) and got a fallback amax.
     fallbacks: list[str] = field(default_factory=list)
+    #: Linears whose weight group size is not the recipe's (it does not divide their in_features): the group size
+    #: used, or "channel" (per-channel scales).
+    group_sizes: dict[str, int | str] = field(default_factory=dict)
 
 
 @dataclass
@@ -36,6 +39,11 @@ class CalibrationReport:
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from_layer: int = 0
+
+    @property
+    def group_sizes(self) -> dict[str, int | str]:
+        """Every Linear whose weight group size differs from the recipe's, with the size used (all layers)."""
+        return {name: size for layer in self.layers for name, size in layer.group_sizes.items()}
 
     @property
     def mean_sqnr_db(self) -> float | None:

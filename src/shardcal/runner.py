@@ -48,7 +48,7 @@ from .quant.session import (
     quantizer_mode,
     start_calibration_all,
 )
-from .recipes import Recipe, load_recipe, quantize_modules
+from .recipes import Recipe, load_recipe, quantize_modules, weight_fallbacks
 from .registry import LayerActivationCollector, decoder_layer_prefix
 from .report import CalibrationReport, LayerReport, amax_summary
 from .steps import LayerStep, compute_device, embed_batches, layer_steps
@@ -144,6 +144,7 @@ def _calibrate_layer(
         sqnr_db=sqnr,
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
+        group_sizes=weight_fallbacks(step.layer, recipe, step.name),
     )
 
 

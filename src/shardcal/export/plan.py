@@ -192,16 +192,17 @@ def _quant_module(
             raise ExportError(
                 f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
             )
+        weight_spec = recipe.weight_spec(name, in_f)
         if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
             raise ExportError(
                 f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
                 "run shardcal.calibrate(model, data, recipe) before exporting"
             )
-        _check_spec(name, recipe.weight, "weight")
+        _check_spec(name, weight_spec, "weight")
         if recipe.input is not None:
             _check_spec(name, recipe.input, "input")
-        fmt = ct_config.infer_format(recipe.weight, recipe.input)
-        return QuantModule(name, weight, out_f, in_f, recipe.weight, recipe.input, fmt, None, None)
+        fmt = ct_config.infer_format(weight_spec, recipe.input)
+        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, fmt, None, None)
     if oq is not None:
         raise ExportError(
             f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
@@ -213,7 +214,7 @@ def _quant_module(
     if recipe is not None:
         if not recipe.matches(name):
             raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
-        if recipe.weight != wq.spec or recipe.input != (iq.spec if iq is not None else None):
+        if recipe.weight_spec(name, in_f) != wq.spec or recipe.input != (iq.spec if iq is not None else None):
             raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
     _check_spec(name, wq.spec, "weight")
     if iq is not None:
