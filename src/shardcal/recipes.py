@@ -23,6 +23,10 @@
     [algorithm]                  # optional: rtn (default), smoothquant, gptq, awq, with their parameters
     name = "rtn"
 
+    [kv_cache]                   # optional: per-tensor FP8 scales for every attention's cached keys and values
+    format = "fp8_e4m3"          # the only format (vLLM's FP8 KV cache)
+    observer = "max"             # max | percentile | mse, as for [input]
+
 A recipe is the layer above both quantizer specs (:mod:`shardcal.quant`) and algorithms
 (:mod:`shardcal.algorithms`): its ``[algorithm]`` table is checked by the algorithm registry. Shipped recipes live
 in the top-level ``calibration/recipes/`` folder of a source checkout, and in ``shardcal/calibration/recipes/`` of
@@ -51,6 +55,7 @@ from .algorithms import validate_algorithm
 from .errors import RecipeError
 from .params import SpecError
 from .quant.experts import PROJECTIONS, attach_expert_quantizers
+from .quant.kv_cache import attach_kv_cache_quantizers
 from .quant.linear import QuantLinear
 from .quant.spec import QuantizerSpec
 
@@ -70,7 +75,7 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
 )
 
 ROLES: tuple[str, ...] = ("weight", "input", "output")
-_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback") + ROLES
+_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback", "kv_cache") + ROLES
 #: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
 #: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
 VLLM_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)
@@ -100,6 +105,8 @@ class Recipe:
     description: str = ""
     source: str | None = None
     group_size_fallback: bool = True
+    #: The ``[kv_cache]`` quantizer of every attention's keys and values (FP8 per tensor), or None.
+    kv_cache: QuantizerSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -108,7 +115,9 @@ class Recipe:
         object.__setattr__(self, "_exclude_re", [compile_pattern(p) for p in self.all_excludes])
 
     def __hash__(self) -> int:
-        return hash((self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude))
+        return hash(
+            (self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude, self.kv_cache)
+        )
 
     @property
     def all_excludes(self) -> tuple[str, ...]:
@@ -155,6 +164,7 @@ class Recipe:
             **{role: spec.to_dict() for role, spec in self.specs.items()},
             "algorithm": dict(self.algorithm),
             "group_size_fallback": self.group_size_fallback,
+            **({"kv_cache": self.kv_cache.to_dict()} if self.kv_cache is not None else {}),
         }
 
 
@@ -306,6 +316,19 @@ def _spec(table: dict[str, Any], role: str, source: str) -> QuantizerSpec:
         raise _error(source, f"{role}.{exc.key}", str(exc)) from None
 
 
+def _kv_cache_spec(table: dict[str, Any], source: str) -> QuantizerSpec:
+    """The ``[kv_cache]`` table: FP8 E4M3, per tensor, static (what vLLM's FP8 KV cache reads)."""
+    spec = _spec(table, "kv_cache", source)
+    for key, ok, want in (
+        ("format", spec.format == "fp8_e4m3", "'fp8_e4m3' (vLLM's FP8 KV cache)"),
+        ("granularity", spec.granularity == "tensor", "'tensor' (one k_scale / v_scale per attention layer)"),
+        ("dynamic", not spec.dynamic, "false (k_scale / v_scale are calibrated)"),
+    ):
+        if not ok:
+            raise _error(source, f"kv_cache.{key}", f"must be {want}")
+    return spec
+
+
 def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
     """Build a :class:`Recipe` from parsed TOML data (see the module docstring for the schema)."""
     _check_keys(data, _TOP_KEYS, source, "")
@@ -322,6 +345,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
     if not specs:
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
+    kv_cache = _kv_cache_spec(_table(data["kv_cache"], source, "kv_cache"), source) if "kv_cache" in data else None
     try:
         algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
     except SpecError as exc:
@@ -335,6 +359,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         algorithm=algorithm,
         source=source,
         group_size_fallback=fallback,
+        kv_cache=kv_cache,
         **specs,
     )
 
@@ -367,6 +392,8 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
             ) from None
+    if recipe.kv_cache is not None:
+        attach_kv_cache_quantizers(module, recipe.kv_cache, prefix, recipe.matches)
     return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
 
 

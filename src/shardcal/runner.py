@@ -37,6 +37,7 @@ from .health import rank_guard, report_phase
 from .moe import AllExpertsObserve, fallback_unobserved
 from .options import CalibrationOptions
 from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
+from .quant.kv_cache import cache_argument, kv_cache_quantizers
 from .quant.linear import QuantLinear
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import (
@@ -68,6 +69,42 @@ def _weight_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, QuantLi
     ]
 
 
+def _pass_kv_cache(step: LayerStep, recipe: Recipe) -> list[TensorQuantizer]:
+    """Pass the layer's KV-cache quantizer as its cache in every call of this step; return its quantizers."""
+    if recipe.kv_cache is None:
+        return []
+    found = kv_cache_quantizers(step.layer, step.name)
+    if not found:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] found no attention in this decoder layer (a module with k_proj / v_proj or "
+            "qkv_proj whose forward takes a cache / past_key_values argument)"
+        )
+    if len(found) > 1:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] needs one attention per decoder layer, found {len(found)}: "
+            + ", ".join(n for n, _ in found)
+        )
+    name, kv = found[0]
+    keyword = cache_argument(step.layer) or cache_argument(_kv_attention(step.layer, name, step.name))
+    if keyword is None:
+        raise ModelLayoutError(f"{step.name}: the decoder layer takes no cache argument (cache / past_key_values)")
+    step.call_extras = lambda i: {keyword: kv.for_batch(step.inputs[i].token_mask)}
+    return [kv.k_quantizer, kv.v_quantizer]
+
+
+def _kv_attention(layer: nn.Module, name: str, prefix: str) -> nn.Module:
+    return layer.get_submodule(name[len(prefix) + 1 :]) if name != prefix else layer
+
+
+def _check_kv_observed(quantizers: list[TensorQuantizer]) -> None:
+    for q in quantizers:
+        if q.num_observed == 0:
+            raise ModelLayoutError(
+                f"{q.name}: saw no keys or values: the attention never called cache.update(key_states, value_states, "
+                "layer_idx) with the cache the decoder layer was given; [kv_cache] needs that protocol"
+            )
+
+
 def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: list[int], group: Any) -> float | None:
     """SQNR (dB) of the layer output, quantizers on vs off, over the designated batches (summed over ranks)."""
     sums = torch.zeros(2, dtype=torch.float64)
@@ -94,6 +131,7 @@ def _calibrate_layer(
 ) -> LayerReport:
     start = time.perf_counter()
     quantize_modules(step.layer, recipe, prefix=step.name)
+    kv_quantizers = _pass_kv_cache(step, recipe)
     reference: dict[int, torch.Tensor] | None = None
     if algorithm.changes_weights:  # SQNR against the layer as it was, not against the algorithm's new weights
         with quantizer_mode(step.layer, QuantMode.DISABLED):
@@ -129,6 +167,7 @@ def _calibrate_layer(
             fp_outputs = outs
         end_pass_all(activation, group)  # collective, also for a rank with no batches
     finish_calibration_all(activation)
+    _check_kv_observed(kv_quantizers)
     for q in weights + dynamic:
         q.mode = QuantMode.QUANTIZE
     if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
