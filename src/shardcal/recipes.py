@@ -27,6 +27,12 @@
     format = "fp8_e4m3"          # the only format (vLLM's FP8 KV cache)
     observer = "max"             # max | percentile | mse, as for [input]
 
+    [fallback]                   # optional: decoder layers whose output SQNR is under the floor are recalibrated
+    min_layer_sqnr_db = 25.0     # with [fallback.weight] / [fallback.input] (same keys as above) instead,
+    [fallback.weight]            # or kept in full precision with full_precision = true
+    format = "int8"
+    granularity = "channel"
+
 A recipe is the layer above both quantizer specs (:mod:`shardcal.quant`) and algorithms
 (:mod:`shardcal.algorithms`): its ``[algorithm]`` table is checked by the algorithm registry. Shipped recipes live
 in the top-level ``calibration/recipes/`` folder of a source checkout, and in ``shardcal/calibration/recipes/`` of
@@ -53,7 +59,7 @@ from torch import nn
 
 from .algorithms import validate_algorithm
 from .errors import RecipeError
-from .params import SpecError
+from .params import SpecError, is_finite_number
 from .quant.experts import PROJECTIONS, attach_expert_quantizers
 from .quant.kv_cache import attach_kv_cache_quantizers
 from .quant.linear import QuantLinear
@@ -75,7 +81,8 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
 )
 
 ROLES: tuple[str, ...] = ("weight", "input", "output")
-_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback", "kv_cache") + ROLES
+_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback", "kv_cache", "fallback") + ROLES
+_FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
 #: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
 #: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
 VLLM_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)
@@ -107,6 +114,10 @@ class Recipe:
     group_size_fallback: bool = True
     #: The ``[kv_cache]`` quantizer of every attention's keys and values (FP8 per tensor), or None.
     kv_cache: QuantizerSpec | None = None
+    #: ``[fallback]``: decoder layers whose output SQNR (dB) is below ``min_layer_sqnr_db`` are recalibrated with
+    #: ``fallback`` (the same recipe with the fallback's quantizers; none at all for full precision).
+    min_layer_sqnr_db: float | None = None
+    fallback: Recipe | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -117,7 +128,13 @@ class Recipe:
     def __hash__(self) -> int:
         return hash(
             (self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude, self.kv_cache)
+            + (self.min_layer_sqnr_db, self.fallback)
         )
+
+    @property
+    def quantizes_linears(self) -> bool:
+        """Whether the recipe has any Linear quantizer (a full-precision fallback has none)."""
+        return bool(self.specs)
 
     @property
     def all_excludes(self) -> tuple[str, ...]:
@@ -165,7 +182,12 @@ class Recipe:
             "algorithm": dict(self.algorithm),
             "group_size_fallback": self.group_size_fallback,
             **({"kv_cache": self.kv_cache.to_dict()} if self.kv_cache is not None else {}),
+            **({"fallback": self._fallback_dict()} if self.fallback is not None else {}),
         }
+
+    def _fallback_dict(self) -> dict[str, Any]:
+        specs = {role: spec.to_dict() for role, spec in self.fallback.specs.items()}
+        return {"min_layer_sqnr_db": self.min_layer_sqnr_db, "full_precision": not specs, **specs}
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -277,10 +299,12 @@ def _patterns(value: Any, source: str, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _spec(table: dict[str, Any], role: str, source: str) -> QuantizerSpec:
-    _check_keys(table, _QUANT_KEYS, source, f"{role}.")
+def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -> QuantizerSpec:
+    """One quantizer table (``[weight]``, ``[input]``, ...); error keys are ``key_prefix + role + "." + key``."""
+    where = key_prefix + role
+    _check_keys(table, _QUANT_KEYS, source, f"{where}.")
     if "format" not in table:
-        raise _error(source, f"{role}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4)")
+        raise _error(source, f"{where}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4)")
     kwargs: dict[str, Any] = {}
     for key, types, what in (
         ("format", (str,), "a string"),
@@ -291,29 +315,29 @@ def _spec(table: dict[str, Any], role: str, source: str) -> QuantizerSpec:
         ("dynamic", (bool,), "true or false"),
     ):
         if key in table:
-            kwargs[key] = _typed(table[key], types, source, f"{role}.{key}", what)
+            kwargs[key] = _typed(table[key], types, source, f"{where}.{key}", what)
     if kwargs.get("granularity") == "channel" and "axis" not in kwargs:
         kwargs["axis"] = 0 if role == "weight" else -1
     if role == "weight" and kwargs.get("dynamic"):
-        raise _error(source, f"{role}.dynamic", "weights are quantized statically (dynamic = false)")
+        raise _error(source, f"{where}.dynamic", "weights are quantized statically (dynamic = false)")
     if role == "weight" and kwargs.get("granularity") == "token":
-        raise _error(source, f"{role}.granularity", "'token' is for activations ([input] with dynamic = true)")
+        raise _error(source, f"{where}.granularity", "'token' is for activations ([input] with dynamic = true)")
     if "observer" in table:
         obs = table["observer"]
         if isinstance(obs, dict):
             obs = dict(obs)
             if "name" not in obs:
-                raise _error(source, f"{role}.observer.name", "missing (max, percentile or mse)")
-            kwargs["observer"] = _typed(obs.pop("name"), (str,), source, f"{role}.observer.name", "a string")
+                raise _error(source, f"{where}.observer.name", "missing (max, percentile or mse)")
+            kwargs["observer"] = _typed(obs.pop("name"), (str,), source, f"{where}.observer.name", "a string")
             kwargs["observer_params"] = obs
         else:
-            kwargs["observer"] = _typed(obs, (str,), source, f"{role}.observer", "a string or a table")
+            kwargs["observer"] = _typed(obs, (str,), source, f"{where}.observer", "a string or a table")
     if kwargs.get("dynamic") and "observer" in table:
-        raise _error(source, f"{role}.observer", "a dynamic quantizer is not calibrated, so it takes no observer")
+        raise _error(source, f"{where}.observer", "a dynamic quantizer is not calibrated, so it takes no observer")
     try:
         return QuantizerSpec(**kwargs)
     except SpecError as exc:
-        raise _error(source, f"{role}.{exc.key}", str(exc)) from None
+        raise _error(source, f"{where}.{exc.key}", str(exc)) from None
 
 
 def _kv_cache_spec(table: dict[str, Any], source: str) -> QuantizerSpec:
@@ -327,6 +351,32 @@ def _kv_cache_spec(table: dict[str, Any], source: str) -> QuantizerSpec:
         if not ok:
             raise _error(source, f"kv_cache.{key}", f"must be {want}")
     return spec
+
+
+def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe:
+    """``recipe`` with its ``[fallback]`` (see the module docstring): the floor and the fallback recipe."""
+    _check_keys(table, _FALLBACK_KEYS, source, "fallback.")
+    if "min_layer_sqnr_db" not in table:
+        raise _error(source, "fallback.min_layer_sqnr_db", "missing (the output SQNR floor in dB)")
+    floor = _typed(table["min_layer_sqnr_db"], (int, float), source, "fallback.min_layer_sqnr_db", "a number")
+    if not is_finite_number(floor):
+        raise _error(source, "fallback.min_layer_sqnr_db", f"must be a finite number, got {floor!r}")
+    full = _typed(table.get("full_precision", False), (bool,), source, "fallback.full_precision", "true or false")
+    specs = {
+        role: _spec(_table(table[role], source, f"fallback.{role}"), role, source, "fallback.")
+        for role in ("weight", "input")
+        if role in table
+    }
+    if full == bool(specs):
+        raise _error(
+            source,
+            "fallback",
+            "give the fallback scheme: [fallback.weight] and/or [fallback.input], or full_precision = true (not both)",
+        )
+    fallback = dataclasses.replace(
+        recipe, name=f"{recipe.name}:fallback", weight=specs.get("weight"), input=specs.get("input"), output=None
+    )
+    return dataclasses.replace(recipe, min_layer_sqnr_db=float(floor), fallback=fallback)
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
@@ -350,7 +400,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
     except SpecError as exc:
         raise _error(source, f"algorithm.{exc.key}", str(exc)) from None
-    return Recipe(
+    recipe = Recipe(
         name=name,
         description=description,
         include=include,
@@ -362,6 +412,9 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         kv_cache=kv_cache,
         **specs,
     )
+    if "fallback" in data:
+        recipe = _with_fallback(recipe, _table(data["fallback"], source, "fallback"), source)
+    return recipe
 
 
 # ----------------------------------------------------------------------------------------------- applying
@@ -380,7 +433,7 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
     targets = [
         (name, sub)
         for name, sub in module.named_modules(prefix=prefix)
-        if isinstance(sub, nn.Linear) and recipe.matches(name)
+        if isinstance(sub, nn.Linear) and recipe.matches(name) and recipe.quantizes_linears
     ]
     for name, sub in targets:
         if isinstance(sub, QuantLinear):
@@ -394,6 +447,8 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
             ) from None
     if recipe.kv_cache is not None:
         attach_kv_cache_quantizers(module, recipe.kv_cache, prefix, recipe.matches)
+    if not recipe.quantizes_linears:
+        return []
     return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
 
 

@@ -36,9 +36,14 @@ from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
 from .moe import AllExpertsObserve, fallback_unobserved
 from .options import CalibrationOptions
-from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
+from .quant.experts import (
+    calibrate_expert_weights,
+    detach_expert_quantizers,
+    expert_projections,
+    store_quantized_weights,
+)
 from .quant.kv_cache import cache_argument, kv_cache_quantizers
-from .quant.linear import QuantLinear
+from .quant.linear import QuantLinear, remove_quantizers
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import (
     begin_pass_all,
@@ -121,6 +126,43 @@ def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: lis
 
 
 def _calibrate_layer(
+    step: LayerStep,
+    recipe: Recipe,
+    group: Any,
+    calibrate_all_experts: bool,
+    local_sqnr: list[int],
+    algorithm: LayerAlgorithm,
+    propagate: str = "fp",
+) -> LayerReport:
+    """Calibrate one layer with ``recipe``; a layer whose SQNR falls under the recipe's ``min_layer_sqnr_db`` is
+    put back as it was (weights and quantizers) and calibrated again with the recipe's fallback."""
+    args = (group, calibrate_all_experts, local_sqnr, algorithm, propagate)
+    if recipe.fallback is None:
+        return _calibrate_layer_once(step, recipe, *args)
+    saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # one more copy of this layer
+    entry = _calibrate_layer_once(step, recipe, *args)
+    if entry.sqnr_db is None or entry.sqnr_db >= recipe.min_layer_sqnr_db:  # the SQNR is merged: every rank agrees
+        return entry
+    _restore_layer(step, saved)
+    fallback = _calibrate_layer_once(step, recipe.fallback, *args)
+    fallback.scheme, fallback.recipe_sqnr_db = "fallback", entry.sqnr_db
+    fallback.seconds += entry.seconds
+    return fallback
+
+
+def _restore_layer(step: LayerStep, saved: dict[str, torch.Tensor]) -> None:
+    """The layer's parameters as saved (written back to the shards too) and its Linear / expert quantizers removed."""
+    with torch.no_grad():
+        for n, p in step.layer.named_parameters():
+            p.copy_(saved[n])
+    sync_unsharded_to_shards(step.layer)
+    remove_quantizers(step.layer)
+    for module in step.layer.modules():
+        detach_expert_quantizers(module)
+    step.invalidate_outputs()
+
+
+def _calibrate_layer_once(
     step: LayerStep,
     recipe: Recipe,
     group: Any,
@@ -261,9 +303,9 @@ def _calibrate(
     start, initial = 0, None
     if resume is not None:
         start = resume.completed_layers
-        restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
-        restore_weight_shards(model, resume.local_weights)
         report.layers = [LayerReport(**entry) for entry in resume.report]
+        restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
+        restore_weight_shards(model, resume.local_weights)
         report.resumed_from_layer = start
         if start < len(layers):
             initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)

@@ -189,8 +189,8 @@ def _quant_module(
     iq = getattr(holder, "input_quantizer", None)
     oq = getattr(holder, "output_quantizer", None)
     if wq is None and iq is None and oq is None:
-        if recipe is None or not recipe.matches(name):
-            return None
+        if recipe is None or not recipe.matches(name) or recipe.fallback is not None:
+            return None  # with a [fallback], calibration decided: a plain Linear there stays in full precision
         if recipe.weight is None:
             raise ExportError(
                 f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
@@ -217,7 +217,9 @@ def _quant_module(
     if recipe is not None:
         if not recipe.matches(name):
             raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
-        if recipe.weight_spec(name, in_f) != wq.spec or recipe.input != (iq.spec if iq is not None else None):
+        used = (wq.spec, iq.spec if iq is not None else None)
+        allowed = [r for r in (recipe, recipe.fallback) if r is not None and r.quantizes_linears]
+        if all((r.weight_spec(name, in_f), r.input) != used for r in allowed):
             raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
     _check_spec(name, wq.spec, "weight")
     if iq is not None:

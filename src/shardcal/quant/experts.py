@@ -172,8 +172,20 @@ def attach_expert_quantizers(
             module.add_module(str(e), ExpertProjections(hidden, inter, specs, device, f"{name}.{e}"))
             targeted += [f"{name}.{e}.{p}" for p in specs]
     if targeted:
-        module.register_forward_pre_hook(_experts_pre_hook, with_kwargs=True)
+        module.expert_quantizer_hook = module.register_forward_pre_hook(_experts_pre_hook, with_kwargs=True)
     return targeted
+
+
+def detach_expert_quantizers(module: nn.Module) -> bool:
+    """Remove what :func:`attach_expert_quantizers` attached (the per-expert quantizers and the pre-hook); return
+    whether there was anything."""
+    holders = [name for name, child in module.named_children() if isinstance(child, ExpertProjections)]
+    for name in holders:
+        del module._modules[name]
+    hook = module.__dict__.pop("expert_quantizer_hook", None)
+    if hook is not None:
+        hook.remove()
+    return bool(holders)
 
 
 def _local_device(t: torch.Tensor) -> torch.device:
