@@ -60,7 +60,7 @@ from torch import nn
 from .algorithms import validate_algorithm
 from .errors import RecipeError
 from .params import SpecError, is_finite_number
-from .quant.experts import PROJECTIONS, attach_expert_quantizers
+from .quant.experts import PROJECTIONS, attach_expert_quantizers, iter_projections
 from .quant.kv_cache import attach_kv_cache_quantizers
 from .quant.linear import QuantLinear
 from .quant.spec import QuantizerSpec
@@ -460,9 +460,11 @@ def weight_fallbacks(module: nn.Module, recipe: Recipe, prefix: str = "") -> dic
         return {}
     out: dict[str, int | str] = {}
     for name, sub in module.named_modules(prefix=prefix):
-        used = getattr(sub, "weight_quantizer", None)
-        if isinstance(sub, QuantLinear) and used is not None and used.spec != spec:
-            out[name] = used.spec.group_size if used.spec.granularity == "group" else used.spec.granularity
+        found = [(name, getattr(sub, "weight_quantizer", None))] if isinstance(sub, QuantLinear) else []
+        found += [(f"{name}.{e}.{p}", q.weight_quantizer) for e, p, q in iter_projections(sub)]  # fused experts
+        for full, used in found:
+            if used is not None and used.spec != spec:
+                out[full] = used.spec.group_size if used.spec.granularity == "group" else used.spec.granularity
     return out
 
 
