@@ -452,8 +452,15 @@ def _export_on_ranks(recipe: str, data: torch.Tensor, folder: str) -> dict:
     return {"failure": failure}
 
 
+W8A8_KV = (
+    '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n[kv_cache]\nformat = "fp8_e4m3"\n'
+)
+
+
 def test_two_rank_export_equals_single_process(tmp_path):
-    recipe, data = "w8a8-int8", _data(n=5)
+    recipe_file = tmp_path.parent / f"{tmp_path.name}-w8a8-kv.toml"  # W8A8 with k_scale / v_scale per layer
+    recipe_file.write_text(W8A8_KV)
+    recipe, data = str(recipe_file), _data(n=5)
     results = run_on_ranks(2, _export_on_ranks, recipe, data, str(tmp_path))
     assert [r["failure"] for r in results] == ["ExportError", "ExportInterrupted"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "out"]  # nothing from the interrupted export

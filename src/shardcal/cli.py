@@ -113,7 +113,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipe",
         required=True,
         metavar="NAME|FILE",
-        help="a shipped recipe name (w8a8-int8, fp8, w4a16, nvfp4, ...) or a .toml file",
+        help="a shipped recipe name (w8a8-int8, w8a8-int8-dynamic-sq, fp8-dynamic, w4a16, ...) or a .toml file",
     )
     parser.add_argument(
         "--out",

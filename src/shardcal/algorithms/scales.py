@@ -112,32 +112,47 @@ def refit_scales(
 
 @torch.no_grad()
 def refine_rounding(
-    weight: torch.Tensor, quantized: torch.Tensor, q: TensorQuantizer, h: torch.Tensor, sweeps: int = 1
+    weight: torch.Tensor,
+    quantized: torch.Tensor,
+    q: TensorQuantizer,
+    h: torch.Tensor,
+    sweeps: int = 1,
+    block_size: int = 128,
 ) -> torch.Tensor | None:
     """``quantized`` with its integer codes moved one step where that lowers ``tr(E H E^T)`` (see the module
-    docstring); same scales, so the quantizer reproduces the result. None for a non-integer format."""
+    docstring); same scales, so the quantizer reproduces the result. None for a non-integer format.
+
+    Columns are visited in order, in blocks of ``block_size``: inside a block the running ``E H`` of the block's
+    columns is updated after every column, the rest once per block (one matrix product), as GPTQ batches its updates.
+    """
     fmt = FORMATS[q.spec.format]
     if fmt.kind != "int" or weight.dim() != 2:
         return None
     lay = q.layout
-    w, wq, h = weight.float(), quantized.float(), h.float()
+    w, wq, h = weight.float(), quantized.float(), h.to(device=weight.device, dtype=torch.float32)
     amax = lay.broadcast(q.amax.to(device=w.device, dtype=torch.float32))
-    scale = lay.restore(scale_from_amax(amax, q.spec.format).expand(lay.arrange(w).shape)).contiguous()
-    codes = torch.round(wq / scale)
-    err = wq - w
-    grad = err @ h  # (E H)[r, j]: half the derivative of row r's error in w_rj
-    diag = torch.diagonal(h)
+    scale = lay.restore(scale_from_amax(amax, q.spec.format).expand(lay.arrange(w).shape))
+    scale_t = scale.T.contiguous()  # column j of W is row j here
+    codes_t = torch.round(wq / scale).T.contiguous()
+    grad_t = ((wq - w) @ h).T.contiguous()  # (E H)^T: row j is half the derivative of every row's error in w_.j
+    n = w.shape[1]
+    diag = torch.diagonal(h).tolist()
     for _ in range(sweeps):
-        for j in range(w.shape[1]):
-            s, g = scale[:, j], grad[:, j]
-            step = -torch.sign(g)  # the direction that can lower the error
-            gain = 2.0 * step * s * g + s * s * diag[j]  # change of the row's error for one step
-            target = codes[:, j] + step
-            move = (gain < 0) & (target >= fmt.qmin) & (target <= fmt.qmax)
-            if not bool(move.any()):
-                continue
-            delta = torch.where(move, step * s, torch.zeros_like(s))
-            codes[:, j] += torch.where(move, step, torch.zeros_like(step))
-            err[:, j] += delta
-            grad.addr_(delta, h[j])
-    return (codes * scale).to(weight.dtype)
+        for b0 in range(0, n, block_size):
+            b1 = min(b0 + block_size, n)
+            local = grad_t[b0:b1].clone()
+            moved = torch.zeros_like(local)
+            hb = h[b0:b1, b0:b1]
+            for i in range(b1 - b0):
+                s, g = scale_t[b0 + i], local[i]
+                step = -torch.sign(g)
+                target = codes_t[b0 + i] + step
+                move = (step * g * 2.0 + s * diag[b0 + i] < 0) & (target >= fmt.qmin) & (target <= fmt.qmax)
+                step = step * move
+                codes_t[b0 + i] += step
+                delta = step * s
+                moved[i] = delta
+                if i + 1 < b1 - b0:
+                    local[i + 1 :].addr_(hb[i + 1 :, i], delta)
+            grad_t.addmm_(h[:, b0:b1], moved)
+    return (codes_t * scale_t).T.contiguous().to(weight.dtype)
