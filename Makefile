@@ -1,11 +1,11 @@
-# Two commands: `make demo` and `make test`. Both create .venv if missing and install what they need.
+# `make demo` and `make test` (also lint, soak, bench) create .venv if missing and install what they need.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-peers venv clean
+.PHONY: demo test soak lint bench bench-peers venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The long forms of the repeated-fault tests (4 SIGKILLs in a row, Ctrl-C 10 times, 20 consecutive runs).
+soak: $(STAMP)
+	SHARDCAL_SOAK=1 $(PY) -m pytest -q tests/test_rank_failures.py
 
 # Style: ruff's lint rules and formatter, as configured in pyproject.toml.
 lint: $(STAMP)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,16 +20,9 @@ import torch.multiprocessing as mp
 _POOLS: dict[int, RankPool] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, env: dict, tasks: Any, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        **env,
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -63,9 +55,11 @@ class RankPool:
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        from shardcal.distributed import host_rendezvous
+
+        self.store, env = host_rendezvous()  # binds its own port: no race with other processes for a free one
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, env, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -10,7 +10,7 @@ import torch
 from _injected import CalibrationInterrupted, interrupt_after
 from torch import nn
 
-from shardcal.errors import RecipeError
+from shardcal.errors import NumericsError, RecipeError
 from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import QuantizerSpec, TensorQuantizer, iter_quantizers, set_quantizer_mode
@@ -157,6 +157,62 @@ def test_gptq_dead_columns_and_unseen_expert_round_to_nearest():
     assert torch.equal(q[:, 10], quantizer(weight)[:, 10]) and torch.isfinite(q).all()
 
 
+def test_gptq_damping_grows_tenfold_until_positive_definite():
+    """An indefinite Hessian (eigenvalue -0.05, mean diagonal 0.65): percdamp 0.01 adds 0.0065 and 0.1 adds 0.065,
+    the first positive definite one; a Hessian no damping of the schedule fixes is an error."""
+    from shardcal.algorithms.gptq import DAMPING_TRIES, gptq_quantize
+
+    weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    quantizer = TensorQuantizer(QuantizerSpec("int8", "channel", axis=0), (4, 3))
+    quantizer.calibrate_from(weight)
+    info: dict = {}
+    q = gptq_quantize(weight, torch.diag(torch.tensor([1.0, 1.0, -0.05])), quantizer, percdamp=0.01, info=info)
+    assert info == {"damping": pytest.approx(0.1)} and torch.isfinite(q).all()
+    gptq_quantize(weight, torch.eye(3), quantizer, percdamp=0.01, info=info)
+    assert info == {"damping": 0.01}
+    hopeless = torch.diag(torch.tensor([1.0, 1.0, -(10.0**DAMPING_TRIES)]))  # mean diagonal < 0: no damping helps
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive definite even with damping"):
+        gptq_quantize(weight, hopeless, quantizer, percdamp=0.01)
+
+
+def _gptq_with_indefinite_hessians(shift: float) -> dict:
+    """GPTQ on 2 sharded ranks where down_proj's Hessians get ``-shift`` on their diagonal (an indefinite Hessian,
+    as bf16 round-off can make): the schedule's damping is reported per Linear, or the run stops naming it."""
+    from shardcal.algorithms import gptq
+
+    solve = gptq._upper_cholesky_of_inverse
+
+    def shifted(h: torch.Tensor):
+        if h.shape[0] == LLAMA["intermediate_size"]:  # only down_proj's input has this width
+            h = h - shift * torch.eye(h.shape[0], dtype=h.dtype)
+        return solve(h)
+
+    gptq._upper_cholesky_of_inverse = shifted
+    model = _model(dict(LLAMA, num_hidden_layers=2))
+    fsdp2_wrap(model)
+    try:
+        report = calibrate(model, _data(n=4), _recipe("gptq"), batch_size=2, progress=False)
+    except NumericsError as exc:
+        return {"error": str(exc)}
+    finally:
+        gptq._upper_cholesky_of_inverse = solve  # the worker process is reused
+    return {"damping": [layer_report.algorithm["gptq_damping"] for layer_report in report.layers]}
+
+
+def test_gptq_indefinite_hessian_reported_or_named_on_every_rank():
+    from shardcal.algorithms.gptq import DAMPING_TRIES
+
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj")
+    linears += ("mlp.up_proj", "mlp.down_proj")
+    for r in run_on_ranks(2, _gptq_with_indefinite_hessians, 1e6):
+        assert r == {"error": r["error"]} and r["error"].startswith("model.layers.0.mlp.down_proj: GPTQ cannot")
+        assert f"{10.0 ** (DAMPING_TRIES - 3):g}" in r["error"]  # the last damping tried: 0.01 x 10^5
+    (first, second) = run_on_ranks(2, _gptq_with_indefinite_hessians, 0.0)
+    for layer, damping in enumerate(first["damping"]):
+        assert damping == {f"model.layers.{layer}.{n}": 0.01 for n in sorted(linears)}
+    assert first == second
+
+
 def test_gptq_calibrate_defaults_to_qdq_and_beats_rtn():
     data = _data(n=8)
     want = _logits(_model(), data)
@@ -274,13 +330,17 @@ def _gptq_resume_run(directory: str, interrupt: int | None, params: dict | None 
 
 @pytest.mark.parametrize("params", [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}])
 def test_gptq_resume_is_bit_identical(tmp_path, params):
+    """Changed weights (and refitted scales) are checkpointed: resumed on the same world size, or on another one
+    (written by 2 ranks, resumed on 1 — each rank reassembles its new shard from the old ranks' rows)."""
     full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None, params)
-    assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, str(tmp_path / "b"), 2, params))
-    resumed = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "b"), None, params)
-    for want, got in zip(full, resumed):
-        for name in want["state"]:
-            assert torch.equal(want["state"][name], got["state"][name]), name
-        assert torch.equal(want["logits"], got["logits"])
+    for resumed_on in (2, 1):
+        folder = str(tmp_path / f"b{resumed_on}")
+        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, params))
+        resumed = run_on_ranks(resumed_on, _gptq_resume_run, folder, None, params)
+        for got in resumed:
+            for name in full[0]["state"]:
+                assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
+            assert torch.equal(full[0]["logits"], got["logits"])
 
 
 # ------------------------------------------------------------------------------------ export

@@ -314,10 +314,24 @@ def _(env: Env):
 
 
 @case(
-    "config-unknown-model-type", 'config.json: "model_type": "gpt2"', ConfigError, "model_type 'gpt2' is not supported"
+    "config-unknown-model-type",
+    'config.json: "model_type": "not-a-model"',
+    ConfigError,
+    "model_type 'not-a-model' is not supported by shardcal (supported: llama",
 )
 def _(env: Env):
-    return env.calibrate(), str(env.config(model_type="gpt2"))
+    return env.calibrate(), str(env.config(model_type="not-a-model"))
+
+
+@case(
+    "checkpoint-foreign-class-mismatch",
+    'config.json: "model_type": "gpt2" over Llama weights (transformers\' class, other tensor names)',
+    CheckpointError,
+    "parameter(s) of GPT2LMHeadModel are not in the checkpoint: 'transformer.wte.weight'",
+)
+def _(env: Env):
+    env.config(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    return env.calibrate(), str(env.model / "model.safetensors")
 
 
 @case(
@@ -497,7 +511,54 @@ def _(env: Env):
     return env.eval(), str(index)
 
 
+@case(
+    "index-absolute-path",
+    "the index names a shard by an absolute path",
+    CheckpointError,
+    "points outside the model directory ('/",
+    via="eval",
+)
+def _(env: Env):
+    index = env.shard()
+    doc = json.loads(index.read_text())
+    shutil.copy(env.model / doc["weight_map"][KEY], env.tmp / "elsewhere.safetensors")
+    doc["weight_map"][KEY] = str(env.tmp / "elsewhere.safetensors")
+    index.write_text(json.dumps(doc))
+    return env.eval(), str(index)
+
+
+@case(
+    "index-symlink-out",
+    "the index names a shard that is a symlink out of the model directory",
+    CheckpointError,
+    "points outside the model directory ('link.safetensors')",
+    via="eval",
+)
+def _(env: Env):
+    index = env.shard()
+    doc = json.loads(index.read_text())
+    shutil.copy(env.model / doc["weight_map"][KEY], env.tmp / "elsewhere.safetensors")
+    (env.model / "link.safetensors").symlink_to(env.tmp / "elsewhere.safetensors")
+    doc["weight_map"][KEY] = "link.safetensors"
+    index.write_text(json.dumps(doc))
+    return env.eval(), str(index)
+
+
 # --- tokenizer.json (text data is tokenized with the model's tokenizer) -----------------------------------------
+
+
+@case(
+    "tokenizer-absurd-size",
+    "tokenizer.json of 300 MiB (a forged size; refused before reading)",
+    TokenizerError,
+    "implausibly large (314572800 bytes",
+    via="calibrate",
+)
+def _(env: Env):
+    path = env.model / "tokenizer.json"
+    with open(path, "r+b") as f:
+        f.truncate(300 * 2**20)  # sparse: nothing is written to disk
+    return env.calibrate(data=env.text), str(path)
 
 
 @case("tokenizer-missing", "text --data, but the model has no tokenizer.json", TokenizerError, "no tokenizer.json")
@@ -682,6 +743,29 @@ def _(env: Env):
 def _(env: Env):
     path = env.npy("ids.npy", np.full((2, 16), VOCAB, dtype=np.int64))
     return env.calibrate(data=path), str(path)
+
+
+@case(
+    "data-longer-than-max-positions",
+    "rows of 600 tokens for a model with max_position_embeddings 256",
+    DataError,
+    "sequences of 600 tokens exceed",
+)
+def _(env: Env):
+    path = env.npy("long.npy", np.arange(2 * 600).reshape(2, 600) % 300)
+    return [a if a != "16" else "600" for a in env.calibrate(data=path)], str(path)
+
+
+@case(
+    "eval-longer-than-max-positions",
+    "eval on rows of 600 tokens for a model with max_position_embeddings 256",
+    DataError,
+    "max_position_embeddings=256 (pass a shorter --seq-len)",
+    via="eval",
+)
+def _(env: Env):
+    path = env.npy("long.npy", np.arange(2 * 600).reshape(2, 600) % 300)
+    return [a if a != "16" else "600" for a in env.eval(data=path)], str(path)
 
 
 @case("data-ids-negative", ".npy with negative ids", DataError, "token id -1 is negative", via="eval")
@@ -877,6 +961,37 @@ def _(env: Env):
 # --- --out ------------------------------------------------------------------------------------------------------
 
 
+@case("out-is-model-dir", "--out MODEL_DIR --overwrite", ExportError, "is the model directory")
+def _(env: Env):
+    return env.calibrate("--overwrite", out=env.model), str(env.model)
+
+
+@case("out-inside-model-dir", "--out MODEL_DIR/fp8", ExportError, "lies inside the model directory")
+def _(env: Env):
+    return env.calibrate(out=env.model / "fp8"), str(env.model)
+
+
+@case(
+    "out-contains-data", "--out a directory holding the --data file, --overwrite", ExportError, "contains the data file"
+)
+def _(env: Env):
+    folder = env.tmp / "work"
+    folder.mkdir()
+    data = folder / "ids.npy"
+    shutil.copy(env.ids, data)
+    return env.calibrate("--overwrite", out=folder, data=data), str(data)
+
+
+@case(
+    "checkpoint-dir-is-model-dir",
+    "--checkpoint-dir MODEL_DIR",
+    CalibrationCheckpointError,
+    "is the model directory",
+)
+def _(env: Env):
+    return env.calibrate("--checkpoint-dir", env.model), str(env.model)
+
+
 @case("out-not-empty", "--out an existing, non-empty directory", ExportError, "exists and is not empty")
 def _(env: Env):
     env.out.mkdir()
@@ -966,14 +1081,14 @@ def _(env: Env):
 
 
 @case(
-    "checkpoint-other-world-size",
-    "--checkpoint-dir written by 2 ranks, resumed on 1",
+    "checkpoint-report-unknown-key",
+    "--checkpoint-dir manifest: a report entry with a key no version writes (fingerprint intact)",
     CalibrationCheckpointError,
-    "checkpoint is from a different world size (checkpoint: 2, this run: 1)",
+    "corrupt manifest (field 'report' has an entry with unknown key 'surprise')",
     checkpoint=True,
 )
 def _(env: Env):
-    path = env.manifest(lambda m: m["fingerprint"].update(world_size=2))
+    path = env.manifest(lambda m: m["report"][0].update(surprise=1))
     return env.resume(), str(path)
 
 
@@ -1101,6 +1216,42 @@ def _(env: Env):
     return ["import-gguf", str(path), str(env.out)], str(path)
 
 
+@case(
+    "gguf-absurd-array-length",
+    "import-gguf of a GGUF file whose token list claims 2**62 entries",
+    CheckpointError,
+    "is larger than the rest of the file",
+    via="import-gguf",
+)
+def _(env: Env):
+    pytest.importorskip("gguf")
+
+    def corrupt(data: bytes) -> bytes:  # key, then the array tag (u32 9), the item type (u32), the count (u64)
+        at = data.index(b"tokenizer.ggml.tokens\x09\x00\x00\x00") + len(b"tokenizer.ggml.tokens") + 8
+        return data[:at] + (1 << 62).to_bytes(8, "little") + data[at + 8 :]
+
+    path = _gguf(env, corrupt)
+    return ["import-gguf", str(path), str(env.out)], str(path)
+
+
+@case(
+    "gguf-absurd-string-length",
+    "import-gguf of a GGUF file whose architecture string claims 2**60 bytes",
+    CheckpointError,
+    "runs past the end of the file",
+    via="import-gguf",
+)
+def _(env: Env):
+    pytest.importorskip("gguf")
+
+    def corrupt(data: bytes) -> bytes:  # key, then the string tag (u32 8), the length (u64)
+        at = data.index(b"general.architecture\x08\x00\x00\x00") + len(b"general.architecture") + 4
+        return data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8 :]
+
+    path = _gguf(env, corrupt)
+    return ["import-gguf", str(path), str(env.out)], str(path)
+
+
 # ---------------------------------------------------------------------------------------------- running a case
 
 
@@ -1144,7 +1295,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     np.save(root / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, (4, 16)))
     (root / "doc.txt").write_text(TEXT)
     env = _env(root)
-    assert cli.main(env.resume()) == 0
+    assert cli.main(env.resume("--keep-checkpoint")) == 0
     shutil.rmtree(env.out)
     return root
 

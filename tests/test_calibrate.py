@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from shardcal.fsdp2_utils import fsdp2_wrap
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import iter_quantizers
 from shardcal.quant.session import begin_pass_all, end_pass_all, finish_calibration_all, start_calibration_all
-from shardcal.recipes import load_recipe, quantize_modules
+from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 from shardcal.runner import calibrate
 
 from _dist import run_on_ranks
@@ -193,11 +194,85 @@ def test_kill_and_resume_bit_identical(tmp_path):
             assert torch.equal(want["amax"][name], got["amax"][name]), name
         assert want["sqnr"] == got["sqnr"]
         assert torch.equal(want["logits"], got["logits"])
-    # A finished checkpoint resumes to the end at once; another world size is refused.
-    again = run_on_ranks(2, _resume_run, str(tmp_path / "b"), None)
-    assert again[0]["resumed"] == 4 and torch.equal(again[0]["logits"], full[0]["logits"])
-    with pytest.raises(AssertionError, match="different world size"):
-        run_on_ranks(1, _resume_run, str(tmp_path / "b"), None)
+    # A finished checkpoint resumes to the end at once, on any world size.
+    for world_size in (2, 1):
+        again = run_on_ranks(world_size, _resume_run, str(tmp_path / "b"), None)
+        assert again[0]["resumed"] == 4 and torch.equal(again[0]["logits"], full[0]["logits"])
+
+
+def _nonfinite_runs(directory: str) -> dict:
+    """Non-finite layer outputs: one batch's (an infinite embedding row, only in batch 2), and a corrupt layer 2's
+    (every batch, checkpointed); then that run again, resumed from its checkpoint."""
+    import os
+
+    from shardcal.errors import NumericsError
+
+    def attempt(model: nn.Module, data: torch.Tensor, folder: str | None = None) -> str:
+        fsdp2_wrap(model)
+        try:
+            calibrate(model, data, "w8a8-int8", batch_size=2, progress=False, checkpoint_dir=folder)
+        except NumericsError as exc:
+            return str(exc)
+        return "no error"
+
+    def corrupt_model() -> CausalLM:
+        model = _model()
+        with torch.no_grad():
+            model.model.layers[2].mlp.down_proj.weight[0, 0] = float("nan")
+        return model
+
+    data = _data(n=6).clamp(max=254)
+    poisoned = data.clone()
+    poisoned[4, 3] = 255  # row 4: global batch 2, which rank 1 owns on 2 ranks
+    model = _model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[255] = float("inf")
+    one_batch = attempt(model, poisoned)
+    folder = f"{directory}/ckpt"
+    corrupt_layer = attempt(corrupt_model(), data, folder)
+    manifest = json.loads(Path(folder, "manifest.json").read_text())
+    stray = sorted(set(os.listdir(folder)) - set(manifest["files"]) - {"manifest.json"})
+    model = corrupt_model()
+    calls = {0: 0, 2: 0}
+    for i in calls:
+        model.model.layers[i].register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    again = attempt(model, data, folder)
+    return dict(
+        one_batch=one_batch,
+        corrupt_layer=corrupt_layer,
+        completed=manifest["completed_layers"],
+        stray=stray,
+        again=again,
+        calls=calls,
+    )
+
+
+def test_non_finite_outputs_stop_every_rank_naming_layer_and_batch(tmp_path):
+    """NaN/inf in a layer's output stops every rank with the same line naming the layer and the (global) batch;
+    the checkpoint stays valid at the previous layer: a rerun resumes there (layers 0 and 1 are not run again)."""
+    for world_size in (1, 2):
+        for r in run_on_ranks(world_size, _nonfinite_runs, str(tmp_path / str(world_size))):
+            on = " on rank 1" if world_size == 2 else ""
+            assert r["one_batch"].startswith(
+                f"model.layers.0: the layer's output holds NaN or infinite values (batch 2{on})"
+            )
+            on = " on rank 0" if world_size == 2 else ""
+            assert r["corrupt_layer"].startswith(
+                f"model.layers.2: the layer's output holds NaN or infinite values (batch 0{on})"
+            )
+            assert r["completed"] == 2 and r["stray"] == []
+            assert r["again"] == r["corrupt_layer"] and r["calls"][0] == 0 and r["calls"][2] > 0
+
+
+@pytest.mark.parametrize(("written_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_elastic_resume_on_another_world_size(tmp_path, written_on, resumed_on):
+    """A checkpoint written by N ranks resumes on M ranks to the same amax and logits as an uninterrupted run."""
+    (full,) = run_on_ranks(1, _resume_run, str(tmp_path / "full"), None)
+    assert all(r["interrupted"] for r in run_on_ranks(written_on, _resume_run, str(tmp_path / "ckpt"), 2))
+    for got in run_on_ranks(resumed_on, _resume_run, str(tmp_path / "ckpt"), None):
+        assert got["resumed"] == 2
+        assert all(torch.equal(full["amax"][n], got["amax"][n]) for n in full["amax"])
+        assert torch.equal(full["logits"], got["logits"])
 
 
 def _resume_errors(directory: str) -> str:
@@ -269,13 +344,25 @@ def _moe_run(all_experts: bool) -> dict:
         fallbacks=[f for layer_report in report.layers for f in layer_report.fallbacks],
         warned=any("saw no calibration tokens" in str(w.message) for w in caught),
         amax=_amax_state(model),
+        moe={layer_report.name: layer_report.moe for layer_report in report.layers},
+        summary=report.moe_summary(),
     )
 
 
+def _expected_moe(sources: list[str]) -> dict:
+    tokens = 4 * 16  # every real token goes to experts 0 and 1 (top-2 of a router that always ranks them first)
+    block = {"routed_tokens": [tokens, tokens, 0, 0], "scales_from": sources}
+    return {f"model.layers.{i}": {f"model.layers.{i}.mlp": block} for i in range(2)}
+
+
 def test_moe_all_experts_calibrated_and_dead_expert_fallback():
+    """Dead experts get their siblings' scales (or every token's); the report counts each expert's routed tokens
+    (summed over ranks), says where its scales came from, and the CLI's one line sums it up."""
+    line = "MoE: 4 of 8 experts got no routed calibration token; their input scales come from "
     for r in run_on_ranks(2, _moe_run, True):
         assert r["observed"] and all(v > 0 for v in r["observed"].values())
         assert not r["fallbacks"] and not r["warned"]
+        assert r["moe"] == _expected_moe(["all tokens"] * 4) and r["summary"] == line + "all tokens (4)"
     for r in run_on_ranks(2, _moe_run, False):
         dead = {n for n, v in r["observed"].items() if v == 0}
         assert dead and all(".experts.2." in n or ".experts.3." in n for n in dead)
@@ -283,6 +370,8 @@ def test_moe_all_experts_calibrated_and_dead_expert_fallback():
         assert sorted(r["fallbacks"]) == sorted(dead) and r["warned"]
         for n in dead:  # sibling max: finite, positive
             assert torch.isfinite(r["amax"][n]).all() and (r["amax"][n] > 0).all()
+        assert r["moe"] == _expected_moe(["routed tokens"] * 2 + ["sibling fallback"] * 2)
+        assert r["summary"] == line + "sibling fallback (4)"
 
 
 # ------------------------------------------------------------ bad input: clear errors, nothing written
@@ -316,4 +405,80 @@ def test_report_json_and_plot(tmp_path):
     assert q["amax"] > 0 and q["shape"] == [1]
     plot = report.save_plot(tmp_path / "sqnr.png")
     if plot is not None:
+        import os
+
         assert plot.read_bytes()[:4] == b"\x89PNG"
+        mask = os.umask(0)
+        os.umask(mask)
+        assert plot.stat().st_mode & 0o777 == 0o666 & ~mask  # as every other file, not mkstemp's 0600
+        report.layers = report.layers[:2]  # a 2-layer model: ticks 0 and 1, never 0.25, 0.5 ...
+        figure = report.sqnr_figure()
+        assert all(float(t).is_integer() for t in figure.axes[0].get_xticks())
+
+
+# ------------------------------------------------------------ padding never counts
+PAD_ROWS = [torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 7, 10, 12, 5, 9)]
+
+
+def _padded(pad_id: int) -> list[dict]:
+    """The same rows, in the same batches of 3, padded with ``pad_id`` (255's embedding is made 300x larger)."""
+    out = []
+    for s in range(0, len(PAD_ROWS), 3):
+        chunk = PAD_ROWS[s : s + 3]
+        length = max(r.numel() for r in chunk)
+        ids = torch.full((3, length), pad_id, dtype=torch.long)
+        mask = torch.zeros(3, length, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, : r.numel()], mask[i, : r.numel()] = r, 1
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+PAD_RECIPES = {
+    "max": "w8a8-int8",
+    "percentile": '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\nobserver = "percentile"\n',
+    "smoothquant+gptq": '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+    '[algorithm]\nname = "gptq"\nsmooth = { name = "smoothquant" }\n',
+    "awq": '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n[algorithm]\nname = "awq"\n',
+}
+
+
+@pytest.mark.parametrize("all_experts", [True, False])
+@pytest.mark.parametrize("recipe", list(PAD_RECIPES))
+def test_padding_never_counts(recipe, all_experts):
+    """Observers, SmoothQuant/GPTQ/AWQ statistics and MoE experts (routed or all) skip padded positions: padding
+    the same rows with a token whose activations are huge changes nothing, and counts are real tokens only."""
+    text = PAD_RECIPES[recipe]
+    spec = load_recipe(text) if not text.startswith("[") else parse_recipe(text, f"{recipe}.toml")
+    results = []
+    for pad_id in (0, 255):
+        model = _model(dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2))
+        with torch.no_grad():
+            model.model.embed_tokens.weight[255] *= 300.0
+        calibrate(model, _padded(pad_id), spec, batch_size=3, progress=False, calibrate_all_experts=all_experts)
+        state = {n: q.amax.clone() for n, q in iter_quantizers(model) if q.amax is not None}
+        state.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        results.append((state, model))
+    (a, model), (b, _) = results
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if recipe == "max":
+        q = model.model.layers[0].self_attn.q_proj.input_quantizer
+        assert q.num_observed == sum(r.numel() for r in PAD_ROWS) * 64  # real tokens x hidden, not 2 x 3 x 12 x 64
+
+
+def _idle_rank_warning() -> list[str]:
+    model = _model(dict(TINY_CONFIGS["llama"], num_hidden_layers=1))
+    fsdp2_wrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate(model, _data(n=3), "fp8", batch_size=4, progress=False)
+    return [str(w.message) for w in caught if "get none" in str(w.message)]
+
+
+def test_a_rank_without_a_batch_is_said_once():
+    rank0, rank1 = run_on_ranks(2, _idle_rank_warning)
+    assert rank0 == [
+        "1 batch(es) of up to 4 sequences for 2 ranks: rank(s) 1 get none and only take part in the gathers (a "
+        "smaller batch size, or more samples, gives every rank work)"
+    ]
+    assert rank1 == []

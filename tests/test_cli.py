@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,98 @@ def test_python_m_shardcal_help():
     assert result.returncode == 0, result.stderr
     for name in ("eval", "import-gguf", "demo", "--debug"):
         assert name in result.stdout
+
+
+def test_help_and_version_import_no_torch():
+    """``shardcal --help`` stays fast (well under 0.5 s here) because building the parser imports neither torch
+    nor numpy: every command imports what it needs when it runs."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from shardcal import cli\n"
+        "for argv in (['--help'], ['calibrate', '--help'], ['--version']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        cli.main(argv)\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr)
+
+
+def _subcommand_parsers() -> dict:
+    import argparse
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+#: The fewest arguments each subcommand parses with.
+REQUIRED = {"calibrate": ["M", "--recipe", "fp8", "--out", "O"], "eval": ["M"], "import-gguf": ["F", "O"]}
+
+
+def test_help_defaults_are_what_the_commands_use():
+    """Every "(default X)" in a subcommand's --help is the value the parsed arguments carry when it is left out
+    (defaults that name no value, "default: the recipe's ...", are None in the namespace)."""
+    import re
+
+    from shardcal.data import DEFAULT_SEQ_LEN
+
+    checked = 0
+    for name, sub in _subcommand_parsers().items():
+        args = sub.parse_args(REQUIRED.get(name, []))
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.help or action.help == "==SUPPRESS==":
+                continue
+            text = formatter._expand_help(action)
+            match = re.search(r"\(default:? ([^);]+)", text)
+            if match is None:
+                continue
+            value, said = getattr(args, action.dest), match.group(1).strip()
+            if action.dest == "seq_len" and value is None:  # the data's own length, else the shared default
+                assert said.startswith(str(DEFAULT_SEQ_LEN)), (name, text)
+            elif value is None:
+                assert not said[:1].isdigit(), (name, action.dest, text)
+            else:
+                assert said == str(value), (name, action.dest, said, value)
+            checked += 1
+    assert checked >= 15, checked
+
+
+def test_version_and_recipes_list(capsys):
+    from shardcal import __version__
+    from shardcal.recipes import (
+        load_recipe,
+        parse_recipe,
+        recipe_row,
+        recipe_rows,
+        shipped_recipes,
+        shipped_recipes_dir,
+    )
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith(f"shardcal {__version__} (torch ")
+    status, out, _ = run_cli(capsys, "recipes")
+    lines = out.splitlines()
+    assert status == 0 and lines[0].split()[:3] == ["recipe", "weight", "input"]
+    assert [line.split()[0] for line in lines[1:]] == shipped_recipes()
+    for line in lines[1:]:
+        recipe = load_recipe(line.split()[0])
+        assert line.endswith(recipe.description) and recipe.weight.describe() in line
+    rows = {row[0]: row for row in recipe_rows()}
+    assert rows["w8a8-int8-dynamic"][2] == "int8, per token, dynamic"  # dynamic per-token inputs
+    assert rows["fp8-dynamic-kv"][2] == "fp8_e4m3, per token, dynamic + kv cache fp8_e4m3, max"
+    fallback = parse_recipe(
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 128\n'
+        "[fallback]\nmin_layer_sqnr_db = 20\nfull_precision = true\n",
+        "fb.toml",
+    )
+    assert recipe_row(fallback)[1:4] == ("int4, groups of 128, max", "- (weight only)", "rtn; fallback under 20 dB")
+    status, out, _ = run_cli(capsys, "recipes", "w4a16.toml")
+    assert status == 0 and out == (shipped_recipes_dir() / "w4a16.toml").read_text()  # the file itself, comments too
+    status, _, err = run_cli(capsys, "recipes", "w3a3")
+    assert status == 2 and "unknown recipe 'w3a3' (shipped: " in err
 
 
 def test_user_error_is_one_line_and_exit_status_2(tmp_path):
@@ -320,8 +413,70 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
     assert status == 0, err
     values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
     values = {k.strip(): v.strip() for k, v in values.items()}
-    fake_quant = float(values["perplexity, fake-quant (w8a8-int8, sharded)"])
+    fake_quant = float(values[f"perplexity, fake-quant ({cli.DEMO_RECIPE}, sharded)"])
     reloaded = float(values["perplexity, reloaded export"])
     assert fake_quant == pytest.approx(reloaded, rel=1e-6)  # the export reloads to the calibrated model
     assert values["output dir"] == str(out_dir) and (out_dir / "config.json").is_file()
     assert len(values["peak memory per rank"].split(",")) == 2
+    sizes = [sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6 for d in (out_dir, model_dir)]
+    assert values["weights on disk, export vs float"] == (
+        f"{sizes[0]:.1f} MB vs {sizes[1]:.1f} MB ({sizes[0] / sizes[1]:.2f}x)"
+    )  # bytes counted here, not by the command
+    report, plot = values["report, plot"].split(", ")
+    assert json.loads(Path(report).read_text())["recipe"] == cli.DEMO_RECIPE and Path(plot).is_file()
+    prompt = repr(cli.DEMO_PROMPT)
+    assert values[f"greedy {prompt}, float32"].startswith("'") and values[f"greedy {prompt}, export"].startswith("'")
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+
+
+def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir, tmp_path):
+    """A rerun says it resumes (after which layer, from where); after the export the checkpoint goes (unless
+    --keep-checkpoint) and the line says so; a short data file and a rank-less batch count are one line each."""
+    from _injected import CalibrationInterrupted, interrupt_after
+
+    np.save(tmp_path / "ids.npy", np.arange(6 * 16).reshape(6, 16) % 300)
+    ckpt = tmp_path / "ckpt"
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    argv += ["--checkpoint-dir", ckpt]
+    with pytest.raises(CalibrationInterrupted), interrupt_after(1):
+        run_cli(capsys, *argv, "--out", tmp_path / "a")
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "a")
+    assert status == 0, err
+    assert f"resuming after layer 1 of 2 from {ckpt} (committed " in err
+    assert (
+        "warning: " + str(tmp_path / "ids.npy") + ": holds 6 samples of 16 tokens, fewer than the 32 asked for" in err
+    )
+    assert f"removed the calibration checkpoint {ckpt} (" in out and not ckpt.exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    written = [tmp_path / "a", *(tmp_path / "a").iterdir()]
+    assert "calibration_sqnr.png" in {f.name for f in written}
+    for path in written:  # the export, its report and its plot: the process umask's permissions, not 0600
+        want = (0o777 if path.is_dir() else 0o666) & ~mask
+        assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--keep-checkpoint", "--num-samples", 6)
+    assert status == 0 and "removed" not in out and (ckpt / "manifest.json").is_file()
+    assert "warning" not in err and "resuming" not in err
+    status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "b")
+    assert status == 2 and err == f"error: {tmp_path / 'b'}: exists and is not empty (pass --overwrite to replace it)\n"
+
+
+def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
+    import warnings
+
+    from shardcal.data import load_token_data
+
+    np.save(tmp_path / "stream.npy", np.arange(100))  # 3 blocks of 32 and 4 tokens over
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32).shape == (3, 32)
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32, num_samples=2).shape == (2, 32)  # tail unused
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32, num_samples=5).shape == (3, 32)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
+        f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
+        f"{tmp_path / 'stream.npy'}: holds 3 samples of 32 tokens, fewer than the 5 asked for; using 3",
+    ]

@@ -147,3 +147,23 @@ def test_small_value_collectives_on_two_ranks():
         assert r["flags"] == [1]
         assert r["floats"] == [0.5, 1.5]
         assert r["max"] == [1.0, 0.0]
+
+
+def test_a_one_process_group_leaves_the_environment_alone():
+    """Without torchrun's variables, init_distributed forms a one-rank group on a store that binds its own port and
+    sets no RANK/MASTER_PORT: a command started afterwards from the same process is not taken for a torchrun rank."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from shardcal.distributed import init_distributed, world; print(init_distributed(), world(), "
+        "sorted(k for k in os.environ if k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT', 'MASTER_ADDR')))"
+    )
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK")
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "(0, 1) (0, 1) []"

@@ -58,3 +58,61 @@ def test_documented_defaults_are_the_codes(name, args):
         default = params[key].default
         assert default is not inspect.Parameter.empty, f"{name}: {key} has no default"
         assert repr(default) == shown.strip() or str(default) == shown.strip().strip('"'), (name, key, default, shown)
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+ROOT = DOCS.parent
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    """``(file, command)`` for every ``shardcal ...`` command in the docs' shell blocks (continuations joined)."""
+    found = []
+    for path in MARKDOWN:
+        blocks = re.findall(r"```(\w*)\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+        for block in [text for language, text in blocks if language in ("bash", "sh", "console", "")]:
+            joined = re.sub(r"\\\n\s*|\n(?=\s+[\[-])", " ", block)  # "\" continuations, indented option lines
+            for line in joined.splitlines():
+                line = line.split("#")[0].strip()
+                if re.match(r"^(shardcal |python -m shardcal |torchrun .*-m shardcal )", line):
+                    found.append((path.name, line[line.index("shardcal ") + len("shardcal ") :]))
+    return found
+
+
+def _options(parser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+@pytest.mark.parametrize(("source", "command"), _command_lines())
+def test_documented_commands_use_real_options(source, command):
+    """Every ``--option`` a doc shows exists on the subcommand it is shown with; the subcommand exists."""
+    import argparse
+
+    from shardcal.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    words = command.replace("[", " ").replace("]", " ").split()
+    if words[0].startswith("--"):
+        assert words[0] in _options(parser), (source, command)
+        return
+    assert words[0] in sub.choices, (source, command)
+    known = _options(sub.choices[words[0]]) | _options(parser)
+    for word in words[1:]:
+        if word.startswith("--"):
+            assert word.split("=")[0] in known, (source, word, command)
+
+
+def test_documented_commands_without_placeholders_run(capsys):
+    """The commands that can run here as written (no model or file to fill in) exit 0."""
+    from shardcal import cli
+
+    shown = {re.sub(r"\[[^\]]*\]", "", c).strip() for _, c in _command_lines()}  # optional parts left out
+    runnable = {c for c in shown if not re.search(r"[A-Z_]{3,}|/|\.gguf", c)} - {"demo"}  # demo: test_cli
+    assert {"recipes", "--version"} <= runnable, runnable
+    for command in sorted(runnable):
+        try:
+            status = cli.main(command.split())
+        except SystemExit as exc:  # --version
+            status = exc.code
+        assert status == 0, (command, capsys.readouterr())

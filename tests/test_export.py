@@ -381,6 +381,28 @@ def test_unexportable_models_are_refused_before_writing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("recipe", "module", "quantizer", "bad", "key"),
+    [
+        ("fp8", "model.layers.1.mlp.down_proj", "input_quantizer", float("inf"), "input_scale"),
+        ("w8a8-int8", "model.layers.0.self_attn.q_proj", "weight_quantizer", -1.0, "weight_scale"),
+        ("nvfp4", "model.layers.1.mlp.experts.2.up_proj", "input_quantizer", float("inf"), "input_global_scale"),
+    ],
+)
+def test_export_refuses_unusable_scales(tmp_path, recipe, module, quantizer, bad, key):
+    """A zero, negative, NaN or infinite scale (an expert's or not) is never written: the error names the tensor
+    and nothing is left behind."""
+    model = _model(dict(TINY_CONFIGS["qwen2_moe"])) if "experts" in module else _model()
+    calibrate(model, _data(), recipe, batch_size=2, progress=False)
+    q = getattr(model.get_submodule(module), quantizer)
+    amax = q.amax.clone()
+    amax.view(-1)[0] = bad
+    q.set_amax(amax)
+    with pytest.raises(ExportError, match=rf"^{module}\.{key}: 1 of \d+ scale value\(s\) are zero, negative, NaN"):
+        export_checkpoint(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_destination_errors_and_overwrite(exported, tmp_path):
     model, _ = exported("fp8")
     out = tmp_path / "out"

@@ -122,19 +122,22 @@ def test_fused_experts_all_experts_mode_sees_every_token():
 
 
 def _calibrated_on_ranks(families: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    register_tiny_lm()
     out = {}
     for family in families:
-        model = hf_model(family)
+        model = tiny_lm() if family == "tiny_lm" else hf_model(family)
         fsdp2_wrap(model)
-        calibrate(model, _data(n=7), "w8a8-int8", batch_size=BATCH, progress=False)
+        vocab = 64 if family == "tiny_lm" else 256
+        calibrate(model, _data(n=7, vocab=vocab), "w8a8-int8", batch_size=BATCH, progress=False)
         out[family] = _amax(model)
     return out
 
 
 def test_two_ranks_equal_one_rank():
-    (single,) = run_on_ranks(1, _calibrated_on_ranks, HF_FAMILIES)
-    for result in run_on_ranks(2, _calibrated_on_ranks, HF_FAMILIES):
-        for family in HF_FAMILIES:
+    families = (*HF_FAMILIES, "tiny_lm")
+    (single,) = run_on_ranks(1, _calibrated_on_ranks, families)
+    for result in run_on_ranks(2, _calibrated_on_ranks, families):
+        for family in families:
             assert result[family].keys() == single[family].keys()
             assert all(torch.equal(result[family][n], single[family][n]) for n in single[family]), family
 
@@ -356,7 +359,8 @@ def test_bad_models_get_one_line_errors_naming_the_module(model, message):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_padded_batches_use_the_models_own_masks(family):
-    """Ragged rows: the model builds 4-D masks from the padding; each layer gets exactly its own."""
+    """Ragged rows: the model builds 4-D masks from the padding; each layer gets exactly its own, and the statistics
+    count real tokens only (the reference takes each Linear's input at the unpadded positions)."""
     rows = [_data(n=1, length=length, seed=length)[0] for length in (12, 7, 10, 12, 5, 9)]
     model = hf_model(family)
     calibrate(model, rows, "w8a8-int8", batch_size=BATCH, progress=False)
@@ -366,14 +370,21 @@ def test_padded_batches_use_the_models_own_masks(family):
     mask = torch.zeros(len(rows), 12, dtype=torch.long)
     for i, r in enumerate(rows):
         padded[i, : r.numel()], mask[i, : r.numel()] = r, 1
-    want = {}
+    want: dict[str, torch.Tensor] = {}
+    current: list[torch.Tensor] = []
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        value = x[current[0].bool()].abs().amax().reshape(1)
+        want[name] = torch.maximum(want.get(name, torch.zeros(1)), value)
+
     hooks = [
-        m.register_forward_pre_hook(lambda m, a, n=n: want.__setitem__(n, torch.maximum(want.get(n, torch.zeros(1)), a[0].abs().amax().reshape(1))))
+        m.register_forward_pre_hook(lambda m, a, n=n: observe(n, a[0]))
         for n, m in ref.named_modules()
         if f"{n}.input_quantizer" in got
-    ]  # fmt: skip
+    ]
     with torch.no_grad():
         for s in range(0, len(rows), BATCH):
+            current[:] = [mask[s : s + BATCH]]
             ref(padded[s : s + BATCH], attention_mask=mask[s : s + BATCH], use_cache=False)
     for h in hooks:
         h.remove()
@@ -512,3 +523,50 @@ def test_cli_model_impl_errors_are_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "model_type 'phi3' has no shardcal class (shardcal has: llama" in err and "pip install transformers" in err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- algorithms
+
+
+def _algorithm_recipe(algorithm: str, weight_only: bool, exclude: str = ""):
+    targets = f'[targets]\nexclude = ["{exclude}"]\n' if exclude else ""
+    quant = targets + (
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 16\n'
+        if weight_only
+        else '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+    )
+    return parse_recipe(f'{quant}[algorithm]\nname = "{algorithm}"\n', f"{algorithm}.toml")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3", "qwen3_moe"])
+def test_smoothquant_folds_into_transformers_layers_keeping_their_function(family):
+    """Norm -> Linear pairs found by duck typing (a norm whose output scales with its weight; Phi-3's fused qkv and
+    gate_up; Gemma's pre-feedforward norm): folding leaves the full-precision function unchanged."""
+    from shardcal.quant.session import set_quantizer_mode
+
+    data = _data()
+    model = hf_model(family)
+    want = hf_logits(model, data)
+    norms = {n: p.detach().clone() for n, p in model.named_parameters() if "layernorm" in n}
+    # fused experts store their quantized weights (disabling quantizers does not undo that): left out here
+    recipe = _algorithm_recipe("smoothquant", weight_only=False, exclude="*.experts.*")
+    calibrate(model, data, recipe, batch_size=BATCH, progress=False)
+    changed = [n for n, p in model.named_parameters() if n in norms and not torch.equal(p, norms[n])]
+    if family in ("llama", "phi3", "qwen3_moe"):
+        assert any("input_layernorm" in n for n in changed), changed
+    if family == "gemma3":  # Gemma norms compute x * (1 + w): nothing is folded into them
+        assert not changed, changed
+    set_quantizer_mode(model, "disabled")
+    torch.testing.assert_close(hf_logits(model, data), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_weight_algorithms_beat_round_to_nearest_on_transformers_llama(algorithm):
+    data = _data(n=12)
+    want = hf_logits(hf_model("llama"), data)
+    errors = {}
+    for name in ("rtn", algorithm):
+        model = hf_model("llama")
+        calibrate(model, data, _algorithm_recipe(name, weight_only=True), batch_size=BATCH, progress=False)
+        errors[name] = (hf_logits(model, data) - want).pow(2).mean().item()
+    assert errors[algorithm] < errors["rtn"], errors

@@ -895,28 +895,38 @@ def test_gguf_import_fuzz(workdir: Path, data: bytes) -> None:
 
 # ---------------------------------------------------------------------------------------------- calibration checkpoint
 
-FINGERPRINT = {"model": "m", "model_weights": "1.0", "recipe": "r", "data": "d", "world_size": 1, "options": "o"}
+FINGERPRINT = {"model": "m", "model_weights": "1", "recipe": "r", "data": "d", "options": "o"}
 MANIFEST_PATHS = [
     (),
     ("format_version",),
     ("fingerprint",),
     ("fingerprint", "model"),
-    ("fingerprint", "world_size"),
     ("completed_layers",),
+    ("num_layers",),
     ("files",),
     ("files", "quantizers-L00001.safetensors"),
+    ("files", "activations-L00001-rank00000.safetensors"),
     ("report",),
+    ("batches",),
+    ("batches", "0"),
+    ("weights",),
+    ("weights", "w"),
+    ("quantizers",),
 ]
 
 
 @st.composite
 def fuzzed_manifests(draw: st.DrawFn) -> str:
     manifest = {
-        "format_version": 1,
+        "format_version": 2,
         "fingerprint": dict(FINGERPRINT),
         "completed_layers": 1,
-        "files": {"quantizers-L00001.safetensors": "0" * 64},
-        "report": [],
+        "num_layers": 2,
+        "files": {"quantizers-L00001.safetensors": "0" * 64, "activations-L00001-rank00000.safetensors": "0" * 64},
+        "report": [{"index": 0, "name": "model.layers.0", "seconds": 0.1, "sqnr_db": 30.0}],
+        "batches": {"0": "activations-L00001-rank00000.safetensors"},
+        "weights": {"w": [["activations-L00001-rank00000.safetensors", 0, 2]]},
+        "quantizers": "quantizers-L00001.safetensors",
     }
     for _ in range(draw(st.integers(1, 3))):
         manifest = _set(manifest, draw(st.sampled_from(MANIFEST_PATHS)), draw(JSON_VALUES))
@@ -930,5 +940,6 @@ def test_calibration_manifest_fuzz(workdir: Path, text: str) -> None:
     folder.mkdir(exist_ok=True)
     (folder / MANIFEST).write_text(text, encoding="utf-8", errors="surrogatepass")
     (folder / "quantizers-L00001.safetensors").write_bytes(SMALL)
+    (folder / "activations-L00001-rank00000.safetensors").write_bytes(SMALL)
     checkpoint = CalibrationCheckpoint(folder, dict(FINGERPRINT), rank=0, world_size=1)
-    clean(CalibrationCheckpointError, checkpoint.load)
+    clean(CalibrationCheckpointError, lambda: checkpoint.load([0, 1]))

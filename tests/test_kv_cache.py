@@ -112,11 +112,15 @@ def _run(interrupt: int | None = None, directory: str | None = None) -> dict:
 
 
 def test_two_ranks_equal_one_rank_and_resume(tmp_path):
+    """The k/v amax merge exactly; a checkpoint written by 2 ranks resumes on 2 or on 1 (elastic) to the same."""
     (single,) = run_on_ranks(1, _run)
     assert any(".kv_cache_quantizer.k_quantizer" in n for n in single["amax"])
     two = run_on_ranks(2, _run)
-    assert all(r["interrupted"] for r in run_on_ranks(2, _run, 1, str(tmp_path / "ckpt")))
-    resumed = run_on_ranks(2, _run, None, str(tmp_path / "ckpt"))
+    resumed = []
+    for resumed_on in (2, 1):
+        folder = str(tmp_path / f"ckpt{resumed_on}")
+        assert all(r["interrupted"] for r in run_on_ranks(2, _run, 1, folder))
+        resumed += run_on_ranks(resumed_on, _run, None, folder)
     for got in two + resumed:
         assert got["amax"].keys() == single["amax"].keys()
         for name, value in single["amax"].items():
@@ -164,6 +168,19 @@ def test_export_reload_and_transformers(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(hf(ids).logits).all()
+
+
+def test_export_refuses_unusable_kv_scales(tmp_path):
+    """An infinite k amax (a k_scale no runtime can use) is never written: the error names the tensor."""
+    from shardcal.errors import ExportError
+
+    model = _model()
+    calibrate(model, _batches(), _recipe(FP8_KV), batch_size=2, progress=False)
+    q = model.model.layers[1].self_attn.kv_cache_quantizer.k_quantizer
+    q.set_amax(torch.full_like(q.amax, float("inf")))
+    with pytest.raises(ExportError, match=r"^model\.layers\.1\.self_attn\.k_scale: 1 of 1 scale value\(s\) are zero"):
+        export_checkpoint(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_recipe_and_model_errors():

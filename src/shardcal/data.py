@@ -18,6 +18,7 @@ import importlib.util
 import json
 import random
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -95,16 +96,27 @@ def _stream(tokenizer: Any, texts: Iterable[str]) -> Iterator[int]:
         yield from separator
 
 
-def _blocks(ids: Iterator[int], n_blocks: int | None, seq_len: int) -> torch.Tensor:
-    """Consecutive non-overlapping ``seq_len`` blocks from a token stream (the last partial block is dropped)."""
+def _blocks(ids: Iterator[int], n_blocks: int | None, seq_len: int) -> tuple[torch.Tensor, int]:
+    """Consecutive non-overlapping ``seq_len`` blocks from a token stream, and how many tokens at its end were
+    dropped (a last partial block; 0 when the stream was not read to its end)."""
     wanted = None if n_blocks is None else n_blocks * seq_len
     buffer: list[int] = []
+    exhausted = True
     for index in ids:
         buffer.append(index)
         if wanted is not None and len(buffer) >= wanted:
+            exhausted = False
             break
     count = len(buffer) // seq_len if n_blocks is None else min(n_blocks, len(buffer) // seq_len)
-    return torch.tensor(buffer[: count * seq_len], dtype=torch.long).view(count, seq_len)
+    dropped = len(buffer) - count * seq_len if exhausted else 0
+    return torch.tensor(buffer[: count * seq_len], dtype=torch.long).view(count, seq_len), dropped
+
+
+def _warn_dropped(path: Path, dropped: int, seq_len: int) -> None:
+    if dropped:
+        warnings.warn(
+            f"{path}: the last {dropped} tokens (less than one block of {seq_len}) are left out", stacklevel=3
+        )
 
 
 def _check_counts(n_blocks: int | None, seq_len: int) -> None:
@@ -124,7 +136,7 @@ def token_blocks(tokenizer: Any, n_blocks: int, seq_len: int, split: str = "cali
     path = wiki_summaries_path()
     texts = split_texts(load_wiki_texts(path), split)
     random.Random(seed).shuffle(texts)
-    blocks = _blocks(_stream(tokenizer, texts), n_blocks, seq_len)
+    blocks, _ = _blocks(_stream(tokenizer, texts), n_blocks, seq_len)
     if blocks.shape[0] < n_blocks:
         raise DataError(
             f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for"
@@ -150,7 +162,8 @@ def load_token_data(
     * ``.txt`` (one document) or ``.jsonl`` (one JSON object with a string ``text`` per line; documents joined
       with EOS): tokenized with ``tokenizer`` and cut into blocks of ``seq_len`` (default 256).
 
-    ``num_samples`` keeps at most that many rows (a file with fewer rows gives them all). ``vocab_size`` checks that
+    ``num_samples`` keeps at most that many rows (a file with fewer rows gives them all, with a warning; so does
+    a token stream whose last partial block is left out). ``vocab_size`` checks that
     every id is a valid token of the model.
     """
     path = Path(path)
@@ -159,7 +172,7 @@ def load_token_data(
         raise DataError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix in TOKEN_SUFFIXES:
-        ids = _read_safetensors(path) if suffix == ".safetensors" else _read_npy(path, seq_len)
+        ids = _read_safetensors(path) if suffix == ".safetensors" else _read_npy(path, seq_len, num_samples)
         if seq_len is not None:
             if seq_len > ids.shape[1]:
                 raise DataError(
@@ -173,11 +186,12 @@ def load_token_data(
             raise DataError(f"{path}: a text file needs a tokenizer (the model directory's tokenizer.json) to be read")
         seq_len = seq_len or DEFAULT_SEQ_LEN
         stream = _text_stream(tokenizer, _read_txt(path)) if suffix == ".txt" else _stream(tokenizer, _read_jsonl(path))
-        ids = _blocks(stream, num_samples, seq_len)
+        ids, dropped = _blocks(stream, num_samples, seq_len)
         if ids.shape[0] == 0:
             raise DataError(
                 f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length"
             )
+        _warn_dropped(path, dropped, seq_len)
     else:
         raise DataError(
             f"{path}: unsupported data file type {path.suffix!r} (supported: {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)})"
@@ -185,11 +199,18 @@ def load_token_data(
     ids = ids.contiguous()
     if ids.numel() == 0:
         raise DataError(f"{path}: holds no tokens")
+
     low, high = int(ids.min()), int(ids.max())
     if low < 0:
         raise DataError(f"{path}: token id {low} is negative")
     if vocab_size is not None and high >= vocab_size:
         raise DataError(f"{path}: token id {high} is out of range for a model with vocab_size {vocab_size}")
+    if num_samples is not None and ids.shape[0] < num_samples:
+        warnings.warn(
+            f"{path}: holds {ids.shape[0]} samples of {ids.shape[1]} tokens, fewer than the {num_samples} asked for; "
+            f"using {ids.shape[0]}",
+            stacklevel=2,
+        )
     return ids
 
 
@@ -222,7 +243,7 @@ def _read_safetensors(path: Path) -> torch.Tensor:
     return _as_ids(tensor, path, "tensor 'input_ids'")
 
 
-def _read_npy(path: Path, seq_len: int | None) -> torch.Tensor:
+def _read_npy(path: Path, seq_len: int | None, num_samples: int | None = None) -> torch.Tensor:
     try:
         # Memory-mapped: a header claiming terabytes fails against the file size instead of being allocated.
         array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -241,6 +262,8 @@ def _read_npy(path: Path, seq_len: int | None) -> torch.Tensor:
         count = array.shape[0] // length
         if count == 0:
             raise DataError(f"{path}: the token stream has {array.shape[0]} tokens, fewer than one block of {length}")
+        if num_samples is None or num_samples > count:  # the tail would have been used
+            _warn_dropped(path, array.shape[0] - count * length, length)
         array = array[: count * length].reshape(count, length)
     return _as_ids(np.ascontiguousarray(array).astype(np.int64), path, "array")
 

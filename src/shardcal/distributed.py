@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,11 +53,15 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free now (for a rendezvous we start ourselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_rendezvous() -> tuple[Any, dict[str, str]]:
+    """A rendezvous store this process hosts for ranks it starts, and the environment they need to join it.
+
+    The store binds a free port itself (port 0), so no port is chosen and released first for another process to
+    take; the ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent). Keep
+    the returned store alive until the ranks are done.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout())
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def default_backend() -> str:
@@ -75,14 +78,14 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
     backend = backend if backend is not None else default_backend()
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=collective_timeout())
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=collective_timeout())
+    else:  # one process: its own store on a port it binds itself; the environment stays as it was
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=collective_timeout())
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=collective_timeout())
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -44,6 +44,10 @@ class ExportError(ShardcalError):
     """An export destination cannot be written (exists, not writable) or the model cannot be exported."""
 
 
+class NumericsError(ShardcalError):
+    """A layer produced NaN or infinite activations (corrupt weights, an overflow in a low-precision dtype)."""
+
+
 class UsageError(ShardcalError):
     """An option or argument has a value outside what it accepts (a batch size of 0, an unknown option name)."""
 

@@ -25,8 +25,16 @@ def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> tuple[float, int]:
-    """``(summed negative log-likelihood, number of predictions)`` over every next-token prediction in ``input_ids``."""
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)  # transformers' multimodal configs
+    return get_text() if callable(get_text) else config
+
+
+def check_token_ids(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """What calibration checks, for evaluation too: token ids ``[N, L]`` (integers, at least two per row) inside
+    the model's vocabulary, rows no longer than its ``max_position_embeddings`` (when its config says).
+    :class:`DataError` naming the problem otherwise."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise DataError(
             f"perplexity needs token ids of shape [num_samples, seq_len], got {getattr(input_ids, 'shape', type(input_ids))}"
@@ -37,6 +45,21 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) ->
         raise DataError(
             f"perplexity needs at least one sequence of two or more tokens, got shape {list(input_ids.shape)}"
         )
+    config = _text_config(model)
+    vocab, positions = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (isinstance(vocab, int) and high >= vocab):
+        raise DataError(f"token id {low if low < 0 else high} is outside the model's vocabulary [0, {vocab})")
+    if isinstance(positions, int) and input_ids.shape[1] > positions:
+        raise DataError(
+            f"sequences of {input_ids.shape[1]} tokens exceed the model's max_position_embeddings={positions} "
+            "(use shorter sequences: --seq-len)"
+        )
+
+
+def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> tuple[float, int]:
+    """``(summed negative log-likelihood, number of predictions)`` over every next-token prediction in ``input_ids``."""
+    check_token_ids(model, input_ids)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = _device_of(model)
@@ -88,6 +111,7 @@ def distributed_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size
     rank, world_size = world()
     if world_size == 1:
         return perplexity(model, input_ids, batch_size=batch_size)
+    check_token_ids(model, input_ids)  # the same data on every rank: every rank refuses alike
     per_rank = -(-input_ids.shape[0] // world_size)
     mine = input_ids[rank * per_rank : (rank + 1) * per_rank]
     forwards = -(-per_rank // batch_size)

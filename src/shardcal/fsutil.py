@@ -76,16 +76,61 @@ def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) 
         raise error(f"{ancestor}: not writable; {purpose}")
 
 
-def read_json_object(path: Path, error: type[ShardcalError]) -> dict:
-    """The JSON object in ``path``; ``error`` naming the file when it is unreadable, not JSON, or not an object."""
-    import json
+def check_apart(
+    path: str | Path, what: str, protected: dict[str, str | Path | None], error: type[ShardcalError]
+) -> None:
+    """Refuse ``path`` (a directory about to be written, ``what`` as the user named it, e.g. ``--out``) when it is,
+    contains or lies inside one of ``protected`` (label -> path; None entries are skipped) — so that no output or
+    checkpoint can overwrite or delete a run's input. Symlinks are resolved; nothing is created."""
+    target = Path(path).resolve()
+    for label, other in protected.items():
+        if other is None:
+            continue
+        source = Path(other).resolve()
+        if target == source:
+            relation = "is"
+        elif source.is_relative_to(target):
+            relation = "contains"
+        elif target.is_relative_to(source):
+            relation = "lies inside"
+        else:
+            continue
+        raise error(
+            f"{what} {path} {relation} {label} {other}; write it elsewhere (refused even when overwriting is allowed)"
+        )
 
+
+#: JSON files shardcal reads (config.json, indexes, tokenizer.json, manifests) larger than this are refused before
+#: anything is read: the largest real ones are tens of megabytes, and a forged size must not exhaust memory.
+MAX_JSON_BYTES = 256 * 2**20
+
+
+def read_bounded_text(path: Path, error: type[ShardcalError], max_bytes: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 (JSON) text of ``path``, refused (``error`` naming the file) beyond ``max_bytes`` or when unreadable."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{path}: not valid JSON ({exc})") from None
+        size = path.stat().st_size
     except OSError as exc:
         raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if size > max_bytes:
+        raise error(f"{path}: implausibly large ({size} bytes; at most {max_bytes} are read)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid JSON text (not UTF-8: {exc})") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def read_json_object(path: Path, error: type[ShardcalError]) -> dict:
+    """The JSON object in ``path``; ``error`` naming the file when it is unreadable, too large, not JSON, or not an
+    object."""
+    import json
+
+    text = read_bounded_text(path, error)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

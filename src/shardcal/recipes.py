@@ -225,6 +225,31 @@ def shipped_recipe_path(name: str) -> Path:
     return shipped_recipes_dir() / f"{stem}.toml"
 
 
+def algorithm_summary(recipe: Recipe) -> str:
+    """``gptq``, ``smoothquant + gptq`` (a smoothing pass first), ``rtn``."""
+    name = str(recipe.algorithm.get("name", "rtn"))
+    smooth = recipe.algorithm.get("smooth")
+    return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
+
+
+def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
+    """Name, weight scheme, input scheme (and the KV cache's, with ``[kv_cache]``), algorithm (and the
+    ``[fallback]`` floor, with one), description: one line of ``shardcal recipes``."""
+    weight = recipe.weight.describe() if recipe.weight else "-"
+    inputs = recipe.input.describe() if recipe.input else "- (weight only)"
+    if recipe.kv_cache is not None:
+        inputs += f" + kv cache {recipe.kv_cache.format}, {recipe.kv_cache.observer}"  # always per tensor
+    algorithm = algorithm_summary(recipe)
+    if recipe.fallback is not None:
+        algorithm += f"; fallback under {recipe.min_layer_sqnr_db:g} dB"
+    return recipe.name, weight, inputs, algorithm, recipe.description
+
+
+def recipe_rows() -> list[tuple[str, str, str, str, str]]:
+    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (``shardcal recipes``)."""
+    return [recipe_row(load_recipe(name)) for name in shipped_recipes()]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")

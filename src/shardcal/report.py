@@ -32,6 +32,11 @@ class LayerReport:
     scheme: str = "recipe"
     #: The SQNR (dB) the layer had under the recipe's own scheme, when it fell back.
     recipe_sqnr_db: float | None = None
+    #: per MoE block: ``{"routed_tokens": [per expert, real tokens over all ranks], "scales_from": [per expert:
+    #: "routed tokens" | "all tokens" (all-experts mode) | "sibling fallback"]}``.
+    moe: dict[str, dict[str, list]] = field(default_factory=dict)
+    #: what the layer's algorithm reports (GPTQ: the damping each Linear needed).
+    algorithm: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +61,28 @@ class CalibrationReport:
         return [layer.name for layer in self.layers if layer.scheme == "fallback"]
 
     @property
+    def experts_without_tokens(self) -> tuple[int, int]:
+        """``(experts no calibration token was routed to, experts)`` over all MoE blocks."""
+        counts = [n for entry in self.layers for block in entry.moe.values() for n in block["routed_tokens"]]
+        return sum(1 for n in counts if n == 0), len(counts)
+
+    def moe_summary(self) -> str | None:
+        """One line on MoE coverage (experts without routed tokens and where their scales came from), or None."""
+        unrouted, experts = self.experts_without_tokens
+        if experts == 0:
+            return None
+        sources: dict[str, int] = {}
+        for entry in self.layers:
+            for block in entry.moe.values():
+                for n, source in zip(block["routed_tokens"], block["scales_from"]):
+                    if n == 0:
+                        sources[source] = sources.get(source, 0) + 1
+        line = f"MoE: {unrouted} of {experts} experts got no routed calibration token"
+        if sources:
+            line += "; their input scales come from " + ", ".join(f"{k} ({v})" for k, v in sorted(sources.items()))
+        return line
+
+    @property
     def mean_sqnr_db(self) -> float | None:
         values = [
             layer_report.sqnr_db
@@ -73,25 +100,36 @@ class CalibrationReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
-    def save_plot(self, path: str | Path) -> Path | None:
-        """A PNG of per-layer SQNR; None (nothing written) when matplotlib is not installed."""
-        try:
-            import matplotlib
+    def sqnr_figure(self) -> Any:
+        """A matplotlib Figure of per-layer SQNR (integer layer ticks); ImportError without matplotlib."""
+        import matplotlib
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        path = Path(path)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
         xs = [layer_report.index for layer_report in self.layers if layer_report.sqnr_db is not None]
         ys = [layer_report.sqnr_db for layer_report in self.layers if layer_report.sqnr_db is not None]
         fig, ax = plt.subplots(figsize=(8, 3.5))
         ax.plot(xs, ys, marker="o")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers, also for 2 of them
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("output SQNR (dB)")
         ax.set_title(f"{self.recipe}: per-layer output SQNR (propagate={self.propagate})")
         ax.grid(alpha=0.3)
         fig.tight_layout()
+        return fig
+
+    def save_plot(self, path: str | Path) -> Path | None:
+        """A PNG of per-layer SQNR, written atomically with the umask's permissions; None (nothing written) when
+        matplotlib is not installed."""
+        try:
+            fig = self.sqnr_figure()
+        except ImportError:
+            return None
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
         try:
             with atomic_path(path, suffix=".png") as tmp:
                 fig.savefig(tmp, dpi=100)

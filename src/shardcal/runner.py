@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,10 @@ from .algorithms import LayerAlgorithm, make_algorithm
 from .batches import Batch, make_batches, rank_batch_indices
 from .calib_checkpoint import (
     CalibrationCheckpoint,
-    local_weight_shards,
+    local_weight_pieces,
     quantizer_state,
     restore_quantizers,
-    restore_weight_shards,
+    restore_weights,
     run_fingerprint,
 )
 from .distributed import all_reduce_, dp_group, world
@@ -34,7 +37,7 @@ from .errors import CalibrationCheckpointError, ModelLayoutError
 from .faults import fault_point
 from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
-from .moe import AllExpertsObserve, fallback_unobserved
+from .moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved
 from .options import CalibrationOptions
 from .quant.experts import (
     calibrate_expert_weights,
@@ -116,6 +119,12 @@ def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: lis
     for i in local_sqnr:
         quantized = step.forward(i).to(fp_outputs[i].device).double()
         reference = fp_outputs[i].double()
+        real = step.inputs[i].token_mask
+        if real is not None:  # padded positions are not part of the signal
+            quantized, reference = (
+                quantized[real.bool().to(quantized.device)],
+                reference[real.bool().to(reference.device)],
+            )
         sums[0] += reference.pow(2).sum().cpu()
         sums[1] += (quantized - reference).pow(2).sum().cpu()
     all_reduce_(sums, "sum", group)
@@ -196,6 +205,7 @@ def _calibrate_layer_once(
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    routing = RoutingCounts(step.layer, step.name)
     # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
     # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
     passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
@@ -203,7 +213,8 @@ def _calibrate_layer_once(
         fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
-        with moe if moe is not None else contextlib.nullcontext():
+        counting = routing if p == 0 else contextlib.nullcontext()
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
             outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
         if p == 0:
             fp_outputs = outs
@@ -217,6 +228,7 @@ def _calibrate_layer_once(
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
+    moe_report = _moe_report(routing.merged(group), fallbacks, calibrate_all_experts)  # collective
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
     return LayerReport(
         index=step.index,
@@ -226,11 +238,28 @@ def _calibrate_layer_once(
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
         group_sizes=weight_fallbacks(step.layer, recipe, step.name),
+        moe=moe_report,
+        algorithm=algorithm.layer_report(step),
     )
 
 
-def _local_activations(inputs: list) -> list[torch.Tensor]:
-    return [x.hidden_states for x in inputs]
+#: The expert index of a quantizer name, after its MoE block's name (``.experts.3.`` ours, ``.3.`` fused experts).
+_EXPERT = re.compile(r"^\.(?:experts\.)?(\d+)\.")
+
+
+def _moe_report(routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool) -> dict[str, dict[str, list]]:
+    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from."""
+    out = {}
+    for block, counts in routed.items():
+        fell_back = {
+            int(m.group(1)) for n in fallbacks if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))
+        }
+        sources = [
+            "sibling fallback" if e in fell_back else "all tokens" if all_experts else "routed tokens"
+            for e in range(len(counts))
+        ]
+        out[block] = {"routed_tokens": counts, "scales_from": sources}
+    return out
 
 
 def calibrate(
@@ -290,9 +319,9 @@ def _calibrate(
     checkpoint = None
     resume = None
     if options.checkpoint_dir is not None:
-        fingerprint = run_fingerprint(model, recipe, batches, world_size, options.fingerprint())
+        fingerprint = run_fingerprint(model, recipe, batches, options.fingerprint())
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
-        resume = checkpoint.load()
+        resume = checkpoint.load(mine)
     report = CalibrationReport(
         recipe=recipe.name,
         propagate=propagate,
@@ -305,11 +334,15 @@ def _calibrate(
         start = resume.completed_layers
         report.layers = [LayerReport(**entry) for entry in resume.report]
         restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
-        restore_weight_shards(model, resume.local_weights)
+        restore_weights(model, resume.weights)
         report.resumed_from_layer = start
         if start < len(layers):
             initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
 
+    if rank == 0:
+        _warn_idle_ranks(len(batches), options.batch_size, world_size)
+    if resume is not None and options.progress and rank == 0:
+        _announce_resume(resume, options.checkpoint_dir, len(layers))
     bar = _progress_bar(len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
         model,
@@ -318,22 +351,28 @@ def _calibrate(
         offload_activations=options.offload_activations,
         start=start,
         initial_inputs=initial,
+        batch_numbers=mine,
     )
     report_phase("calibrate: embedding")
-    for step in steps:
-        report_phase(f"calibrate {step.name}")
-        if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
-            _commit(checkpoint, model, names, step.index, _local_activations(step.inputs), report, keep_weights)
-            fault_point("calibrate.committed", completed_layers=step.index)
-        entry = _calibrate_layer(step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate)
-        report.layers.append(entry)
-        if bar is not None:
-            bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        for step in steps:
+            report_phase(f"calibrate {step.name}")
+            if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
+                acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                fault_point("calibrate.committed", completed_layers=step.index)
+            entry = _calibrate_layer(
+                step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate
+            )
+            report.layers.append(entry)
+            if bar is not None:
+                bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
+                bar.update(1)
+    finally:
+        if bar is not None:  # closed before any message, so that an error starts on a line of its own
+            bar.close()
     if checkpoint is not None and start < len(layers):
-        _commit(checkpoint, model, names, len(layers), [], report, keep_weights)
+        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
@@ -345,16 +384,17 @@ def _commit(
     model: nn.Module,
     names: list[str],
     done: int,
-    acts: list[torch.Tensor],
+    acts: dict[int, torch.Tensor],
     report: CalibrationReport,
     keep_weights: bool,
 ) -> None:
     checkpoint.commit(
         done,
+        len(names),
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
-        local_weights=local_weight_shards(model, names[:done]) if keep_weights else None,
+        weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
     )
 
 
@@ -374,9 +414,33 @@ def _restore_inputs(
     return inputs
 
 
+def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
+    print(
+        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
+        file=sys.stderr,
+    )
+
+
+def _warn_idle_ranks(num_batches: int, batch_size: int, world_size: int) -> None:
+    idle = [r for r in range(world_size) if not rank_batch_indices(num_batches, r, world_size)]
+    if idle:
+        warnings.warn(
+            f"{num_batches} batch(es) of up to {batch_size} sequences for {world_size} ranks: rank(s) "
+            f"{', '.join(map(str, idle))} get none and only take part in the gathers (a smaller batch size, or more "
+            "samples, gives every rank work)",
+            stacklevel=4,
+        )
+
+
 def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
     if not enabled:
         return None
+    import threading
+
     from tqdm.auto import tqdm
 
+    # A thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit (launcher), which would leave
+    # that semaphore registered with the resource tracker ("leaked semaphore objects").
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")

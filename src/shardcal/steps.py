@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from .batches import Batch
-from .errors import ModelLayoutError
+from .distributed import all_gather_floats
+from .errors import ModelLayoutError, NumericsError
 from .fsdp2_utils import layer_unsharded
 from .layer_inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
+from .quant.tokens import real_tokens_of
 from .registry import LayerActivationCollector, decoder_layer_prefix
 
 
@@ -65,7 +67,7 @@ class LayerStep:
         call = x.call_of(self.index).to(self.device)
         if self.call_extras is not None:
             call = LayerCall(call.args, {**call.kwargs, **self.call_extras(i)}, call.hidden_keyword)
-        with torch.no_grad():
+        with torch.no_grad(), real_tokens_of(x.token_mask):
             return call_layer(self.layer, self.name, x.hidden_states.to(self.device), call)
 
     def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
@@ -94,6 +96,7 @@ def layer_steps(
     start: int = 0,
     initial_inputs: list[CachedInputs] | None = None,
     device: torch.device | None = None,
+    batch_numbers: Sequence[int] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -103,7 +106,9 @@ def layer_steps(
     them after the caller is done, i.e. with the caller's quantizers enabled. ``offload_activations`` keeps the
     cache on CPU while layers run on an accelerator (default: on exactly when the model is on an accelerator).
     ``start``/``initial_inputs`` resume at a layer with inputs restored from a checkpoint. At most two layers'
-    worth of activations (inputs and outputs of the current layer) are alive at once.
+    worth of activations (inputs and outputs of the current layer) are alive at once. ``batch_numbers``: the
+    global numbers of ``batches`` (default ``0, 1, ...``), named when a layer's output holds NaN or inf — which
+    stops every rank with a :class:`~shardcal.errors.NumericsError`.
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
@@ -115,6 +120,7 @@ def layer_steps(
         offload_activations = device.type != "cpu"
     cache_device = torch.device("cpu") if offload_activations else device
     prefix = decoder_layer_prefix(model, layers)
+    numbers = list(batch_numbers) if batch_numbers is not None else list(range(len(batches)))
     inputs = initial_inputs if initial_inputs is not None else embed_batches(model, batches, device, cache_device)
     for index in range(start, len(layers)):
         layer = layers[index]
@@ -124,8 +130,24 @@ def layer_steps(
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
             outputs = step.outputs
+            _check_finite(step.name, outputs, numbers)
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
+
+
+def _check_finite(name: str, outputs: list[torch.Tensor], batch_numbers: Sequence[int]) -> None:
+    """Stop every rank together, with the same message, when any rank's layer output holds NaN or inf (collective:
+    one small all-gather of each rank's first bad batch number, -1 for none)."""
+    bad = next((i for i, out in enumerate(outputs) if not bool(torch.isfinite(out).all())), None)
+    found = all_gather_floats(-1.0 if bad is None else float(batch_numbers[bad]))
+    culprits = [(int(n), r) for r, n in enumerate(found) if n >= 0]
+    if culprits:
+        batch, rank = min(culprits)
+        on = f" on rank {rank}" if len(found) > 1 else ""
+        raise NumericsError(
+            f"{name}: the layer's output holds NaN or infinite values (batch {batch}{on}): corrupt weights, or an "
+            "overflow in a low-precision dtype; a calibration checkpoint stays at the previous layer"
+        )
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -57,3 +57,7 @@ class LayerAlgorithm:
 
     def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
         """Called after weight quantizers are calibrated (in ``disabled`` mode), before activation calibration."""
+
+    def layer_report(self, step: LayerStep) -> dict[str, Any]:
+        """What the algorithm reports about the layer it just ran on (JSON-able, the same on every rank)."""
+        return {}

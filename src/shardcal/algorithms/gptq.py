@@ -30,14 +30,14 @@ smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination).
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..distributed import broadcast_, group_rank_size
-from ..errors import RecipeError
+from ..distributed import all_gather_strings, broadcast_, group_rank_size
+from ..errors import NumericsError, RecipeError
 from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
 from ..quant.formats import FORMATS, scale_from_amax
@@ -94,17 +94,25 @@ def _upper_cholesky_of_inverse(h: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.linalg.solve_triangular(chol, eye, upper=False)[rev][:, rev], 0
 
 
-def _inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1`` (float64), damping raised tenfold until H is positive definite."""
+#: The damping schedule: ``percdamp * 10**k`` of the mean diagonal, ``k = 0 .. DAMPING_TRIES - 1``, until the damped
+#: Hessian is positive definite.
+DAMPING_TRIES = 6
+
+
+def _inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, float]:
+    """``(upper Cholesky factor of (H + damp I)^-1 in float64, the relative damping used)``: the damping grows
+    tenfold (:data:`DAMPING_TRIES` tries) until H is positive definite; LinAlgError after the last."""
     diag_mean = torch.mean(torch.diag(h))
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     damp = percdamp
-    for _ in range(6):
+    for _ in range(DAMPING_TRIES):
         factor, info = _upper_cholesky_of_inverse(h + damp * diag_mean * eye)
         if info == 0:
-            return factor
+            return factor, damp
         damp *= 10.0
-    raise torch.linalg.LinAlgError("the damped Hessian is not positive definite")
+    raise torch.linalg.LinAlgError(
+        f"the Hessian is not positive definite even with damping {damp / 10.0:g} x its mean diagonal"
+    )
 
 
 def _group_amax(spec: Any, values: torch.Tensor) -> torch.Tensor:
@@ -123,6 +131,7 @@ def gptq_quantize(
     block_size: int = DEFAULTS["block_size"],
     act_order: bool = DEFAULTS["act_order"],
     static_groups: bool = DEFAULTS["static_groups"],
+    info: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """GPTQ's quantized (dequantized values) ``weight`` [out, in] for inputs with Hessian ``hessian`` [in, in].
 
@@ -152,7 +161,10 @@ def gptq_quantize(
     amax = quantizer.amax.detach().clone() if group is not None else None
     group_spec = dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None) if group else None
     with threads(1 if small else None):
-        hinv = _inverse_hessian_factor(h, percdamp).float()
+        hinv, used = _inverse_hessian_factor(h, percdamp)
+        hinv = hinv.float()
+        if info is not None:
+            info["damping"] = used
         # Work on the transposed weight: a column of W is a contiguous row here.
         wt, st = w.T.clone(memory_format=torch.contiguous_format), scale.T.contiguous()
         qt = torch.empty_like(wt)
@@ -224,6 +236,7 @@ class GPTQ(LayerAlgorithm):
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
+        self._damping: dict[str, dict[str, float]] = {}  # layer -> Linear -> relative damping used
         self.smoother: LayerAlgorithm | None = None
         if "smooth" in self.params:
             table = dict(self.params["smooth"])
@@ -247,29 +260,37 @@ class GPTQ(LayerAlgorithm):
             check_quantizer(m.weight_quantizer, n)
         stats = InputStats({n: (m, "input") for n, m in targets}, {"gram"}).collect(step).merge(group)
         rank, size = group_rank_size(group)
+        damping: dict[str, float] = {}
+        failed: dict[str, str] = {}
         for k, (n, m) in enumerate(targets):
             if k % size != rank:
                 continue
+            info: dict[str, Any] = {}
             try:
-                q = self._solve(m, stats[n].hessian())
-            except torch.linalg.LinAlgError:
-                warnings.warn(
-                    f"{n}: GPTQ's Hessian is not positive definite even with damping; rounding to nearest", stacklevel=2
-                )
-                w = m.weight.detach().float()
-                q = _quantize_column(w, element_scales(m.weight_quantizer, w), m.weight_quantizer.spec.format).to(
-                    m.weight.dtype
-                )
+                q = self._solve(m, stats[n].hessian(), info)
+            except torch.linalg.LinAlgError as exc:
+                failed[n] = str(exc)
+                continue
+            damping[n] = info["damping"]
             with torch.no_grad():
                 m.weight.copy_(q)
         del stats
+        # Every rank learns every Linear's damping, and stops together if any Linear could not be solved.
+        parts = [json.loads(p) for p in all_gather_strings(json.dumps({"damping": damping, "failed": failed}), group)]
+        failures = {n: why for p in parts for n, why in p["failed"].items()}
+        if failures:
+            name, why = sorted(failures.items())[0]
+            raise NumericsError(f"{name}: GPTQ cannot quantize it: {why}; raise the recipe's percdamp or exclude it")
+        self._damping[step.name] = {n: d for p in parts for n, d in sorted(p["damping"].items())}
         with torch.no_grad():
             for k, (_, m) in enumerate(targets):
                 broadcast_(m.weight.data, k % size, group)
                 broadcast_(m.weight_quantizer.amax, k % size, group)  # in-order, searched or refitted scales
         step.invalidate_outputs()
 
-    def _gptq(self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
+    def _gptq(
+        self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]
+    ) -> torch.Tensor:
         return gptq_quantize(
             weight,
             hessian,
@@ -278,12 +299,13 @@ class GPTQ(LayerAlgorithm):
             block_size=self.params["block_size"],
             act_order=self.params["act_order"],
             static_groups=self.params["static_groups"],
+            info=info,
         )
 
-    def _solve(self, m: QuantLinear, hessian: torch.Tensor) -> torch.Tensor:
+    def _solve(self, m: QuantLinear, hessian: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
         """One Linear: the scale search (fixed scales only), GPTQ, then ``max(refit_scales, refine_sweeps > 0)``
         rounds of: ``refine_sweeps`` rounding sweeps, then (while rounds of ``refit_scales`` remain) a least-squares
-        refit of the scales."""
+        refit of the scales. ``info["damping"]``: the relative damping GPTQ needed."""
         wq, weight = m.weight_quantizer, m.weight.detach()
         fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
         h = hessian.to(device=weight.device, dtype=torch.float32)
@@ -291,7 +313,7 @@ class GPTQ(LayerAlgorithm):
             amax = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])
             if amax is not None:
                 wq.set_amax(amax)
-        q = self._gptq(weight, hessian, wq)
+        q = self._gptq(weight, hessian, wq, info)
         sweeps, refits = self.params["refine_sweeps"], self.params["refit_scales"]
         for r in range(max(refits, 1 if sweeps else 0)):
             if sweeps:
@@ -300,3 +322,10 @@ class GPTQ(LayerAlgorithm):
                 wq.set_amax(refit[0])
                 q = refit[1]
         return q
+
+    def layer_report(self, step: Any) -> dict[str, Any]:
+        """The relative damping each Linear of the layer needed (``percdamp`` unless raised by the schedule)."""
+        report = self.smoother.layer_report(step) if self.smoother is not None else {}
+        if step.name in self._damping:
+            report["gptq_damping"] = self._damping[step.name]
+        return report

@@ -40,7 +40,39 @@ KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
 
 
 def _is_norm(module: nn.Module | None) -> bool:
-    return isinstance(module, (RMSNorm, nn.LayerNorm)) and getattr(module, "weight", None) is not None
+    """A normalisation whose output is ``weight * f(x) [+ bias]`` — what folding a scale into it needs.
+
+    Duck typed: a 1-D ``weight`` (and optional 1-D ``bias``) and nothing else of its own, and the output scales with
+    the weight (probed once on a tiny input: doubling the weight doubles ``output - bias``). Gemma's
+    ``x * (1 + weight)`` norms fail the probe and are left alone.
+    """
+    if module is None:
+        return False
+    if isinstance(module, (RMSNorm, nn.LayerNorm)):
+        return getattr(module, "weight", None) is not None
+    own = dict(module.named_parameters(recurse=False))
+    weight, bias = own.get("weight"), own.get("bias")
+    if weight is None or weight.dim() != 1 or set(own) - {"weight", "bias"} or any(True for _ in module.children()):
+        return False
+    if bias is not None and bias.shape != weight.shape:
+        return False
+    return _scales_with_weight(module, weight, bias)
+
+
+@torch.no_grad()
+def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
+    saved = weight.detach().clone()
+    try:
+        offset = 0.0 if bias is None else bias.detach()
+        first = module(x) - offset
+        weight.mul_(2.0)
+        second = module(x) - offset
+    except Exception:
+        return False
+    finally:
+        weight.copy_(saved)
+    return bool(torch.allclose(second, 2.0 * first, rtol=1e-3, atol=1e-6)) and bool(first.abs().sum() > 0)
 
 
 @dataclass
@@ -118,8 +150,21 @@ def _mlp_pair(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
     return None
 
 
-def _v_o_index(attn: nn.Module) -> torch.Tensor | None:
+def _attention_shape(attn: nn.Module) -> tuple[object, object, object]:
+    """``(heads, kv heads, head_dim)``: shardcal's attribute names, or transformers' (``config``,
+    ``num_key_value_groups``)."""
     heads, kv_heads, head_dim = (getattr(attn, n, None) for n in ("num_heads", "num_kv_heads", "head_dim"))
+    config = getattr(attn, "config", None)
+    if heads is None:
+        heads = getattr(config, "num_attention_heads", None)
+    if kv_heads is None:
+        groups = getattr(attn, "num_key_value_groups", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or (heads // groups if heads and groups else None)
+    return heads, kv_heads, head_dim
+
+
+def _v_o_index(attn: nn.Module) -> torch.Tensor | None:
+    heads, kv_heads, head_dim = _attention_shape(attn)
     v, o = getattr(attn, "v_proj", None), getattr(attn, "o_proj", None)
     if not all(isinstance(n, int) and n > 0 for n in (heads, kv_heads, head_dim)) or heads % kv_heads:
         return None
@@ -152,9 +197,11 @@ def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: s
     attn = getattr(layer, "self_attn", None)
     norm1 = getattr(layer, "input_layernorm", None)
     if attn is not None:
-        q, k, v = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
-        if "attn_in" in kinds and _is_norm(norm1) and all(isinstance(m, nn.Linear) for m in (q, k, v)):
-            out.append(Smoothing("attn_in", names[id(norm1)], norm1, [q, k, v], (norm1, "output")))
+        qkv = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if not all(isinstance(m, nn.Linear) for m in qkv):
+            qkv = [getattr(attn, "qkv_proj", None)]  # fused (Phi-3)
+        if "attn_in" in kinds and all(isinstance(m, nn.Linear) for m in qkv) and _is_norm(norm1):
+            out.append(Smoothing("attn_in", names[id(norm1)], norm1, qkv, (norm1, "output")))
         index = _v_o_index(attn)
         if "v_o" in kinds and index is not None:
             out.append(
@@ -163,7 +210,9 @@ def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: s
     ff = getattr(layer, "feed_forward", None)
     if ff is None:
         ff = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-    norm2 = getattr(layer, "post_attention_layernorm", None)
+    # The norm that feeds the MLP: Gemma's pre_feedforward_layernorm (its post_attention_layernorm normalises the
+    # attention output before the residual add), else post_attention_layernorm.
+    norm2 = getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "post_attention_layernorm", None)
     if ff is None:
         return out
     experts = getattr(ff, "experts", None)
@@ -173,6 +222,9 @@ def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: s
         mlps.append(shared)
     pairs = [(m, _mlp_pair(m)) for m in mlps]
     pairs = [(m, p) for m, p in pairs if p is not None]
+    fused_gate_up = getattr(ff, "gate_up_proj", None)
+    if not pairs and isinstance(fused_gate_up, nn.Linear) and "mlp_in" in kinds and _is_norm(norm2):  # Phi-3
+        out.append(Smoothing("mlp_in", names[id(norm2)], norm2, [fused_gate_up], (norm2, "output")))
     if not pairs:
         return out
     if "mlp_in" in kinds and _is_norm(norm2):

@@ -3,9 +3,9 @@
 * :class:`InputStats` runs a gathered decoder layer over this rank's cached batches with forward hooks on chosen
   modules (their inputs, or a norm's output) and records per capture point what an algorithm asks for: the
   per-channel ``max |x|``, the Gram matrix ``X^T X`` (GPTQ's Hessian), ``sum |x|``, the token count, and token
-  samples. Padding tokens are skipped where the captured tensor still has the batch's ``[batch, seq]`` layout
-  (MoE experts get flattened routed tokens, padding included). Hooks are removed afterwards and every quantizer
-  of the layer is disabled during the pass (an algorithm sees the full-precision function).
+  samples. Padding tokens are never counted (the step declares the batch's token mask, :mod:`shardcal.quant.tokens`;
+  an MoE expert's routed tokens are masked too). Hooks are removed afterwards and every quantizer of the layer is
+  disabled during the pass (an algorithm sees the full-precision function).
 * Merging is exact, so a result does not depend on how the batches are split over ranks: maxima with one
   all-reduce MAX; sums with :class:`ExactSum`, a fixed-point accumulator in two float64 limbs whose partial sums
   are exact in any order (one all-reduce SUM for all of them). Every rank calls :meth:`InputStats.merge`, also a
@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from ..distributed import all_reduce_many_
+from ..moe import ExpertTokenMasks
 from ..quant.session import quantizer_mode
+from ..quant.tokens import real_positions
 
 
 @contextmanager
@@ -123,7 +125,6 @@ class InputStats:
         self.kinds = set(kinds)
         self.sample_tokens = sample_tokens
         self.stats: dict[str, PointStats] = {}
-        self._mask: torch.Tensor | None = None
         self._cache: dict[int, list] = {}
 
     def __getitem__(self, key: str) -> PointStats:
@@ -157,12 +158,10 @@ class InputStats:
                 s.samples = []
             self.stats[key] = s
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as ``[tokens, channels]`` without padding tokens (when the mask's shape lines up)."""
-        mask = self._mask
-        if mask is not None and x.dim() == mask.dim() + 1 and tuple(x.shape[:-1]) == tuple(mask.shape):
-            return x[mask.to(device=x.device, dtype=torch.bool)]
-        return x.reshape(-1, x.shape[-1])
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """``x`` as ``[tokens, channels]`` without padding tokens (the batch's mask, declared by the step)."""
+        return real_positions(x).reshape(-1, x.shape[-1])
 
     def _record(self, key: str, x: torch.Tensor) -> None:
         s = self.stats[key]
@@ -195,17 +194,16 @@ class InputStats:
         self._init(step.device)
         with ExitStack() as stack:
             stack.enter_context(quantizer_mode(step.layer, "disabled"))
+            stack.enter_context(ExpertTokenMasks(step.layer))
             for key, (module, where) in self.points.items():
                 if where == "input":
                     hook = module.register_forward_pre_hook(lambda m, args, key=key: self._record(key, args[0]))
                 else:
                     hook = module.register_forward_hook(lambda m, args, out, key=key: self._record(key, out))
                 stack.callback(hook.remove)
-            for i, x in enumerate(step.inputs):
-                self._mask = x.token_mask
-                step.forward(i)
+            for i in range(len(step.inputs)):
+                step.forward(i)  # declares the batch's token mask (shardcal.quant.tokens)
                 self._cache = {}
-        self._mask = None
         return self
 
     def merge(self, group: Any) -> InputStats:

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import broadcast_json, ranks_with_flag, world
+from ..distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..errors import ExportError
 from ..faults import fault_point
 from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from ..fsutil import check_creatable, read_json_object, umask
+from ..fsutil import check_apart, check_creatable, read_json_object, umask
 from ..quant.experts import weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..recipes import Recipe, load_recipe
@@ -70,20 +70,21 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _check_destination(out_dir: Path, overwrite: bool) -> None:
+def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
     if out_dir.exists() or out_dir.is_symlink():
         if not out_dir.is_dir():
             raise ExportError(f"{out_dir}: exists and is not a directory")
         if any(out_dir.iterdir()) and not overwrite:
-            raise ExportError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+            raise ExportError(f"{out_dir}: exists and is not empty (pass {flag} to replace it)")
 
 
-def check_destination(out_dir: str | Path, overwrite: bool = False) -> None:
+def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
     """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
     calibration): a non-empty directory without ``overwrite``, a file, or a parent that cannot be created or
-    written. Checks only; creates nothing. Not collective."""
+    written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
+    replacing (a command line says ``--overwrite``)."""
     out_dir = Path(out_dir).absolute()
-    _check_destination(out_dir, overwrite)
+    _check_destination(out_dir, overwrite, flag)
     check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
 
 
@@ -182,6 +183,7 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
         elif entry.source[0] == "kv":  # k_scale / v_scale of an attention's KV-cache quantizer
             _, attention, suffix = entry.source
             tensor = plan.kv_cache[attention].export_scales()[suffix].to(entry.dtype)
+            _check_scale(entry.key, tensor)
         elif entry.source[0] == "expert":  # an unquantized slice of fused experts, under its per-expert name
             _, module_name, expert, projection = entry.source
             tensor = _plain(weight_slice(model.get_submodule(module_name), int(expert), projection), entry.key)
@@ -191,7 +193,26 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
             if module_name not in encoded:
                 encoded = {module_name: _encode_module(plan.quant_modules[module_name])}
             tensor = encoded[module_name][suffix]
+            if entry.key.endswith("scale"):  # a quantization scale (a model's own *_scale parameter may be anything)
+                _check_scale(entry.key, tensor)
         writer.write(entry, tensor)
+
+
+def _in_a_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if isinstance(error, ExportError) else f"{type(error).__name__}: {text}"
+
+
+def _check_scale(key: str, scale: torch.Tensor) -> None:
+    """Refuse a scale no runtime can use: zero, negative, NaN or infinite (vLLM would compute garbage silently)."""
+    values = scale.float()
+    bad = ~torch.isfinite(values) | (values <= 0)
+    if bool(bad.any()):
+        first = values.reshape(-1)[bad.reshape(-1)][0].item()
+        raise ExportError(
+            f"{key}: {int(bad.sum())} of {values.numel()} scale value(s) are zero, negative, NaN or infinite (e.g. "
+            f"{first}); recalibrate (or exclude the module) before exporting"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- finishing
@@ -299,6 +320,7 @@ def export_checkpoint(
     if recipe is not None and not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     rank, world_size = world()
+    check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
     plan = build_plan(model, recipe, world_size, max_shard_bytes)
     config = model_config_dict(model, Path(config_dir) if config_dir is not None else None)
 
@@ -331,11 +353,12 @@ def export_checkpoint(
                                 _write_unit(model, plan, unit, writer)
                             except Exception as exc:
                                 error = exc
-                        failed = ranks_with_flag(error is not None)
+                        # Only the owner writes; every rank learns whether it failed, and why.
+                        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
                     if error is not None:
                         raise error
-                    if failed:
-                        raise ExportError(f"export to {out_dir} failed on rank(s) {failed} while writing {unit.name}")
+                    if why:
+                        raise ExportError(f"export to {out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
             if not writer.done:
                 raise RuntimeError("export plan: this rank's shards are incomplete")
         finally:

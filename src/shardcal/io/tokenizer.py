@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TokenizerError
+from ..fsutil import read_bounded_text
 
 # The GPT-2 pre-tokenizer regex, as the ``tokenizers`` ByteLevel pre-tokenizer uses it.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -100,8 +101,8 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(f"{path}: no such file (a model directory needs a tokenizer.json to tokenize text)")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = json.loads(read_bounded_text(path, TokenizerError))
+        except json.JSONDecodeError as exc:
             raise TokenizerError(f"{path}: not valid JSON ({exc})") from None
         found_bos, found_eos = _special_tokens_near(path.parent)
         return cls(

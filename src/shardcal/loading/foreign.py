@@ -70,9 +70,12 @@ def _transformers_config(model_dir: Path) -> tuple[Any, Any]:
     transformers = importlib.import_module("transformers")  # only here, and only when asked for
     try:
         return transformers, transformers.AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError, OSError) as exc:
+    except Exception as exc:
+        model_type = raw_config(model_dir).get("model_type")
         raise ConfigError(
-            f"{model_dir / 'config.json'}: transformers cannot read this config ({' '.join(str(exc).split())[:300]})"
+            f"{model_dir / 'config.json'}: model_type {model_type!r} is not supported by shardcal (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}) and transformers {transformers.__version__} cannot read the config "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         ) from None
 
 
@@ -89,10 +92,11 @@ def _build(transformers: Any, config: Any, model_dir: Path) -> nn.Module:
     cls = _architecture(transformers, config)
     try:
         return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-    except ValueError as exc:
+    except Exception as exc:
+        name = cls.__name__ if cls is not None else "AutoModelForCausalLM"
         raise ConfigError(
-            f"{model_dir / 'config.json'}: transformers has no causal-LM class for this config "
-            f"({' '.join(str(exc).split())[:200]})"
+            f"{model_dir / 'config.json'}: transformers' {name} cannot be built from this config "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         ) from None
 
 

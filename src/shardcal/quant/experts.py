@@ -40,6 +40,7 @@ from ..errors import ModelLayoutError
 from .formats import fake_quantize
 from .quantizer import QuantMode, TensorQuantizer
 from .spec import QuantizerSpec
+from .tokens import active_mask, real_tokens_of
 
 #: The per-expert projections, in export order, and how each takes its weight out of the fused parameters.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -237,19 +238,23 @@ def _observe(module: nn.Module, args: tuple, kwargs: dict[str, Any], inputs: lis
         )
     x = hidden.reshape(-1, hidden.shape[-1])
     all_tokens = any(h.observe_all_tokens for h in expert_projections(module))
+    real = active_mask()  # padding never counts
+    real = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if real is None else real.to(x.device)
     by_expert: dict[int, list[tuple[str, TensorQuantizer]]] = {}
     for e, p, q in inputs:
         by_expert.setdefault(e, []).append((p, q))
     for e, quantizers in by_expert.items():
-        tokens = x if all_tokens else x[(index.reshape(x.shape[0], -1) == e).any(dim=-1)]
-        for p, q in quantizers:
-            if p != "down_proj":
-                q(tokens)
-        down = [q for p, q in quantizers if p == "down_proj"]
-        if down:
-            gate = tokens @ weight_slice(module, e, "gate_proj").T.to(tokens.dtype)
-            up = tokens @ weight_slice(module, e, "up_proj").T.to(tokens.dtype)
-            down[0](module.act_fn(gate) * up)
+        chosen = real if all_tokens else real & (index.reshape(x.shape[0], -1) == e).any(dim=-1)
+        tokens = x[chosen]
+        with real_tokens_of(None):  # the rows are chosen here already
+            for p, q in quantizers:
+                if p != "down_proj":
+                    q(tokens)
+            down = [q for p, q in quantizers if p == "down_proj"]
+            if down:
+                gate = tokens @ weight_slice(module, e, "gate_proj").T.to(tokens.dtype)
+                up = tokens @ weight_slice(module, e, "up_proj").T.to(tokens.dtype)
+                down[0](module.act_fn(gate) * up)
 
 
 def calibrate_expert_weights(module: nn.Module) -> None:

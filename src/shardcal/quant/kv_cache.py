@@ -26,6 +26,7 @@ from torch import nn
 
 from .quantizer import QuantMode, TensorQuantizer
 from .spec import QuantizerSpec
+from .tokens import real_tokens_of
 
 #: The attribute an attention module holds its KV-cache quantizer under.
 KV_CACHE_ATTR = "kv_cache_quantizer"
@@ -102,7 +103,8 @@ class KVCacheQuantizer(nn.Module):
         out = []
         for q, x in ((self.k_quantizer, key_states), (self.v_quantizer, value_states)):
             if q.mode is QuantMode.COLLECT:
-                q(_observed(x, token_mask))
+                with real_tokens_of(None):  # the real positions are chosen here (keys are [batch, heads, seq, ...])
+                    q(_observed(x, token_mask))
                 out.append(x)
             else:
                 out.append(q(x))

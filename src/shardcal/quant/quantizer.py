@@ -38,6 +38,7 @@ from .granularity import Layout
 from .merge import merge_stats
 from .observers import OBSERVERS, Observer, make_observer
 from .spec import QuantizerSpec
+from .tokens import real_positions
 
 
 class NotCalibratedError(ShardcalError, RuntimeError):
@@ -136,7 +137,7 @@ class TensorQuantizer(nn.Module):
         if mode is QuantMode.COLLECT:
             if self._pass is not None:
                 self.layout.check(x)
-                self._observer.observe(x, self._pass)
+                self._observer.observe(real_positions(x), self._pass)  # padding never counts
             return x
         if x.numel() == 0:
             return x

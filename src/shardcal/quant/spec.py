@@ -167,6 +167,18 @@ class QuantizerSpec:
         """The granularity of the calibrated amax: per tensor for nvfp4 (its global scale), else ``granularity``."""
         return "tensor" if self.format == "nvfp4" else self.granularity
 
+    def describe(self) -> str:
+        """A short human description: ``int4, groups of 128, mse``, ``fp8_e4m3, per token, dynamic``."""
+        if self.format == "nvfp4":
+            where = "16-blocks"
+        elif self.granularity == "group":
+            where = f"groups of {self.group_size}"
+        elif self.granularity == "channel":
+            where = "per channel"
+        else:
+            where = f"per {self.granularity}"
+        return f"{self.format}, {where}, " + ("dynamic" if self.dynamic else self.observer)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data; :meth:`from_dict` gives the spec back."""
         return {
