@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak lint bench bench-peers venv clean
+.PHONY: demo test soak lint bench bench-peers mutation venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ $(PEERS_STAMP):
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/vs_peers.py --peers-python $(PEERS_PY) --work runs/vs-peers
+
+# On demand, not in CI (slow: ~30-40 min on 2 cores): break the core modules one small change at a time
+# (tools/mutants.py) and list the changes the tests miss; results in docs/mutation-results.md (docs/testing.md).
+# MUTATION_ARGS=--all adds every operator/constant mutant of the core modules (hours).
+mutation: $(STAMP)
+	nice -n 10 $(PY) tools/mutation.py $(MUTATION_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info src/*.egg-info

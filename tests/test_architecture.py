@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("sharding", ["registry", "fsdp2_utils"]),
     ("layer stepping and algorithms", ["options", "layer_inputs", "steps", "moe", "algorithms", "algorithms.*"]),
     ("calibration and export", ["recipes", "report", "calib_checkpoint", "runner", "export", "export.*"]),
-    ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate"]),
+    ("entry points", ["loading", "loading.*", "io", "io.*", "data", "evaluate", "preflight"]),
     ("command line", ["cli", "__main__"]),
     ("public facades", ["", "models"]),
 ]

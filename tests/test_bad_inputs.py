@@ -710,6 +710,53 @@ def _(env: Env):
 
 
 @case(
+    "recipe-group-size-does-not-divide",
+    "recipe: int4 group_size = 48 for Linears 64 wide, group_size_fallback = false",
+    RecipeError,
+    "does not fit module 'model.layers.0.self_attn.q_proj'",
+)
+def _(env: Env):
+    recipe = 'group_size_fallback = false\n[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    path = env.file("bad.toml", recipe)
+    return env.calibrate(
+        recipe=path
+    ), "fix: group_size = 32 (divides 64), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"
+
+
+@case(
+    "recipe-include-matches-nothing",
+    'recipe: include = ["*.q_projj"] (a typo: no such module)',
+    RecipeError,
+    "[targets] include pattern '*.q_projj' matches no Linear of this model",
+)
+def _(env: Env):
+    path = env.file("bad.toml", '[targets]\ninclude = ["*.q_projj"]\n[weight]\nformat = "int8"\n')
+    return env.calibrate(recipe=path), str(path)
+
+
+@case(
+    "recipe-exclude-matches-nothing",
+    'recipe: exclude = ["model.layer.*.mlp.down_proj"] (a typo: "layer")',
+    RecipeError,
+    "[targets] exclude pattern 'model.layer.*.mlp.down_proj' matches no Linear of this model",
+)
+def _(env: Env):
+    path = env.file("bad.toml", '[targets]\nexclude = ["model.layer.*.mlp.down_proj"]\n[weight]\nformat = "int8"\n')
+    return env.calibrate(recipe=path), "names look like 'model.layers.0.self_attn.q_proj'"
+
+
+@case(
+    "recipe-quantizes-nothing",
+    'recipe: include = ["*.q_proj"], exclude = ["*_proj"]',
+    RecipeError,
+    "recipe 'bad' quantizes no Linear of the decoder layers",
+)
+def _(env: Env):
+    path = env.file("bad.toml", '[targets]\ninclude = ["*.q_proj"]\nexclude = ["*_proj"]\n[weight]\nformat = "int8"\n')
+    return env.calibrate(recipe=path), str(path)
+
+
+@case(
     "recipe-no-quantizer",
     "recipe without [weight], [input] or [output]",
     RecipeError,

@@ -200,10 +200,15 @@ def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
 
 
 def _reference_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
-    from shardcal.evaluate import perplexity
+    """exp(mean next-token cross-entropy), computed here from the logits (float64 log-softmax, one forward of all
+    rows), not with shardcal's perplexity."""
     from shardcal.models import from_pretrained
 
-    return perplexity(from_pretrained(model_dir), ids, batch_size=2)
+    with torch.no_grad():
+        logits = from_pretrained(model_dir)(ids).double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return float(torch.exp(nll.mean()))
 
 
 def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
@@ -480,3 +485,56 @@ def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
         f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
         f"{tmp_path / 'stream.npy'}: holds 3 samples of 32 tokens, fewer than the 5 asked for; using 3",
     ]
+
+
+@pytest.mark.parametrize("impl", ["shardcal", "transformers"])
+def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_weights(
+    capsys, tiny_dir, tmp_path, monkeypatch, impl
+):
+    """A group size that divides no Linear (with group_size_fallback = false) fails from config.json, the headers
+    and the recipe alone: the data is never read, no tensor is read, nothing is written; the error names the module
+    and the fix. Without the flag the group size is fitted per Linear, and the same check passes."""
+    from shardcal.models.checkpoint import CheckpointReader
+    from shardcal.preflight import check_recipe_fits, meta_skeleton
+    from shardcal.recipes import parse_recipe
+
+    if impl == "transformers":
+        pytest.importorskip("transformers")
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
+    monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
+    recipe = tmp_path / "g48.toml"
+    text = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    assert check_recipe_fits(meta_skeleton(tiny_dir, impl), parse_recipe(text, "g48.toml"))  # fitted: groups of 32
+    recipe.write_text("group_size_fallback = false\n" + text)
+    status, out, err = run_cli(
+        capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out", "--model-impl", impl
+    )
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    width = json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
+    assert err.startswith(f"error: {recipe}: recipe 'g48' does not fit module 'model.layers.0.self_attn.q_proj': ")
+    assert f"group_size 48 does not divide in_features {width} (group_size_fallback = false)" in err
+    assert err.rstrip().endswith(
+        f"fix: group_size = 32 (divides {width}), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_refuses_a_fallback_scheme_that_does_not_fit_before_reading_data(
+    capsys, tiny_dir, tmp_path, monkeypatch
+):
+    """The recipe's [fallback] scheme is checked against the model as well, before the data is read."""
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    recipe = tmp_path / "fb.toml"
+    recipe.write_text(
+        'group_size_fallback = false\n[weight]\nformat = "int8"\n[fallback]\nmin_layer_sqnr_db = 30\n'
+        '[fallback.weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    )
+    status, out, err = run_cli(capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out")
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    assert err.startswith(
+        f"error: {recipe}: recipe 'fb:fallback' does not fit module 'model.layers.0.self_attn.q_proj'"
+    )
+    assert not (tmp_path / "out").exists()

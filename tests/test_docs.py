@@ -116,3 +116,34 @@ def test_documented_commands_without_placeholders_run(capsys):
         except SystemExit as exc:  # --version
             status = exc.code
         assert status == 0, (command, capsys.readouterr())
+
+
+def shipped_recipes_table() -> str:
+    """docs/quant-recipes.md's table of shipped recipes, from the recipe files (``shardcal recipes``' rows)."""
+    from shardcal.recipes import recipe_rows
+
+    lines = ["| recipe | weight | input | algorithm | description |", "|---|---|---|---|---|"]
+    lines += [f"| `{name}` | {' | '.join(cells)} |" for name, *cells in recipe_rows()]
+    return "\n".join(lines)
+
+
+def test_the_shipped_recipes_table_is_the_recipes():
+    text = (ROOT / "docs" / "quant-recipes.md").read_text(encoding="utf-8")
+    table = text.split("<!-- shipped-recipes -->\n", 1)[1].split("\n<!-- /shipped-recipes -->", 1)[0]
+    assert table == shipped_recipes_table(), "regenerate with: python tests/test_docs.py"
+
+
+def test_the_documented_unknown_recipe_error_is_the_real_one():
+    from shardcal.errors import RecipeError
+    from shardcal.recipes import load_recipe
+
+    with pytest.raises(RecipeError) as info:
+        load_recipe("w3a3")
+    assert str(info.value) in (ROOT / "docs" / "quant-recipes.md").read_text(encoding="utf-8")
+
+
+if __name__ == "__main__":
+    path = ROOT / "docs" / "quant-recipes.md"
+    head, rest = path.read_text(encoding="utf-8").split("<!-- shipped-recipes -->\n", 1)
+    tail = rest.split("\n<!-- /shipped-recipes -->", 1)[1]
+    path.write_text(f"{head}<!-- shipped-recipes -->\n{shipped_recipes_table()}\n<!-- /shipped-recipes -->{tail}")

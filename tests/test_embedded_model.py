@@ -43,8 +43,17 @@ def test_perplexity_on_held_out_wikipedia(smollm):
     model, tokenizer = smollm
     ids = token_blocks(tokenizer, 8, 256, split="eval")
     assert ids.shape == (8, 256) and ids.dtype == torch.long
-    value = perplexity(model, ids, batch_size=4)
-    assert 10 < value < 25, value
+    logits = []  # the logits perplexity() computes, kept for the reference below (no second forward)
+    hook = model.register_forward_hook(lambda m, args, out: logits.append(out.detach().double()))
+    try:
+        value = perplexity(model, ids, batch_size=4)
+    finally:
+        hook.remove()
+    # Reference: exp(mean next-token cross-entropy), by hand in float64 from the same logits.
+    logp = torch.log_softmax(torch.cat(logits)[:, :-1], dim=-1)
+    reference = float(torch.exp(-logp.gather(-1, ids[:, 1:, None]).mean()))
+    assert value == pytest.approx(reference, rel=1e-5)
+    assert value == pytest.approx(17.932, abs=0.01)  # the README's number
 
 
 def test_token_blocks_are_deterministic_and_splits_disjoint(smollm):

@@ -91,7 +91,7 @@ def test_fallback_off_is_an_error_naming_the_linear():
     recipe = parse_recipe("group_size_fallback = false\n" + text, "strict.toml")
     with pytest.raises(
         RecipeError,
-        match=r"strict\.toml: .*group_size 128 does not divide in_features 576 of 'model\.layers\.0\.self_attn\.q_proj'",
+        match=r"strict\.toml: .*'model\.layers\.0\.self_attn\.q_proj': group_size 128 does not divide in_features 576",
     ):
         calibrate(_model(), _data(), recipe, batch_size=2, progress=False)
     with pytest.raises(RecipeError, match=r"key 'group_size_fallback'"):

@@ -298,8 +298,16 @@ def test_extra_key(model_dir: Path) -> None:
 
 
 def test_rotary_inv_freq_is_ignored(model_dir: Path) -> None:
+    """Older checkpoints store each layer's rotary table; it is skipped (the tables are computed from the config), so
+    the logits are those of the same checkpoint without it; a key that only looks like it is still refused."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = from_pretrained(model_dir)(ids)
     rewrite_weights(model_dir, lambda s: s.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
-    from_pretrained(model_dir)
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(model_dir)(ids), want)
+    rewrite_weights(model_dir, lambda s: s.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freqs", torch.ones(8)))
+    load_error(model_dir, CheckpointError, "model.layers.0.self_attn.rotary_emb.inv_freqs", "unexpected")
 
 
 def test_shape_mismatch(model_dir: Path) -> None:

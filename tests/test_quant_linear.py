@@ -161,7 +161,7 @@ def test_group_size_that_does_not_divide_names_the_module():
     model = _model(LLAMA)
     with pytest.raises(
         RecipeError,
-        match=r"g48\.toml: .*group_size 48 does not divide in_features 64 of 'model\.layers\.0\.self_attn\.q_proj'",
+        match=r"g48\.toml: .*'model\.layers\.0\.self_attn\.q_proj': group_size 48 does not divide in_features 64 \(",
     ):
         quantize_modules(model, recipe)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing half-converted

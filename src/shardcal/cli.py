@@ -208,12 +208,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
-    input, ``--overwrite`` or not), the model's config. Returns ``(recipe, model implementation, vocab_size)``."""
+    input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
+    the recipe against every decoder layer (:mod:`shardcal.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
     from .errors import CalibrationCheckpointError, ExportError
     from .export import check_destination
     from .fsutil import check_apart
     from .loading.foreign import choose_impl, raw_config, text_field
     from .models.config import load_config
+    from .preflight import check_recipe_fits, meta_skeleton
     from .recipes import load_recipe
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
@@ -228,6 +230,9 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     vocab_size = (
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
     )
+    check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
+    if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
+        check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
     check_destination(out_dir, args.overwrite, flag="--overwrite")
     return recipe, impl, vocab_size
 
@@ -243,6 +248,7 @@ def cli_warnings(rank: int) -> None:
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
 
+    warnings.simplefilter("default")  # each warning once per run (a new filter also forgets earlier runs' ones)
     warnings.showwarning = show
 
 

@@ -142,7 +142,8 @@ def _origin_of_failure(
     """The error that names the rank where the failure started (not a survivor that merely noticed it); a user
     error that every rank raised alike, as itself."""
     own = [r for r in reports if r[1] != "DistributedError"]
-    own.sort(key=lambda r: r[0] != first_failed)  # the first rank to go, not a peer that saw its connection close
+    # the rank where it started, not a peer that saw its connection close (two ranks can exit in one poll)
+    own.sort(key=lambda r: (_is_peer_loss(r[2]), r[0] != first_failed))
     if own:  # a rank raised: its own error, its traceback once (unless it is a plain user error)
         rank, kind, message, tb = own[0]
         if kind in _USER_ERRORS and {r[0] for r in own if r[1:3] == (kind, message)} == set(range(len(procs))):
@@ -162,6 +163,15 @@ def _origin_of_failure(
     code = procs[rank].exitcode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return DistributedError(f"rank {rank} {how} (last status: {status}); the other ranks were stopped")
+
+
+#: What gloo and NCCL say on the ranks that lose a peer: a consequence of a failure elsewhere, not its origin.
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "communicator was aborted")  # fmt: skip
+
+
+def _is_peer_loss(message: str) -> bool:
+    return any(text in message for text in _PEER_LOSS)
 
 
 #: Seconds the launcher lets surviving ranks report a failed peer before it terminates them.

@@ -156,8 +156,8 @@ class Recipe:
             return spec
         if not self.group_size_fallback:
             raise RecipeError(
-                f"{self.source or self.name}: recipe {self.name!r}: group_size {spec.group_size} does not divide "
-                f"in_features {in_features} of {module_name!r} (group_size_fallback = false)"
+                f"{self.source or self.name}: recipe {self.name!r} does not fit module {module_name!r}: group_size "
+                f"{spec.group_size} does not divide in_features {in_features} (group_size_fallback = false)"
             )
         for size in VLLM_GROUP_SIZES:
             if size < spec.group_size and in_features % size == 0:

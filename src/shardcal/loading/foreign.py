@@ -100,15 +100,20 @@ def _build(transformers: Any, config: Any, model_dir: Path) -> nn.Module:
         ) from None
 
 
-def load_transformers_sharded(model_dir: str | Path, **kwargs: Any) -> nn.Module:
-    """transformers' model for ``model_dir``, FSDP2-sharded, each rank reading its own rows (collective)."""
+def build_transformers_on_meta(model_dir: str | Path) -> nn.Module:
+    """transformers' model for ``model_dir`` built on the meta device (nothing read but ``config.json``)."""
     from .build import meta_parameters
-    from .sharded import load_pretrained
 
     transformers, config = _transformers_config(Path(model_dir))
     with meta_parameters():
-        model = _build(transformers, config, Path(model_dir))
-    return load_pretrained(model_dir, model=model, **kwargs)
+        return _build(transformers, config, Path(model_dir))
+
+
+def load_transformers_sharded(model_dir: str | Path, **kwargs: Any) -> nn.Module:
+    """transformers' model for ``model_dir``, FSDP2-sharded, each rank reading its own rows (collective)."""
+    from .sharded import load_pretrained
+
+    return load_pretrained(model_dir, model=build_transformers_on_meta(model_dir), **kwargs)
 
 
 def load_transformers_plain(model_dir: str | Path) -> nn.Module:
