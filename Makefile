@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak lint bench mutation venv clean
+.PHONY: demo test soak lint bench bench-peers mutation venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,23 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
+# The peer PTQ tools in a venv of their own (they pin other transformers / compressed-tensors versions than
+# shardcal's tests): the pinned CPU torch first, then llm-compressor and modelopt with torch held to that pin.
+PEERS_VENV := .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	echo 'torch==2.13.0' > $(PEERS_VENV)/constraints.txt
+	$(PEERS_PY) -m pip install -q torch==2.13.0
+	$(PEERS_PY) -m pip install -q -c $(PEERS_VENV)/constraints.txt llmcompressor==0.14.0.1 nvidia-modelopt==0.47.0
+	touch $(PEERS_STAMP)
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(PY) benchmarks/vs_peers.py --peers-python $(PEERS_PY) --work runs/vs-peers
+
 # On demand, not in CI (slow: ~30-40 min on 2 cores): break the core modules one small change at a time
 # (tools/mutants.py) and list the changes the tests miss; results in docs/mutation-results.md (docs/testing.md).
 # MUTATION_ARGS=--all adds every operator/constant mutant of the core modules (hours).
@@ -45,4 +62,4 @@ mutation: $(STAMP)
 	nice -n 10 $(PY) tools/mutation.py $(MUTATION_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info src/*.egg-info

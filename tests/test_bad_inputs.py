@@ -711,12 +711,13 @@ def _(env: Env):
 
 @case(
     "recipe-group-size-does-not-divide",
-    "recipe: int4 group_size = 48 for Linears 64 wide",
+    "recipe: int4 group_size = 48 for Linears 64 wide, group_size_fallback = false",
     RecipeError,
     "does not fit module 'model.layers.0.self_attn.q_proj'",
 )
 def _(env: Env):
-    path = env.file("bad.toml", '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n')
+    recipe = 'group_size_fallback = false\n[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    path = env.file("bad.toml", recipe)
     return env.calibrate(
         recipe=path
     ), "fix: group_size = 32 (divides 64), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"

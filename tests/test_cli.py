@@ -133,7 +133,14 @@ def test_help_defaults_are_what_the_commands_use():
 
 def test_version_and_recipes_list(capsys):
     from shardcal import __version__
-    from shardcal.recipes import load_recipe, shipped_recipes, shipped_recipes_dir
+    from shardcal.recipes import (
+        load_recipe,
+        parse_recipe,
+        recipe_row,
+        recipe_rows,
+        shipped_recipes,
+        shipped_recipes_dir,
+    )
 
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
@@ -145,6 +152,15 @@ def test_version_and_recipes_list(capsys):
     for line in lines[1:]:
         recipe = load_recipe(line.split()[0])
         assert line.endswith(recipe.description) and recipe.weight.describe() in line
+    rows = {row[0]: row for row in recipe_rows()}
+    assert rows["w8a8-int8-dynamic"][2] == "int8, per token, dynamic"  # dynamic per-token inputs
+    assert rows["fp8-dynamic-kv"][2] == "fp8_e4m3, per token, dynamic + kv cache fp8_e4m3, max"
+    fallback = parse_recipe(
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 128\n'
+        "[fallback]\nmin_layer_sqnr_db = 20\nfull_precision = true\n",
+        "fb.toml",
+    )
+    assert recipe_row(fallback)[1:4] == ("int4, groups of 128, max", "- (weight only)", "rtn; fallback under 20 dB")
     status, out, _ = run_cli(capsys, "recipes", "w4a16.toml")
     assert status == 0 and out == (shipped_recipes_dir() / "w4a16.toml").read_text()  # the file itself, comments too
     status, _, err = run_cli(capsys, "recipes", "w3a3")
@@ -481,9 +497,12 @@ def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
 def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_weights(
     capsys, tiny_dir, tmp_path, monkeypatch, impl
 ):
-    """A group size that divides no Linear fails from config.json, the headers and the recipe alone: the data
-    is never read, no tensor is read, nothing is written; the error names the module and the fix."""
+    """A group size that divides no Linear (with group_size_fallback = false) fails from config.json, the headers
+    and the recipe alone: the data is never read, no tensor is read, nothing is written; the error names the module
+    and the fix. Without the flag the group size is fitted per Linear, and the same check passes."""
     from shardcal.models.checkpoint import CheckpointReader
+    from shardcal.preflight import check_recipe_fits, meta_skeleton
+    from shardcal.recipes import parse_recipe
 
     if impl == "transformers":
         pytest.importorskip("transformers")
@@ -492,15 +511,36 @@ def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_wei
     monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
     monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
     recipe = tmp_path / "g48.toml"
-    recipe.write_text('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n')
+    text = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    assert check_recipe_fits(meta_skeleton(tiny_dir, impl), parse_recipe(text, "g48.toml"))  # fitted: groups of 32
+    recipe.write_text("group_size_fallback = false\n" + text)
     status, out, err = run_cli(
         capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out", "--model-impl", impl
     )
     assert status == 2 and out == "" and touched == [], (err, touched)
     width = json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
     assert err.startswith(f"error: {recipe}: recipe 'g48' does not fit module 'model.layers.0.self_attn.q_proj': ")
-    assert f"group_size 48 does not divide the last dimension {width}" in err
+    assert f"group_size 48 does not divide in_features {width} (group_size_fallback = false)" in err
     assert err.rstrip().endswith(
         f"fix: group_size = 32 (divides {width}), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_refuses_a_fallback_scheme_that_does_not_fit_before_reading_data(
+    capsys, tiny_dir, tmp_path, monkeypatch
+):
+    """The recipe's [fallback] scheme is checked against the model as well, before the data is read."""
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    recipe = tmp_path / "fb.toml"
+    recipe.write_text(
+        'group_size_fallback = false\n[weight]\nformat = "int8"\n[fallback]\nmin_layer_sqnr_db = 30\n'
+        '[fallback.weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    )
+    status, out, err = run_cli(capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out")
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    assert err.startswith(
+        f"error: {recipe}: recipe 'fb:fallback' does not fit module 'model.layers.0.self_attn.q_proj'"
     )
     assert not (tmp_path / "out").exists()

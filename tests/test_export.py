@@ -23,7 +23,7 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4")
+RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4", "fp8-dynamic", "w8a8-int8-dynamic")
 # in_features 128 / 256: multiples of w4a16's group of 128 and of nvfp4's blocks of 16
 CFG = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256, head_dim=32, num_hidden_layers=2)
 FORMAT = {
@@ -31,6 +31,8 @@ FORMAT = {
     "fp8": "float-quantized",
     "w4a16": "pack-quantized",
     "nvfp4": "nvfp4-pack-quantized",
+    "fp8-dynamic": "float-quantized",
+    "w8a8-int8-dynamic": "int-quantized",
 }
 
 
@@ -124,6 +126,9 @@ def test_export_layout(recipe, exported):
     inputs = qc["config_groups"]["group_0"]["input_activations"]
     if recipe in ("w8a8-int8", "fp8"):
         assert inputs["dynamic"] is False and inputs["strategy"] == "tensor"
+    if recipe.endswith("-dynamic"):  # per-token scales taken at run time: no input_scale tensor
+        assert inputs["dynamic"] is True and inputs["strategy"] == "token"
+        assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     tensors = _tensors(out)
     quantized = dict(quantized_modules(model))
     plain = {
@@ -137,12 +142,16 @@ def test_export_layout(recipe, exported):
         "fp8": {"weight"},
         "w4a16": {"weight_packed", "weight_shape"},
         "nvfp4": {"weight_packed", "weight_global_scale"},
+        "fp8-dynamic": {"weight"},
+        "w8a8-int8-dynamic": {"weight"},
     }[recipe]
     input_keys = {
         "w8a8-int8": {"input_scale"},
         "fp8": {"input_scale"},
         "w4a16": set(),
         "nvfp4": {"input_global_scale"},
+        "fp8-dynamic": set(),
+        "w8a8-int8-dynamic": set(),
     }[recipe]
     for name in quantized:
         keys = {k[len(name) + 1 :] for k in tensors if k.rpartition(".")[0] == name}
@@ -183,7 +192,7 @@ def _check_against_compressed_tensors(model: nn.Module, out: Path) -> None:
                 params["input_global_scale"].copy_(module.input_quantizer.export_scales()["global_scale"])
             else:
                 params["weight_scale"].copy_(enc["scale"])
-                if module.input_quantizer is not None:
+                if module.input_quantizer is not None and not module.input_quantizer.spec.dynamic:
                     params["input_scale"].copy_(module.input_quantizer.export_scales()["scale"])
         compressor.compress_module(ref)
         theirs = {k: v.detach() for k, v in ref.state_dict().items()}
@@ -201,7 +210,7 @@ def test_compressed_tensors_reads_config_and_produces_same_tensors(recipe, expor
     _check_against_compressed_tensors(*exported(recipe))
 
 
-@pytest.mark.parametrize("recipe", ["w8a8-int8", "fp8", "w4a16"])
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "fp8", "w4a16", "fp8-dynamic"])
 def test_transformers_loads_export_with_same_logits(recipe, exported):
     """transformers + compressed-tensors load the directory and compute exactly our logits (float32)."""
     transformers = pytest.importorskip("transformers")
@@ -210,6 +219,21 @@ def test_transformers_loads_export_with_same_logits(recipe, exported):
     data = _data(2, seed=5)
     with torch.no_grad():
         assert torch.equal(hf(data).logits, model(data))
+
+
+def test_transformers_loads_int8_dynamic_weights_exactly(exported):
+    """compressed-tensors' per-token int8 scale is amax / 127.5 (its (qmax - qmin) / 2), vLLM's and ours amax / 127,
+    so only the weights can be compared exactly; the logits stay close."""
+    transformers = pytest.importorskip("transformers")
+    model, out = exported("w8a8-int8-dynamic")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    data = _data(2, seed=5)
+    with torch.no_grad():
+        theirs, ours = hf(data).logits, model(data)
+    hf_params = dict(hf.named_parameters())
+    for name, module in quantized_modules(model):
+        assert torch.equal(hf_params[f"{name}.weight"], module.weight_quantizer(module.weight.detach())), name
+    assert (theirs - ours).abs().max() < 0.05 * ours.abs().max()
 
 
 def test_transformers_loads_nvfp4_weights_exactly(exported):
@@ -450,8 +474,15 @@ def _export_on_ranks(recipe: str, data: torch.Tensor, folder: str) -> dict:
     return {"failure": failure}
 
 
+W8A8_KV = (
+    '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n[kv_cache]\nformat = "fp8_e4m3"\n'
+)
+
+
 def test_two_rank_export_equals_single_process(tmp_path):
-    recipe, data = "w8a8-int8", _data(n=5)
+    recipe_file = tmp_path.parent / f"{tmp_path.name}-w8a8-kv.toml"  # W8A8 with k_scale / v_scale per layer
+    recipe_file.write_text(W8A8_KV)
+    recipe, data = str(recipe_file), _data(n=5)
     results = run_on_ranks(2, _export_on_ranks, recipe, data, str(tmp_path))
     assert [r["failure"] for r in results] == ["ExportError", "ExportInterrupted"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "out"]  # nothing from the interrupted export

@@ -199,7 +199,7 @@ def test_export_size_is_the_real_exports(tmp_path):
 
     folder = make_tiny_checkpoint(tmp_path, "qwen3", vocab_size=300)
     ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
-    for recipe in ("w8a8-int8", "fp8", "nvfp4"):
+    for recipe in ("w8a8-int8", "fp8", "nvfp4", "w4a16"):  # w4a16: groups of 128 fall back to 64 (64-wide Linears)
         model = from_pretrained(folder)
         calibrate(model, ids, recipe, batch_size=2, progress=False)
         out = export_checkpoint(model, tmp_path / f"out-{recipe}", recipe=recipe)
@@ -220,8 +220,14 @@ def test_config_only_directory_plans_from_the_config(tmp_path):
 
 
 def test_recipe_that_does_not_fit_a_module_is_refused_before_loading(tmp_path):
+    strict = tmp_path / "strict.toml"
+    strict.write_text(
+        'group_size_fallback = false\n[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 128\n'
+    )
+    folder = config_dir(tmp_path, LLAMA)
     with pytest.raises(RecipeError, match=r"does not fit module 'model.layers.0.self_attn.q_proj'.*group_size 128"):
-        plan_calibration(config_dir(tmp_path, LLAMA), "w4a16", settings(1))
+        plan_calibration(folder, strict, settings(1))
+    plan_calibration(folder, "w4a16", settings(1))  # fits: its groups fall back
 
 
 # ---------------------------------------------------------------------------------------------- fit and fixes

@@ -153,11 +153,15 @@ def test_quantize_modules_with_prefix_and_patterns():
 
 
 def test_group_size_that_does_not_divide_names_the_module():
-    recipe = parse_recipe('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n', source="g48.toml")
+    text = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    model = _model(LLAMA)
+    quantize_modules(model, parse_recipe(text, source="g48.toml"))  # fitted: 64 inputs take groups of 32
+    assert model.model.layers[0].self_attn.q_proj.weight_quantizer.spec.group_size == 32
+    recipe = parse_recipe("group_size_fallback = false\n" + text, source="g48.toml")
     model = _model(LLAMA)
     with pytest.raises(
         RecipeError,
-        match=r"g48\.toml: .*module 'model\.layers\.0\.self_attn\.q_proj'.*group_size 48 does not divide the last dimension 64",
+        match=r"g48\.toml: .*'model\.layers\.0\.self_attn\.q_proj': group_size 48 does not divide in_features 64 \(",
     ):
         quantize_modules(model, recipe)
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing half-converted

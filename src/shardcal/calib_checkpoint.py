@@ -367,12 +367,18 @@ def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, t
 
 
 def restore_quantizers(
-    model: nn.Module, recipe: Recipe, layer_names: Sequence[str], state: dict[str, torch.Tensor]
+    model: nn.Module,
+    recipe: Recipe,
+    layer_names: Sequence[str],
+    state: dict[str, torch.Tensor],
+    fallback_layers: set[str] | frozenset[str] = frozenset(),
 ) -> None:
-    """Insert the recipe's quantizers into the named layers and set their amax from ``state``."""
+    """Insert the recipe's quantizers (its fallback's in ``fallback_layers``) into the named layers and set their
+    amax from ``state``."""
     modules = dict(model.named_modules())
     for layer_name in layer_names:
-        quantize_modules(modules[layer_name], recipe, prefix=layer_name)
+        layer_recipe = recipe.fallback if layer_name in fallback_layers and recipe.fallback is not None else recipe
+        quantize_modules(modules[layer_name], layer_recipe, prefix=layer_name)
         for n, q in iter_quantizers(modules[layer_name], layer_name):
             if q.amax is None:
                 continue

@@ -138,7 +138,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipe",
         required=True,
         metavar="NAME|FILE",
-        help="a shipped recipe name (w8a8-int8, fp8, w4a16, nvfp4, ...) or a .toml file",
+        help="a shipped recipe name (w8a8-int8, w8a8-int8-dynamic-sq, fp8-dynamic, w4a16, ...) or a .toml file",
     )
     parser.add_argument(
         "--out",
@@ -236,6 +236,8 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
     )
     check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
+    if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
+        check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
     check_destination(out_dir, args.overwrite, flag="--overwrite")
     return recipe, impl, vocab_size
 

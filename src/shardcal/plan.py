@@ -318,12 +318,16 @@ def quant_targets(linears: list[Linear], recipe: Recipe) -> list[QuantTarget]:
     :class:`RecipeError`, before anything is loaded)."""
     include = re.compile("|".join(f"(?:{compile_pattern(p).pattern})" for p in recipe.include))
     exclude = re.compile("|".join(f"(?:{compile_pattern(p).pattern})" for p in recipe.all_excludes) or "(?!)")
-    layouts: dict[tuple[str, tuple[int, ...]], Layout | None] = {}  # experts share shapes: one layout per shape
+    layouts: dict[tuple[Any, ...], Layout | None] = {}  # experts share shapes: one layout per shape and spec
 
     def layout(role: str, shape: tuple[int, ...], name: str) -> Layout | None:
-        key = (role, shape)
+        try:
+            spec = recipe.weight_spec(name, shape[-1]) if role == "weight" else getattr(recipe, role)  # group fallback
+        except RecipeError as exc:
+            raise RecipeError(f"{exc}{fix_hint(str(exc))}") from None
+        key = (role, shape, spec)
         if key not in layouts:
-            layouts[key] = _layout(getattr(recipe, role), shape, f"{name}.{role}_quantizer", recipe)
+            layouts[key] = _layout(spec, shape, f"{name}.{role}_quantizer", recipe)
         return layouts[key]
 
     out = []

@@ -121,7 +121,7 @@ def _example(names: list[str], prefix: str) -> str:
     return ", ".join(repr(n) for n in inside[:3]) if inside else "(the model has no Linear)"
 
 
-_GROUP = re.compile(r"module '([^']+)': .*group_size (\d+) does not divide the last dimension (\d+)")
+_GROUP = re.compile(r"module '([^']+)': .*group_size (\d+) does not divide (?:the last dimension|in_features) (\d+)")
 _MODULE = re.compile(r"(?:module|fit) '([^']+)'")
 
 

@@ -24,6 +24,14 @@ class LayerReport:
     quantizers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: quantizers that saw no data (MoE experts no token was routed to) and got a fallback amax.
     fallbacks: list[str] = field(default_factory=list)
+    #: Linears whose weight group size is not the recipe's (it does not divide their in_features): the group size
+    #: used, or "channel" (per-channel scales).
+    group_sizes: dict[str, int | str] = field(default_factory=dict)
+    #: "recipe", or "fallback" when the layer's SQNR under the recipe was below its ``min_layer_sqnr_db`` and it
+    #: was recalibrated with the recipe's ``[fallback]`` (``sqnr_db`` is then the fallback's).
+    scheme: str = "recipe"
+    #: The SQNR (dB) the layer had under the recipe's own scheme, when it fell back.
+    recipe_sqnr_db: float | None = None
     #: per MoE block: ``{"routed_tokens": [per expert, real tokens over all ranks], "scales_from": [per expert:
     #: "routed tokens" | "all tokens" (all-experts mode) | "sibling fallback"]}``.
     moe: dict[str, dict[str, list]] = field(default_factory=dict)
@@ -43,6 +51,16 @@ class CalibrationReport:
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from_layer: int = 0
+
+    @property
+    def group_sizes(self) -> dict[str, int | str]:
+        """Every Linear whose weight group size differs from the recipe's, with the size used (all layers)."""
+        return {name: size for layer in self.layers for name, size in layer.group_sizes.items()}
+
+    @property
+    def fallback_layers(self) -> list[str]:
+        """Names of the decoder layers recalibrated with the recipe's ``[fallback]``."""
+        return [layer.name for layer in self.layers if layer.scheme == "fallback"]
 
     @property
     def experts_without_tokens(self) -> tuple[int, int]:

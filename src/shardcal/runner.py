@@ -40,8 +40,14 @@ from .fsdp2_utils import sync_unsharded_to_shards
 from .health import rank_guard, report_phase
 from .moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from .options import CalibrationOptions
-from .quant.experts import calibrate_expert_weights, expert_projections, store_quantized_weights
-from .quant.linear import QuantLinear
+from .quant.experts import (
+    calibrate_expert_weights,
+    detach_expert_quantizers,
+    expert_projections,
+    store_quantized_weights,
+)
+from .quant.kv_cache import cache_argument, kv_cache_quantizers
+from .quant.linear import QuantLinear, remove_quantizers
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import (
     begin_pass_all,
@@ -52,7 +58,7 @@ from .quant.session import (
     quantizer_mode,
     start_calibration_all,
 )
-from .recipes import Recipe, load_recipe, quantize_modules
+from .recipes import Recipe, load_recipe, quantize_modules, weight_fallbacks
 from .registry import LayerActivationCollector, decoder_layer_prefix
 from .report import CalibrationReport, LayerReport, amax_summary
 from .steps import LayerStep, compute_device, embed_batches, layer_steps
@@ -70,6 +76,42 @@ def _weight_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, QuantLi
         for n, m in layer.named_modules(prefix=prefix)
         if isinstance(m, QuantLinear) and m.weight_quantizer is not None
     ]
+
+
+def _pass_kv_cache(step: LayerStep, recipe: Recipe) -> list[TensorQuantizer]:
+    """Pass the layer's KV-cache quantizer as its cache in every call of this step; return its quantizers."""
+    if recipe.kv_cache is None:
+        return []
+    found = kv_cache_quantizers(step.layer, step.name)
+    if not found:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] found no attention in this decoder layer (a module with k_proj / v_proj or "
+            "qkv_proj whose forward takes a cache / past_key_values argument)"
+        )
+    if len(found) > 1:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] needs one attention per decoder layer, found {len(found)}: "
+            + ", ".join(n for n, _ in found)
+        )
+    name, kv = found[0]
+    keyword = cache_argument(step.layer) or cache_argument(_kv_attention(step.layer, name, step.name))
+    if keyword is None:
+        raise ModelLayoutError(f"{step.name}: the decoder layer takes no cache argument (cache / past_key_values)")
+    step.call_extras = lambda i: {keyword: kv.for_batch(step.inputs[i].token_mask)}
+    return [kv.k_quantizer, kv.v_quantizer]
+
+
+def _kv_attention(layer: nn.Module, name: str, prefix: str) -> nn.Module:
+    return layer.get_submodule(name[len(prefix) + 1 :]) if name != prefix else layer
+
+
+def _check_kv_observed(quantizers: list[TensorQuantizer]) -> None:
+    for q in quantizers:
+        if q.num_observed == 0:
+            raise ModelLayoutError(
+                f"{q.name}: saw no keys or values: the attention never called cache.update(key_states, value_states, "
+                "layer_idx) with the cache the decoder layer was given; [kv_cache] needs that protocol"
+            )
 
 
 def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: list[int], group: Any) -> float | None:
@@ -103,10 +145,49 @@ def _calibrate_layer(
     propagate: str = "fp",
     feed: ActivationFeed | None = None,
 ) -> LayerReport:
+    """Calibrate one layer with ``recipe``; a layer whose SQNR falls under the recipe's ``min_layer_sqnr_db`` is
+    put back as it was (weights and quantizers) and calibrated again with the recipe's fallback."""
+    args = (group, calibrate_all_experts, local_sqnr, algorithm, propagate, feed)
+    if recipe.fallback is None:
+        return _calibrate_layer_once(step, recipe, *args)
+    saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # one more copy of this layer
+    entry = _calibrate_layer_once(step, recipe, *args)
+    if entry.sqnr_db is None or entry.sqnr_db >= recipe.min_layer_sqnr_db:  # the SQNR is merged: every rank agrees
+        return entry
+    _restore_layer(step, saved)
+    fallback = _calibrate_layer_once(step, recipe.fallback, *args)
+    fallback.scheme, fallback.recipe_sqnr_db = "fallback", entry.sqnr_db
+    fallback.seconds += entry.seconds
+    return fallback
+
+
+def _restore_layer(step: LayerStep, saved: dict[str, torch.Tensor]) -> None:
+    """The layer's parameters as saved (written back to the shards too) and its Linear / expert quantizers removed."""
+    with torch.no_grad():
+        for n, p in step.layer.named_parameters():
+            p.copy_(saved[n])
+    sync_unsharded_to_shards(step.layer)
+    remove_quantizers(step.layer)
+    for module in step.layer.modules():
+        detach_expert_quantizers(module)
+    step.invalidate_outputs()
+
+
+def _calibrate_layer_once(
+    step: LayerStep,
+    recipe: Recipe,
+    group: Any,
+    calibrate_all_experts: bool,
+    local_sqnr: list[int],
+    algorithm: LayerAlgorithm,
+    propagate: str = "fp",
+    feed: ActivationFeed | None = None,
+) -> LayerReport:
     start = time.perf_counter()
     if feed is not None:
         feed.used = []
     quantize_modules(step.layer, recipe, prefix=step.name)
+    kv_quantizers = _pass_kv_cache(step, recipe)
     reference: dict[int, torch.Tensor] | None = None
     if algorithm.changes_weights:  # SQNR against the layer as it was, not against the algorithm's new weights
         with quantizer_mode(step.layer, QuantMode.DISABLED):
@@ -127,6 +208,9 @@ def _calibrate_layer(
     activation = [q for q in activation if id(q) not in fed]
     for q, _ in fed.values():
         q.mode = QuantMode.DISABLED  # its amax comes from the report: it does not observe
+    dynamic = [q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic]
+    for q in dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
+        q.mode = QuantMode.DISABLED
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
@@ -149,7 +233,8 @@ def _calibrate_layer(
         q.set_amax(amax)
         q.num_observed = elements  # as if observed: an MoE expert no token reached still gets its siblings' range
         q.mode = QuantMode.QUANTIZE
-    for q in weights:
+    _check_kv_observed(kv_quantizers)
+    for q in weights + dynamic:
         q.mode = QuantMode.QUANTIZE
     if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
         for experts in fused:
@@ -165,6 +250,7 @@ def _calibrate_layer(
         sqnr_db=sqnr,
         quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
         fallbacks=fallbacks,
+        group_sizes=weight_fallbacks(step.layer, recipe, step.name),
         moe=moe_report,
         algorithm=algorithm.layer_report(step),
         from_activation_report=list(feed.used) if feed is not None else [],
@@ -287,9 +373,9 @@ def _calibrate(
     start, initial = 0, None
     if resume is not None:
         start = resume.completed_layers
-        restore_quantizers(model, recipe, names[:start], resume.quantizer_state)
-        restore_weights(model, resume.weights)
         report.layers = [LayerReport(**entry) for entry in resume.report]
+        restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
+        restore_weights(model, resume.weights)
         report.resumed_from_layer = start
         if start < len(layers):
             initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)

@@ -17,8 +17,9 @@ inputs. There is no forward patching and no mode flag on the layers: the caller 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from .batches import Batch
 from .distributed import all_gather_floats
 from .errors import ModelLayoutError, NumericsError
 from .fsdp2_utils import layer_unsharded
-from .layer_inputs import CachedInputs, call_layer, layer_inputs
+from .layer_inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
 from .quant.tokens import real_tokens_of
 from .registry import LayerActivationCollector, decoder_layer_prefix
@@ -55,15 +56,19 @@ class LayerStep:
     device: torch.device
     cache_device: torch.device
     outputs: list[torch.Tensor] | None = field(default=None, repr=False)
+    #: Keyword arguments added to every call of the layer in this step, per batch index (e.g. the KV-cache
+    #: quantizer passed as the layer's cache); None: the model's arguments only.
+    call_extras: Callable[[int], dict[str, Any]] | None = field(default=None, repr=False)
 
     def forward(self, i: int) -> torch.Tensor:
-        """Run the layer on cached batch ``i`` (with the arguments the model gives this layer); the output (the
-        hidden states) is on the compute device."""
+        """Run the layer on cached batch ``i`` (with the arguments the model gives this layer, plus
+        :attr:`call_extras`); the output (the hidden states) is on the compute device."""
         x = self.inputs[i]
+        call = x.call_of(self.index).to(self.device)
+        if self.call_extras is not None:
+            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(i)}, call.hidden_keyword)
         with torch.no_grad(), real_tokens_of(x.token_mask):
-            return call_layer(
-                self.layer, self.name, x.hidden_states.to(self.device), x.call_of(self.index).to(self.device)
-            )
+            return call_layer(self.layer, self.name, x.hidden_states.to(self.device), call)
 
     def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
         """Run the layer on every cached batch; with ``keep_outputs`` remember the outputs as the next inputs.

@@ -42,6 +42,7 @@ from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+from .scales import clip_search_amax
 from .stats import InputStats, threads
 
 
@@ -182,33 +183,13 @@ class AWQ(LayerAlgorithm):
             return
         for lin, h in self._clip_hessians.values():
             with threads(1 if _small([lin]) else None):
-                amax = self._clip(lin.weight.detach().float(), lin.weight_quantizer, h.to(lin.weight.device))
+                amax = clip_search_amax(
+                    lin.weight.detach().float(),
+                    lin.weight_quantizer,
+                    h.to(lin.weight.device),
+                    self.params["max_shrink"],
+                    self.params["clip_grid"],
+                )
             if amax is not None:
                 lin.weight_quantizer.set_amax(amax)
         self._clip_hessians = {}
-
-    def _clip(self, w: torch.Tensor, q: TensorQuantizer, h: torch.Tensor) -> torch.Tensor | None:
-        """Per group (per row for per-channel scales): the shrunk max amax with the least output error."""
-        lay = q.layout
-        if lay.kind == "group":
-            g = lay.group_size
-        elif lay.kind == "channel" and q.spec.axis in (0, -2) and w.dim() == 2:
-            g = w.shape[1]
-        else:
-            return None
-        out, n = w.shape
-        blocks = w.reshape(out, n // g, g)  # [out, groups, g]
-        hb = torch.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
-        wmax = blocks.abs().amax(dim=-1)  # [out, groups]
-        best_err = torch.full_like(wmax, math.inf, dtype=torch.float64)
-        best = wmax.clone()
-        steps = self.params["clip_grid"]
-        for i in range(int(math.floor(self.params["max_shrink"] * steps + 1e-9)) + 1):
-            amax = wmax * (1.0 - i / steps)
-            qdq = fake_quantize(w, amax.reshape(lay.amax_shape), q.spec, lay).reshape(out, n // g, g)
-            e = blocks - qdq
-            err = torch.einsum("ogi,gij,ogj->og", e, hb, e).double()
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best = torch.where(better, amax, best)
-        return best.reshape(lay.amax_shape)

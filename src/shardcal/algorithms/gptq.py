@@ -45,6 +45,7 @@ from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .awq import AWQ
 from .base import LayerAlgorithm
+from .scales import clip_search_amax, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
 
@@ -205,6 +206,11 @@ class GPTQ(LayerAlgorithm):
         "static_groups": (DEFAULTS["static_groups"], boolean),
         "propagate": ("qdq", one_of(*PROPAGATE_MODES)),
         "smooth": (None, table_or_none),
+        "scale_search": ("observer", one_of("observer", "hessian")),
+        "scale_grid": (20, integer(1)),
+        "scale_max_shrink": (0.3, number(0.0, 1.0, hi_open=True)),
+        "refit_scales": (0, integer(0)),
+        "refine_sweeps": (0, integer(0)),
     }
     changes_weights = True
     default_propagate = "qdq"
@@ -261,16 +267,7 @@ class GPTQ(LayerAlgorithm):
                 continue
             info: dict[str, Any] = {}
             try:
-                q = gptq_quantize(
-                    m.weight,
-                    stats[n].hessian(),
-                    m.weight_quantizer,
-                    percdamp=self.params["percdamp"],
-                    block_size=self.params["block_size"],
-                    act_order=self.params["act_order"],
-                    static_groups=self.params["static_groups"],
-                    info=info,
-                )
+                q = self._solve(m, stats[n].hessian(), info)
             except torch.linalg.LinAlgError as exc:
                 failed[n] = str(exc)
                 continue
@@ -288,9 +285,43 @@ class GPTQ(LayerAlgorithm):
         with torch.no_grad():
             for k, (_, m) in enumerate(targets):
                 broadcast_(m.weight.data, k % size, group)
-                if not self.params["static_groups"]:  # in-order group scales were computed by the solver
-                    broadcast_(m.weight_quantizer.amax, k % size, group)
+                broadcast_(m.weight_quantizer.amax, k % size, group)  # in-order, searched or refitted scales
         step.invalidate_outputs()
+
+    def _gptq(
+        self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]
+    ) -> torch.Tensor:
+        return gptq_quantize(
+            weight,
+            hessian,
+            quantizer,
+            percdamp=self.params["percdamp"],
+            block_size=self.params["block_size"],
+            act_order=self.params["act_order"],
+            static_groups=self.params["static_groups"],
+            info=info,
+        )
+
+    def _solve(self, m: QuantLinear, hessian: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
+        """One Linear: the scale search (fixed scales only), GPTQ, then ``max(refit_scales, refine_sweeps > 0)``
+        rounds of: ``refine_sweeps`` rounding sweeps, then (while rounds of ``refit_scales`` remain) a least-squares
+        refit of the scales. ``info["damping"]``: the relative damping GPTQ needed."""
+        wq, weight = m.weight_quantizer, m.weight.detach()
+        fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
+        h = hessian.to(device=weight.device, dtype=torch.float32)
+        if self.params["scale_search"] == "hessian" and fixed:
+            amax = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])
+            if amax is not None:
+                wq.set_amax(amax)
+        q = self._gptq(weight, hessian, wq, info)
+        sweeps, refits = self.params["refine_sweeps"], self.params["refit_scales"]
+        for r in range(max(refits, 1 if sweeps else 0)):
+            if sweeps:
+                q = refine_rounding(weight, q, wq, h, sweeps) if FORMATS[wq.spec.format].kind == "int" else q
+            if r < refits and (refit := refit_scales(weight, q, wq, h)) is not None:
+                wq.set_amax(refit[0])
+                q = refit[1]
+        return q
 
     def layer_report(self, step: Any) -> dict[str, Any]:
         """The relative damping each Linear of the layer needed (``percdamp`` unless raised by the schedule)."""

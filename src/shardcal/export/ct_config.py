@@ -48,11 +48,22 @@ class UnsupportedSpec(ValueError):
 def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
     """The ``QuantizationArgs`` dict (as compressed-tensors' ``model_dump`` writes it) for a weight or input spec.
 
-    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: static per-channel or
-    per-group activations, dynamic activations other than per tensor, output quantizers.
+    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: per-channel or
+    per-group activations, output quantizers. Dynamic inputs are per tensor or per token (``strategy: token``).
     """
-    if role not in ("weight", "input"):
+    if role not in ("weight", "input", "kv_cache"):
         raise UnsupportedSpec(role, f"{role} quantizers have no compressed-tensors export (weights and inputs only)")
+    if role == "kv_cache":
+        if spec.format != "fp8_e4m3" or spec.granularity != "tensor" or spec.dynamic:
+            raise UnsupportedSpec("kv_cache", "the KV cache is exported as FP8 E4M3 with static per-tensor scales only")
+        return {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": "tensor",
+            "dynamic": False,
+        }
     if spec.format == "nvfp4":
         args: dict[str, Any] = {
             "num_bits": 4,
@@ -76,11 +87,13 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
                 )
             return {**base, "group_size": None, "strategy": "channel", "dynamic": False}
         return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": False}
+    if spec.granularity == "token":  # dynamic per token (the spec refuses a static one)
+        return {**base, "group_size": None, "strategy": "token", "dynamic": True}
     if spec.granularity != "tensor":
         raise UnsupportedSpec(
             "granularity",
             f"{'dynamic' if spec.dynamic else 'static'} per-{spec.granularity} input activations have no compressed-tensors "
-            "equivalent (use granularity 'tensor')",
+            "equivalent (use granularity 'tensor', or 'token' with dynamic = true)",
         )
     return {**base, "group_size": None, "strategy": "tensor", "dynamic": bool(spec.dynamic)}
 
@@ -110,16 +123,19 @@ def scheme_dict(targets: list[str], weight: QuantizerSpec, input: QuantizerSpec 
     }
 
 
-def quantization_config(groups: list[dict[str, Any]], ignore: list[str]) -> dict[str, Any]:
+def quantization_config(
+    groups: list[dict[str, Any]], ignore: list[str], kv_cache: QuantizerSpec | None = None
+) -> dict[str, Any]:
     """The ``quantization_config`` of config.json: what compressed-tensors' ``ModelCompressor.update_config`` writes
-    (``QuantizationConfig.model_dump()`` plus ``quant_method``, empty ``sparsity_config`` / ``transform_config``)."""
+    (``QuantizationConfig.model_dump()`` plus ``quant_method``, empty ``sparsity_config`` / ``transform_config``);
+    ``kv_cache`` becomes ``kv_cache_scheme`` (with ``<attention>.k_scale`` / ``v_scale`` tensors)."""
     formats = {g["format"] for g in groups}
     return {
         "config_groups": {f"group_{i}": g for i, g in enumerate(groups)},
         "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
         "global_compression_ratio": None,
         "ignore": list(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": spec_to_args(kv_cache, "kv_cache") if kv_cache is not None else None,
         "moe_sparsity_config": None,
         "quant_method": QUANT_METHOD,
         "quantization_status": STATUS_COMPRESSED,
@@ -192,8 +208,14 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         if strategy == "group":
             return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size))
         raise UnsupportedSpec("strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group)")
+    if strategy == "token":
+        if dynamic is not True:
+            raise UnsupportedSpec(
+                "dynamic", "per-token input scales are taken at run time: strategy 'token' needs dynamic true"
+            )
+        return QuantizerSpec(format=fmt, granularity="token", dynamic=True)
     if strategy != "tensor":
-        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor)")
+        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor, token)")
     return QuantizerSpec(format=fmt, granularity="tensor", dynamic=bool(dynamic))
 
 
@@ -224,8 +246,6 @@ def parse_quantization_config(qc: Any, source: str) -> tuple[list[Scheme], list[
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ValueError(f"{where}.config_groups: must be a non-empty object")
-    if qc.get("kv_cache_scheme") is not None:
-        raise ValueError(f"{where}.kv_cache_scheme: kv-cache quantization is not supported")
     schemes = []
     for gname, group in groups.items():
         gwhere = f"{where}.config_groups.{gname}"
@@ -258,6 +278,22 @@ def parse_quantization_config(qc: Any, source: str) -> tuple[list[Scheme], list[
     if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
         raise ValueError(f"{where}.ignore: must be a list of strings")
     return schemes, ignore
+
+
+def parse_kv_cache_scheme(qc: Mapping[str, Any]) -> QuantizerSpec | None:
+    """The KV-cache spec of a ``quantization_config``'s ``kv_cache_scheme`` (FP8 per tensor, static), or None;
+    ValueError messages name the key."""
+    args = qc.get("kv_cache_scheme")
+    if args is None:
+        return None
+    where = "quantization_config.kv_cache_scheme"
+    try:
+        spec = args_to_spec(args, "input")
+    except (UnsupportedSpec, SpecError) as exc:
+        raise ValueError(f"{where}{'.' + exc.key if exc.key else ''}: {exc}") from None
+    if spec.format != "fp8_e4m3" or spec.granularity != "tensor" or spec.dynamic:
+        raise ValueError(f"{where}: only FP8 (8-bit float) per-tensor static k/v scales are supported")
+    return spec
 
 
 def _match_one(name: str, module: torch.nn.Module, target: str) -> bool:

@@ -180,6 +180,10 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
             tensor = _plain(model.get_parameter(entry.source[1]), entry.key)
             if tensor.dtype != entry.dtype:  # a mixed-precision gather: store the parameters' own dtype
                 tensor = tensor.to(entry.dtype)
+        elif entry.source[0] == "kv":  # k_scale / v_scale of an attention's KV-cache quantizer
+            _, attention, suffix = entry.source
+            tensor = plan.kv_cache[attention].export_scales()[suffix].to(entry.dtype)
+            _check_scale(entry.key, tensor)
         elif entry.source[0] == "expert":  # an unquantized slice of fused experts, under its per-expert name
             _, module_name, expert, projection = entry.source
             tensor = _plain(weight_slice(model.get_submodule(module_name), int(expert), projection), entry.key)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import ExportError
 from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
+from ..quant.kv_cache import KVCacheQuantizer, kv_cache_quantizers
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
 from ..recipes import Recipe
@@ -65,8 +66,9 @@ class QuantModule:
 
 @dataclass
 class Entry:
-    """One stored tensor: ``source`` is ``("param", name)``, ``("quant", module_name, suffix)``, or
-    ``("expert", experts_module_name, expert, projection)`` for an unquantized slice of fused experts."""
+    """One stored tensor: ``source`` is ``("param", name)``, ``("quant", module_name, suffix)``,
+    ``("expert", experts_module_name, expert, projection)`` for an unquantized slice of fused experts, or
+    ``("kv", attention_name, "k_scale" | "v_scale")``."""
 
     key: str
     dtype: torch.dtype
@@ -108,6 +110,7 @@ class ExportPlan:
     shards: list[Shard]
     quant_modules: dict[str, QuantModule]
     quantization_config: dict[str, Any]
+    kv_cache: dict[str, KVCacheQuantizer] = field(default_factory=dict)
 
     @property
     def weight_map(self) -> dict[str, str]:
@@ -186,22 +189,23 @@ def _quant_module(
     iq = getattr(holder, "input_quantizer", None)
     oq = getattr(holder, "output_quantizer", None)
     if wq is None and iq is None and oq is None:
-        if recipe is None or not recipe.matches(name):
-            return None
+        if recipe is None or not recipe.matches(name) or recipe.fallback is not None:
+            return None  # with a [fallback], calibration decided: a plain Linear there stays in full precision
         if recipe.weight is None:
             raise ExportError(
                 f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
             )
+        weight_spec = recipe.weight_spec(name, in_f)
         if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
             raise ExportError(
                 f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
                 "run shardcal.calibrate(model, data, recipe) before exporting"
             )
-        _check_spec(name, recipe.weight, "weight")
+        _check_spec(name, weight_spec, "weight")
         if recipe.input is not None:
             _check_spec(name, recipe.input, "input")
-        fmt = ct_config.infer_format(recipe.weight, recipe.input)
-        return QuantModule(name, weight, out_f, in_f, recipe.weight, recipe.input, fmt, None, None)
+        fmt = ct_config.infer_format(weight_spec, recipe.input)
+        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, fmt, None, None)
     if oq is not None:
         raise ExportError(
             f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
@@ -213,7 +217,9 @@ def _quant_module(
     if recipe is not None:
         if not recipe.matches(name):
             raise ExportError(f"module {name!r} is quantized, but recipe {recipe.name!r} does not target it")
-        if recipe.weight != wq.spec or recipe.input != (iq.spec if iq is not None else None):
+        used = (wq.spec, iq.spec if iq is not None else None)
+        allowed = [r for r in (recipe, recipe.fallback) if r is not None and r.quantizes_linears]
+        if all((r.weight_spec(name, in_f), r.input) != used for r in allowed):
             raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
     _check_spec(name, wq.spec, "weight")
     if iq is not None:
@@ -234,7 +240,36 @@ def _linear_like(module: nn.Module) -> bool:
     return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 
-def build_quantization_config(model: nn.Module, quant: dict[str, QuantModule]) -> dict[str, Any]:
+def find_kv_cache(model: nn.Module, recipe: Recipe | None) -> dict[str, KVCacheQuantizer]:
+    """Attention name -> its calibrated KV-cache quantizer; checked against ``recipe`` (its ``[kv_cache]``)."""
+    found = dict(kv_cache_quantizers(model))
+    if recipe is not None and recipe.kv_cache is not None and not found:
+        raise ExportError(
+            f"recipe {recipe.name!r} has [kv_cache], but no attention holds calibrated KV-cache quantizers: "
+            "run shardcal.calibrate(model, data, recipe) before exporting"
+        )
+    for name, kv in found.items():
+        if recipe is not None and recipe.kv_cache != kv.spec:
+            raise ExportError(
+                f"{name}: its KV-cache quantizer was calibrated with other settings than recipe {recipe.name!r}"
+            )
+        _check_spec(name, kv.spec, "kv_cache")
+        for q in (kv.k_quantizer, kv.v_quantizer):
+            if not q.calibrated:
+                raise ExportError(
+                    f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting"
+                )
+    specs = {kv.spec for kv in found.values()}
+    if len(specs) > 1:
+        raise ExportError(
+            "the attention layers' KV-cache quantizers differ; compressed-tensors has one kv_cache_scheme"
+        )
+    return found
+
+
+def build_quantization_config(
+    model: nn.Module, quant: dict[str, QuantModule], kv_cache: dict[str, KVCacheQuantizer] | None = None
+) -> dict[str, Any]:
     """``quantization_config``: one group per distinct scheme (targets ``["Linear"]`` when there is one, else the
     module names), and ``ignore`` = every other Linear (the LM head, MoE routers, excluded modules)."""
     schemes: dict[tuple[Any, ...], list[str]] = {}
@@ -250,7 +285,8 @@ def build_quantization_config(model: nn.Module, quant: dict[str, QuantModule]) -
             ignore += [
                 f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS if f"{name}.{e}.{p}" not in quant
             ]
-    return ct_config.quantization_config(groups, ignore)
+    kv_spec = next(iter(kv_cache.values())).spec if kv_cache else None
+    return ct_config.quantization_config(groups, ignore, kv_spec)
 
 
 # ----------------------------------------------------------------------------------------------- units and shards
@@ -315,6 +351,7 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     quant = find_quant_modules(model, recipe)
+    kv_cache = find_kv_cache(model, recipe)
     if not quant:
         raise ExportError(
             f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "
@@ -350,6 +387,10 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
             Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused))
         )
     units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant, fused)))
+    for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
+        owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
+        unit = next((u for u in units if u.name == owner), units[-1])
+        unit.entries += [Entry(f"{name}.{s}", torch.float32, (1,), ("kv", name, s)) for s in ("k_scale", "v_scale")]
 
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):
@@ -371,4 +412,4 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
     for r, files in enumerate(per_rank):
         for entries in files:
             shards.append(Shard(SHARD_NAME.format(index=len(shards) + 1, total=total), r, entries))
-    return ExportPlan(units, shards, quant, build_quantization_config(model, quant))
+    return ExportPlan(units, shards, quant, build_quantization_config(model, quant, kv_cache), kv_cache)

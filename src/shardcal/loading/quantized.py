@@ -7,7 +7,8 @@ quantizer's amax chosen so that the scale it derives equals the stored ``input_s
 nvfp4) bit for bit. The reloaded model's logits therefore equal the calibrated model's exactly.
 
 The weight quantizer keeps an amax equivalent to the stored scales (for a re-export) but is ``disabled``: the
-weights already hold their quantized values.
+weights already hold their quantized values. A ``kv_cache_scheme`` gives every attention a KV-cache quantizer whose
+amax reproduces the stored ``k_scale`` / ``v_scale`` bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..export.ct_config import NVFP4_PACK_QUANTIZED, Scheme
 from ..export.ct_tensors import amax_for_global_scale, amax_for_scale, decode_weight
 from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
+from ..quant.kv_cache import attach_kv_cache_quantizers, attention_modules, kv_cache_quantizers
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode
 from .build import check_float_shapes, check_tensor_names, router_weight_names
@@ -72,6 +74,7 @@ def load_quantized_into(
     source = str(Path(path) / "config.json")
     try:
         schemes, ignore = ct_config.parse_quantization_config(cfg.raw.get("quantization_config"), source)
+        kv_spec = ct_config.parse_kv_cache_scheme(cfg.raw["quantization_config"])
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     by_module = _schemes_by_module(model, schemes, ignore, source)
@@ -97,9 +100,13 @@ def load_quantized_into(
             layouts[name] = ct_config.tensor_layout(
                 scheme.format, scheme.weight, scheme.input, m.out_features, m.in_features
             )
-        expected = [*plain, *(f"{n}.{s}" for n, layout in layouts.items() for s in layout)]
+        attentions = [n for n, _ in attention_modules(model)] if kv_spec is not None else []
+        kv_keys = [f"{n}.{s}" for n in attentions for s in ("k_scale", "v_scale")]
+        expected = [*plain, *(f"{n}.{s}" for n, layout in layouts.items() for s in layout), *kv_keys]
         check_tensor_names(reader, expected, "", f"this {cfg.model_type} model with its quantization_config")
         check_float_shapes(reader, plain)
+        for key in kv_keys:
+            _check_tensor(reader, key, torch.float32, (1,), "")
         for name, layout in layouts.items():
             for suffix, (dt, shape) in layout.items():
                 _check_tensor(reader, f"{name}.{suffix}", dt, shape, by_module[name].format)
@@ -115,6 +122,8 @@ def load_quantized_into(
         # structure: quantizers on meta, then materialise
         for name, scheme in by_module.items():
             QuantLinear.from_linear(modules[name], weight=scheme.weight, input=scheme.input, name=name)
+        if kv_spec is not None:
+            attach_kv_cache_quantizers(model, kv_spec)
         routers = router_weight_names(model)
         for pname, p in model.named_parameters():
             if pname in routers and pname in reader and reader.dtype(pname) == torch.float32:
@@ -147,4 +156,8 @@ def load_quantized_into(
                         iq.set_amax(amax_for_scale(stored["input_scale"], scheme.input))
                 if iq is not None:
                     iq.mode = QuantMode.QUANTIZE
+            for name, kv in kv_cache_quantizers(model):
+                for role, q in (("k", kv.k_quantizer), ("v", kv.v_quantizer)):
+                    q.set_amax(amax_for_scale(reader.get(f"{name}.{role}_scale").reshape(1), kv_spec))
+                    q.mode = QuantMode.QUANTIZE
     return model.eval()

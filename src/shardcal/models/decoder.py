@@ -9,6 +9,12 @@ the same inputs.
 
 The arithmetic follows transformers' modules (RMSNorm in float32, rotary tables cast to the activations'
 dtype, routing softmax in float32), so a checkpoint gives the same logits as there.
+
+Caches follow transformers' protocol: an attention called with ``cache`` hands its keys (after the rotary embedding
+and the q/k norms) and values to ``cache.update(key_states, value_states, layer_idx)`` and attends over what that
+returns. An attention may also hold a ``kv_cache_quantizer`` (any object with that ``update``; None by default),
+used when the caller passes no cache: that is where shardcal's KV-cache quantization sits, so the model's own
+forward computes with fake-quantized keys and values.
 """
 
 from __future__ import annotations
@@ -145,6 +151,9 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.sliding_window = cfg.layer_sliding_window(index)
+        self.layer_idx = index
+        #: The cache used when the caller passes none (see the module docstring): shardcal's KV-cache quantizer.
+        self.kv_cache_quantizer: nn.Module | None = None
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
@@ -161,9 +170,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
+        cache: object | None = None,
     ) -> torch.Tensor:
         """``attention_mask``: boolean, broadcastable to ``[batch, 1, seq, seq]`` (True = attend), already
-        causal; None means plain causal. A sliding-window layer narrows it further itself."""
+        causal; None means plain causal. A sliding-window layer narrows it further itself. ``cache``: an object
+        with ``update(key_states, value_states, layer_idx)`` returning the keys and values to attend over (None:
+        ``kv_cache_quantizer``, if set)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -171,6 +183,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        cache = cache if cache is not None else self.kv_cache_quantizer
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         if self.num_kv_heads != self.num_heads:
             repeats = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
@@ -211,8 +226,12 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
+        cache: object | None = None,
     ) -> torch.Tensor:
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
+        """``cache`` is passed to the attention (see :class:`Attention`)."""
+        h = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache=cache
+        )
         return h + self.feed_forward(self.post_attention_layernorm(h))
 
 

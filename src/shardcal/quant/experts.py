@@ -146,13 +146,14 @@ def attach_expert_quantizers(
     module: nn.Module,
     name: str,
     select: Callable[[str], bool],
-    weight: QuantizerSpec | None,
+    weight: QuantizerSpec | Callable[[str, int], QuantizerSpec | None] | None,
     input: QuantizerSpec | None,
 ) -> list[str]:
     """Attach per-expert quantizers for the projections ``select(full name)`` targets; return those names.
 
     ``name`` is the experts module's full name; projection names are ``{name}.{e}.{gate_proj|up_proj|down_proj}``.
-    Idempotent: a module that has them already is left as it is.
+    ``weight`` is a spec, or ``weight(projection name, in_features)`` giving each projection's (a recipe's fitted
+    group size). Idempotent: a module that has them already is left as it is.
     """
     shape = fused_experts_shape(module, name)
     if shape is None:
@@ -162,14 +163,30 @@ def attach_expert_quantizers(
     experts, hidden, inter = shape
     device = _local_device(module.gate_up_proj)
     targeted = []
+    in_features = {"gate_proj": hidden, "up_proj": hidden, "down_proj": inter}
+    spec_of = weight if callable(weight) else (lambda _name, _in, spec=weight: spec)
     for e in range(experts):
-        specs = {p: (weight, input) for p in PROJECTIONS if select(f"{name}.{e}.{p}")}
+        specs = {
+            p: (spec_of(f"{name}.{e}.{p}", in_features[p]), input) for p in PROJECTIONS if select(f"{name}.{e}.{p}")
+        }
         if specs:
             module.add_module(str(e), ExpertProjections(hidden, inter, specs, device, f"{name}.{e}"))
             targeted += [f"{name}.{e}.{p}" for p in specs]
     if targeted:
-        module.register_forward_pre_hook(_experts_pre_hook, with_kwargs=True)
+        module.expert_quantizer_hook = module.register_forward_pre_hook(_experts_pre_hook, with_kwargs=True)
     return targeted
+
+
+def detach_expert_quantizers(module: nn.Module) -> bool:
+    """Remove what :func:`attach_expert_quantizers` attached (the per-expert quantizers and the pre-hook); return
+    whether there was anything."""
+    holders = [name for name, child in module.named_children() if isinstance(child, ExpertProjections)]
+    for name in holders:
+        del module._modules[name]
+    hook = module.__dict__.pop("expert_quantizer_hook", None)
+    if hook is not None:
+        hook.remove()
+    return bool(holders)
 
 
 def _local_device(t: torch.Tensor) -> torch.device:

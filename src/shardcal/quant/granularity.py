@@ -10,6 +10,7 @@ granularity   amax shape (weight [o, i])   amax shape (activation [..., h])
 tensor        ``[1]``                      ``[1]``
 channel       ``[o, 1]`` (axis 0)          ``[h]`` (axis -1)
 group (g)     ``[o, i / g]``               ``[h / g]`` (one amax per group, over all tokens)
+token         —                            ``[..., 1]``: one per token, taken at run time (dynamic)
 ============  ===========================  =====================================================
 
 ``arrange`` reshapes a tensor so that the amax broadcasts against it (group: the last dim is split into
@@ -52,9 +53,12 @@ class Layout:
             raise ValueError(
                 f"{name}: nvfp4 blocks of {spec.group_size} do not divide the last dimension {shape[-1]} (shape {list(shape)})"
             )
-        if self.kind == "tensor":
+        if self.kind == "token":  # dynamic only: the amax follows the tensor (``[..., 1]``), nothing is calibrated
             self.amax_shape: tuple[int, ...] = (1,)
             self.bshape: tuple[int, ...] = (1,)
+        elif self.kind == "tensor":
+            self.amax_shape = (1,)
+            self.bshape = (1,)
         elif self.kind == "channel":
             if shape is None:
                 raise ValueError(f"{name}: per-channel granularity needs the tensor's shape")
@@ -86,7 +90,9 @@ class Layout:
         shape = self.observed_shape
         if shape is None or (self.kind == "tensor" and self.spec.format != "nvfp4"):
             return
-        if self.kind == "tensor":  # nvfp4: only the block dim matters
+        if self.kind == "token":
+            ok = x.ndim >= 1 and x.shape[-1] == shape[-1]
+        elif self.kind == "tensor":  # nvfp4: only the block dim matters
             ok = x.ndim >= 1 and x.shape[-1] % self.spec.group_size == 0
         else:
             n = len(self.bshape) - (1 if self.kind == "group" else 0)
@@ -107,8 +113,9 @@ class Layout:
         return a if self.group_size is None else a.flatten(-2)
 
     def broadcast(self, amax: torch.Tensor) -> torch.Tensor:
-        """The amax (of :attr:`amax_shape`) reshaped to broadcast against an arranged tensor."""
-        return amax.reshape(self.bshape)
+        """The amax (of :attr:`amax_shape`) reshaped to broadcast against an arranged tensor (per token: as it is,
+        ``[..., 1]`` from :meth:`amax_of`)."""
+        return amax if self.kind == "token" else amax.reshape(self.bshape)
 
     def reduce(self, a: torch.Tensor, op: str = "amax") -> torch.Tensor:
         """Fold a per-element statistic of an arranged tensor to :attr:`amax_shape` (``op``: ``amax``, or ``sum``
@@ -135,5 +142,8 @@ class Layout:
         return idx.expand(a.shape)
 
     def amax_of(self, x: torch.Tensor) -> torch.Tensor:
-        """The exact amax of ``x`` (float32, :attr:`amax_shape`): what a max observer records, and dynamic amax."""
+        """The exact amax of ``x`` (float32, :attr:`amax_shape`; per token ``[..., 1]``): what a max observer
+        records, and the dynamic amax."""
+        if self.kind == "token":
+            return x.detach().abs().amax(dim=-1, keepdim=True).float()
         return self.reduce(self.arrange(x).abs(), "amax").float()

@@ -99,6 +99,21 @@ def _quant_class(cls: type) -> type:
     return _QUANT_CLASSES[cls]
 
 
+def remove_quantizers(module: nn.Module) -> int:
+    """Turn every QuantLinear under ``module`` back into its original Linear class, without quantizers (the inverse
+    of :meth:`QuantLinear.from_linear`; parameters untouched); return how many."""
+    originals = {quant: cls for cls, quant in _QUANT_CLASSES.items()}
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, QuantLinear):
+            for attr in ("input_quantizer", "weight_quantizer", "output_quantizer"):
+                sub._modules.pop(attr, None)
+                sub.__dict__.pop(attr, None)
+            sub.__class__ = originals.get(type(sub), nn.Linear)
+            count += 1
+    return count
+
+
 def quantized_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, QuantLinear]]:
     """``(name, module)`` for every QuantLinear under ``module``."""
     return [(n, m) for n, m in module.named_modules(prefix=prefix) if isinstance(m, QuantLinear)]

@@ -16,8 +16,9 @@ from ..params import Schema, SpecError, check_params, integer, number
 
 #: Number formats, in the names recipes use.
 FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")
-#: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim.
-GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group")
+#: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim,
+#: or per token (each row of the last dim; dynamic activations only: the scales are taken at run time).
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
 #: NVFP4's block size: every 16 consecutive elements of the last dim share one FP8 E4M3 scale.
 NVFP4_BLOCK_SIZE = 16
 
@@ -69,7 +70,8 @@ class QuantizerSpec:
 
     - ``format``: one of :data:`FORMATS`.
     - ``granularity``: ``"tensor"``, ``"channel"`` (``axis`` required: 0 = output channels of a weight,
-      -1 = the last dim of an activation) or ``"group"`` (``group_size`` consecutive elements of the last dim).
+      -1 = the last dim of an activation), ``"group"`` (``group_size`` consecutive elements of the last dim) or
+      ``"token"`` (one scale per token, i.e. per row of the last dim; only with ``dynamic``).
       ``nvfp4`` is always ``"group"`` with ``group_size`` 16 (its FP8 block scales) and one calibrated global
       amax per tensor; a spec built with ``format="nvfp4"`` and nothing else gets those values.
     - ``observer`` and ``observer_params``: how the amax is calibrated (see :mod:`shardcal.quant.observers`).
@@ -124,6 +126,11 @@ class QuantizerSpec:
             raise SpecError("symmetric", "only symmetric quantization is supported (symmetric = true)")
         if not isinstance(self.dynamic, bool):
             raise SpecError("dynamic", f"dynamic must be true or false, got {self.dynamic!r}")
+        if self.granularity == "token" and not self.dynamic:
+            raise SpecError(
+                "granularity",
+                "granularity 'token' takes each token's scale at run time: it needs dynamic = true (activations only)",
+            )
         if self.dynamic and self.format == "nvfp4":
             raise SpecError(
                 "dynamic",

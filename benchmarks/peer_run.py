@@ -1,0 +1,270 @@
+"""One peer PTQ tool (llm-compressor or NVIDIA modelopt) on one scheme, on CPU: calibration time and perplexity.
+
+    .venv-peers/bin/python benchmarks/peer_run.py --tool llmcompressor --scheme fp8 --model-dir DIR \\
+        --calib calib.safetensors --eval eval.safetensors --out result.json
+
+Runs in the peers' own venv (``make bench-peers`` creates ``.venv-peers``); it never imports shardcal.
+``benchmarks/vs_peers.py`` writes the inputs (an HF-format SmolLM2 directory, ``input_ids`` int64 [N, L] token
+files) and calls this script once per tool and scheme. Each scheme uses the tool's documented recipe for it
+(:data:`RECIPES` says which; ``None`` where the tool documents none):
+
+* calibration: the tool's own entry point on the calibration blocks in batches of 8 (llm-compressor: ``oneshot``
+  with a ``datasets.Dataset``; modelopt: ``mtq.quantize`` with a forward loop); ``calib_seconds`` times that call;
+* perplexity: ``exp(mean cross-entropy)`` of every next-token prediction of the evaluation blocks, the tool's
+  fake-quantized model in memory, float32 — the definition ``shardcal.evaluate.perplexity`` uses.
+
+llm-compressor 0.14's AWQ pins every cached activation (``IntermediatesCache`` -> ``tensor.pin_memory()``), which
+raises "Cannot access accelerator device when none is available" on a CPU-only host; ``--cpu-pin-patch`` (which
+``vs_peers.py`` passes for that run, and the result records) makes the pinning a no-op when no accelerator exists.
+Pinning only speeds host-to-device copies, so the numbers are what the tool computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+BATCH = 8
+GROUP = 64
+TOOLS = ("llmcompressor", "modelopt")
+#: scheme -> tool -> the documented recipe used (None: the tool documents none for this scheme).
+RECIPES: dict[str, dict[str, str | None]] = {
+    "fp8": {
+        "llmcompressor": 'QuantizationModifier(scheme="FP8"): fp8 per-tensor weights and static per-tensor inputs',
+        "modelopt": "mtq.FP8_DEFAULT_CFG: fp8 per-tensor weights and inputs, max calibration",
+    },
+    "fp8-dynamic": {
+        "llmcompressor": 'QuantizationModifier(scheme="FP8_DYNAMIC") (their fp8 example): per-channel weights, '
+        "dynamic per-token inputs",
+        "modelopt": "mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG: per-channel weights, dynamic per-token inputs",
+    },
+    "fp8-dynamic-kv": {
+        "llmcompressor": 'QuantizationModifier(scheme="FP8_DYNAMIC", kv_cache_scheme=fp8 per tensor)',
+        "modelopt": "mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG + FP8_KV_CFG's k/v bmm quantizers",
+    },
+    "w8a8-int8-sq": {
+        "llmcompressor": None,  # its documented W8A8 recipe is dynamic per token (the next scheme)
+        "modelopt": "mtq.INT8_SMOOTHQUANT_CFG (SmoothQuant, default alpha 1.0): int8 per-channel weights, "
+        "int8 static per-tensor inputs",
+    },
+    "w8a8-int8-dynamic-sq": {
+        "llmcompressor": "SmoothQuantModifier(smoothing_strength=0.8) + GPTQModifier(scheme='W8A8') (their int8 "
+        "example): int8 per-channel weights (GPTQ), int8 dynamic per-token inputs",
+        "modelopt": None,  # no per-token int8 activation config
+    },
+    "w4a16-gptq-g64": {
+        "llmcompressor": "GPTQModifier, W4A16 preset with group_size 64 (int4 symmetric; defaults: block 128, "
+        "dampening 0.01, actorder static, minmax scales)",
+        "modelopt": "mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, block 64, algorithm gptq (layerwise; no act-order, max scales)",
+    },
+    "w4a16-awq-g64": {
+        "llmcompressor": "AWQModifier(duo_scaling='both') + W4A16_ASYM group 64 (their AWQ example; asymmetric int4)",
+        "modelopt": "mtq.INT4_AWQ_CFG, block 64 (awq_lite; int4 symmetric)",
+    },
+}
+
+
+def load_ids(path: str) -> torch.Tensor:
+    ids = load_file(path)["input_ids"]
+    if ids.dtype != torch.int64 or ids.dim() != 2:
+        raise SystemExit(f"{path}: input_ids must be int64 [N, L], got {ids.dtype} {list(ids.shape)}")
+    return ids
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    total, count = 0.0, 0
+    for i in range(0, ids.shape[0], BATCH):
+        x = ids[i : i + BATCH]
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
+        count += x[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def load_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.config.use_cache = False
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- llm-compressor
+
+
+def _w4_group(symmetric: bool) -> dict:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=GROUP)
+    return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
+
+
+def llmcompressor_recipe(scheme: str) -> list:
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    ignore = ["lm_head"]
+    if scheme == "fp8":
+        return [QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore)]
+    if scheme == "fp8-dynamic":
+        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=ignore)]
+    if scheme == "fp8-dynamic-kv":
+        kv = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+        return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=ignore, kv_cache_scheme=kv)]
+    if scheme == "w8a8-int8-dynamic-sq":
+        return [
+            SmoothQuantModifier(smoothing_strength=0.8),
+            GPTQModifier(targets="Linear", scheme="W8A8", ignore=ignore),
+        ]
+    if scheme == "w4a16-gptq-g64":
+        return [GPTQModifier(targets="Linear", config_groups=_w4_group(True), ignore=ignore)]
+    if scheme == "w4a16-awq-g64":
+        return [AWQModifier(duo_scaling="both"), QuantizationModifier(config_groups=_w4_group(False), ignore=ignore)]
+    raise ValueError(f"llmcompressor documents no recipe for {scheme!r}")
+
+
+def patch_cpu_pin() -> str:
+    """Make llm-compressor's activation pinning a no-op without an accelerator (see the module docstring)."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    original = IntermediatesCache._pin_intermediate.__func__
+
+    def _pin_intermediate(cls, intermediate):
+        if not torch.accelerator.is_available():
+            return None
+        return original(cls, intermediate)
+
+    IntermediatesCache._pin_intermediate = classmethod(_pin_intermediate)
+    return "IntermediatesCache._pin_intermediate is a no-op without an accelerator (CPU-only host)"
+
+
+def run_llmcompressor(model: torch.nn.Module, calib: torch.Tensor, scheme: str) -> tuple[torch.nn.Module, float, str]:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+
+    recipe = llmcompressor_recipe(scheme)
+    data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
+    start = time.perf_counter()
+    model = oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe,
+        num_calibration_samples=calib.shape[0],
+        max_seq_length=calib.shape[1],
+        batch_size=BATCH,
+        shuffle_calibration_samples=False,
+    )
+    seconds = time.perf_counter() - start
+    quantized = sum(
+        1 for m in model.modules() if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None)
+    )
+    return model, seconds, f"{quantized} Linear modules carry a quantization_scheme"
+
+
+# ----------------------------------------------------------------------------------------------- modelopt
+
+
+def _block(cfg: dict, size: int) -> dict:
+    for entry in cfg["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer" and entry.get("cfg"):
+            entry["cfg"]["block_sizes"][-1] = size
+    return cfg
+
+
+def modelopt_config(scheme: str) -> dict:
+    import modelopt.torch.quantization as mtq
+
+    if scheme == "fp8":
+        return copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    if scheme == "fp8-dynamic":
+        return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
+    if scheme == "fp8-dynamic-kv":
+        cfg = copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
+        cfg["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+        return cfg
+    if scheme == "w8a8-int8-sq":
+        return copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
+    if scheme == "w4a16-gptq-g64":  # no preset: the configuration modelopt's own GPTQ test uses
+        cfg = _block(copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG), GROUP)
+        cfg["algorithm"] = {"method": "gptq", "layerwise": {"enable": True}}
+        return cfg
+    if scheme == "w4a16-awq-g64":
+        return _block(copy.deepcopy(mtq.INT4_AWQ_CFG), GROUP)
+    raise ValueError(f"modelopt documents no recipe for {scheme!r}")
+
+
+def run_modelopt(model: torch.nn.Module, calib: torch.Tensor, scheme: str) -> tuple[torch.nn.Module, float, str]:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    cfg = modelopt_config(scheme)
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for i in range(0, calib.shape[0], BATCH):
+                m(input_ids=calib[i : i + BATCH], use_cache=False)
+
+    start = time.perf_counter()
+    model = mtq.quantize(model, cfg, forward_loop)
+    seconds = time.perf_counter() - start
+    enabled = [n for n, m in model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    weights = sum(n.endswith("weight_quantizer") for n in enabled)
+    return model, seconds, f"{len(enabled)} enabled TensorQuantizers ({weights} weight)"
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tool", required=True, choices=TOOLS)
+    parser.add_argument("--scheme", required=True, choices=sorted(RECIPES))
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--calib", required=True)
+    parser.add_argument("--eval", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu-pin-patch", action="store_true", help="llmcompressor: no-op activation pinning on CPU")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result: dict = {"tool": args.tool, "scheme": args.scheme, "recipe": RECIPES[args.scheme][args.tool]}
+    try:
+        if result["recipe"] is None:
+            raise ValueError(f"{args.tool} documents no recipe for {args.scheme}")
+        import importlib.metadata as md
+
+        package = "llmcompressor" if args.tool == "llmcompressor" else "nvidia-modelopt"
+        result.update(version=md.version(package), torch=torch.__version__, threads=torch.get_num_threads())
+        calib, held_out = load_ids(args.calib), load_ids(args.eval)
+        model = load_model(args.model_dir)
+        result["fp32_ppl"] = perplexity(model, held_out)
+        if args.cpu_pin_patch and args.tool == "llmcompressor":
+            result["patched"] = patch_cpu_pin()
+        runner = run_llmcompressor if args.tool == "llmcompressor" else run_modelopt
+        model, seconds, check = runner(model, calib, args.scheme)
+        result.update(calib_seconds=seconds, check=check, ppl=perplexity(model, held_out))
+        status = 0
+    except Exception as exc:  # recorded, so that the table says what failed
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        status = 1
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "recipe"}), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""shardcal vs llm-compressor vs NVIDIA modelopt on SmolLM2-135M: perplexity and calibration time, side by side.
+
+    python benchmarks/vs_peers.py [--peers-python .venv-peers/bin/python] [--work DIR] [--schemes fp8 ...]
+                                  [--reuse] [--only shardcal|peers]
+
+Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
+256 calibration tokens and the same 8 x 256 held-out tokens (``shardcal.data.token_blocks``, splits "calib" and
+"eval"), and perplexity is ``exp(mean cross-entropy)`` of every next-token prediction, float32, fake-quantized model
+in memory. shardcal's recipes run here, in this process, one after the other (``calibrate`` timed); each peer run is
+``benchmarks/peer_run.py`` in the peers' own venv (``make bench-peers`` creates ``.venv-peers``), one at a time,
+timing only the tool's calibration call. The peers use their documented recipe for each scheme (see
+``peer_run.RECIPES``); shardcal's rows are named below. W4A16 is group 64 for every tool (SmolLM2's 576 is no
+multiple of 128). Prints one markdown table; ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs
+whose JSON is there; ``--only`` runs one side). Without the peers' venv the peer rows are skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
+PEERS = ("llmcompressor", "modelopt")
+#: scheme -> shardcal's rows: (label, shipped recipe, group size override or None).
+SHARDCAL: dict[str, list[tuple[str, str, int | None]]] = {
+    "fp8": [("fp8", "fp8", None)],
+    "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", None), ("fp8-dynamic-mixed", "fp8-dynamic-mixed", None)],
+    "fp8-dynamic-kv": [("fp8-dynamic-kv", "fp8-dynamic-kv", None)],
+    "w8a8-int8-sq": [
+        ("w8a8-int8-sq", "w8a8-int8-sq", None),
+        ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", None),
+        ("w8a8-int8-mixed", "w8a8-int8-mixed", None),
+    ],
+    "w8a8-int8-dynamic-sq": [("w8a8-int8-dynamic-sq-gptq", "w8a8-int8-dynamic-sq-gptq", None)],
+    "w4a16-gptq-g64": [("w4a16-gptq g64", "w4a16-gptq", 64)],
+    "w4a16-awq-g64": [("w4a16-awq g64", "w4a16-awq", 64), ("w4a16-awq-gptq g64", "w4a16-awq-gptq", 64)],
+}
+
+
+def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """The HF directory and the token files every tool reads (shardcal's own copies stay in memory)."""
+    from safetensors.torch import save_file
+
+    from shardcal.data import token_blocks
+    from shardcal.io.gguf import embedded_model_dir
+    from shardcal.io.tokenizer import Tokenizer
+
+    model_dir = embedded_model_dir()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    calib = token_blocks(tokenizer, 32, 256, split="calib").to(torch.int64).contiguous()
+    held_out = token_blocks(tokenizer, 8, 256, split="eval").to(torch.int64).contiguous()
+    work.mkdir(parents=True, exist_ok=True)
+    save_file({"input_ids": calib}, str(work / "calib.safetensors"))
+    save_file({"input_ids": held_out}, str(work / "eval.safetensors"))
+    return model_dir, calib, held_out
+
+
+def _recipe(name: str, group: int | None):
+    from shardcal.recipes import load_recipe
+
+    recipe = load_recipe(name)
+    if group is None:
+        return recipe
+    weight = dataclasses.replace(recipe.weight, group_size=group)  # every tool at group 64: stated in the table
+    fallback = recipe.fallback
+    return dataclasses.replace(recipe, name=f"{recipe.name} g{group}", weight=weight, fallback=fallback)
+
+
+def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, group: int | None) -> dict:
+    from shardcal.evaluate import perplexity
+    from shardcal.models import from_pretrained
+    from shardcal.runner import calibrate
+
+    model = from_pretrained(model_dir).eval()
+    recipe = _recipe(name, group)
+    start = time.perf_counter()
+    report = calibrate(model, calib, recipe, batch_size=8, progress=False)
+    seconds = time.perf_counter() - start
+    fell_back = len(report.fallback_layers)
+    return {
+        "tool": "shardcal",
+        "recipe": recipe.description,
+        "ppl": perplexity(model, held_out, batch_size=8),
+        "calib_seconds": seconds,
+        "fallback": f"{fell_back}/{len(report.layers)} layers" if recipe.fallback is not None else "",
+    }
+
+
+def run_peer(python: Path, tool: str, scheme: str, model_dir: Path, work: Path, reuse: bool) -> dict:
+    out = work / f"{tool}-{scheme}.json"
+    if reuse and out.is_file() and "error" not in (cached := json.loads(out.read_text())):
+        return cached
+    cmd = [str(python), str(HERE / "peer_run.py"), "--tool", tool, "--scheme", scheme, "--model-dir", str(model_dir)]
+    cmd += ["--calib", str(work / "calib.safetensors"), "--eval", str(work / "eval.safetensors"), "--out", str(out)]
+    if tool == "llmcompressor" and scheme.startswith("w4a16-awq"):
+        cmd.append("--cpu-pin-patch")
+    log = work / f"{tool}-{scheme}.log"
+    with open(log, "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work)
+    if not out.is_file():
+        return {"tool": tool, "error": f"no result (see {log})"}
+    return json.loads(out.read_text())
+
+
+def _row(scheme: str, label: str, result: dict, fp32: float) -> str:
+    if "error" in result:
+        return f"| {scheme} | {label} | — | — | — | {result['error'][:90]} |"
+    ppl, secs = result["ppl"], result.get("calib_seconds")
+    notes = "; ".join(
+        x for x in (result.get("fallback", ""), "patched: CPU pinning" if result.get("patched") else "") if x
+    )
+    return f"| {scheme} | {label} | {ppl:.3f} | {ppl / fp32 - 1:+.1%} | {secs:.1f} | {notes} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers-python", type=Path, default=DEFAULT_PEERS_PYTHON)
+    parser.add_argument("--work", type=Path, default=None, help="inputs and per-run JSON (default: a temp dir)")
+    parser.add_argument("--schemes", nargs="+", choices=list(SHARDCAL), default=list(SHARDCAL))
+    parser.add_argument("--reuse", action="store_true", help="reuse peer results already in --work")
+    parser.add_argument("--only", choices=("shardcal", "peers"), default=None, help="run one side only")
+    args = parser.parse_args(argv)
+
+    from shardcal.evaluate import perplexity
+    from shardcal.models import from_pretrained
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="shardcal-vs-peers-"))
+    model_dir, calib, held_out = write_inputs(work)
+    fp32 = perplexity(from_pretrained(model_dir).eval(), held_out, batch_size=8)
+    peers = args.only != "shardcal" and args.peers_python.is_file()
+    if not peers and args.only != "shardcal":
+        print(f"peers skipped: no peers' venv at {args.peers_python} (make bench-peers creates it)", flush=True)
+    rows = []
+    for scheme in args.schemes:
+        for label, name, group in SHARDCAL[scheme] if args.only != "peers" else ():
+            result = run_shardcal(model_dir, calib, held_out, name, group)
+            print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
+            rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
+        for tool in PEERS if peers else ():
+            result = run_peer(args.peers_python, tool, scheme, model_dir, work, args.reuse)
+            print(f"{scheme} {tool}: {json.dumps(result)}", flush=True)
+            if "documents no recipe" not in result.get("error", ""):
+                rows.append(_row(scheme, f"{tool} {result.get('version', '')}".strip(), result, fp32))
+    print(f"\nSmolLM2-135M, FP32 perplexity {fp32:.3f} (8 x 256 held-out tokens); calibration 32 x 256 tokens\n")
+    print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
+    print("|---|---|---:|---:|---:|---|")
+    print("\n".join(rows))
+    print(f"\ninputs and per-run results: {work}")
+    return 0 if math.isfinite(fp32) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
