@@ -17,7 +17,6 @@ whose JSON is there; ``--only`` runs one side). Without the peers' venv the peer
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import subprocess
@@ -31,20 +30,50 @@ import torch
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 PEERS = ("llmcompressor", "modelopt")
-#: scheme -> shardcal's rows: (label, shipped recipe, group size override or None).
-SHARDCAL: dict[str, list[tuple[str, str, int | None]]] = {
-    "fp8": [("fp8", "fp8", None)],
-    "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", None), ("fp8-dynamic-mixed", "fp8-dynamic-mixed", None)],
-    "fp8-dynamic-kv": [("fp8-dynamic-kv", "fp8-dynamic-kv", None)],
+_INT8_CHANNEL = {"format": "int8", "granularity": "channel", "axis": 0, "observer": "max"}
+_GPTQ_SQ = {"name": "gptq", "act_order": True, "smooth": {"name": "smoothquant", "alpha": 0.8}, "alpha": None}
+_G64 = {"weight": {"group_size": 64}}  # every tool at group 64 (SmolLM2's 576 is no multiple of 128)
+#: scheme -> shardcal's rows: (label, shipped recipe, overlay). The overlay is merged into the recipe's TOML table
+#: (tables merge key by key, ``None`` removes a key): the rows that are not shipped recipes say so in their label.
+SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
+    "fp8": [("fp8", "fp8", {})],
+    "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", {})],
+    "fp8-dynamic-kv": [("fp8-dynamic-kv", "fp8-dynamic-kv", {})],
     "w8a8-int8-sq": [
-        ("w8a8-int8-sq", "w8a8-int8-sq", None),
-        ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", None),
-        ("w8a8-int8-mixed", "w8a8-int8-mixed", None),
+        ("w8a8-int8-sq", "w8a8-int8-sq", {}),
+        ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {}),
+        (
+            "w8a8-int8-sq-gptq + [fallback] int8 weight-only under 30 dB",
+            "w8a8-int8-sq-gptq",
+            {"fallback": {"min_layer_sqnr_db": 30.0, "weight": _INT8_CHANNEL}},
+        ),
     ],
-    "w8a8-int8-dynamic-sq": [("w8a8-int8-dynamic-sq-gptq", "w8a8-int8-dynamic-sq-gptq", None)],
-    "w4a16-gptq-g64": [("w4a16-gptq g64", "w4a16-gptq", 64)],
-    "w4a16-awq-g64": [("w4a16-awq g64", "w4a16-awq", 64), ("w4a16-awq-gptq g64", "w4a16-awq-gptq", 64)],
+    "w8a8-int8-dynamic-sq": [
+        ("w8a8-int8-dynamic-sq", "w8a8-int8-dynamic-sq", {}),
+        ("w8a8-int8-dynamic-sq + GPTQ", "w8a8-int8-dynamic-sq", {"algorithm": _GPTQ_SQ}),
+    ],
+    "w4a16-gptq-g64": [
+        ("w4a16-gptq g64", "w4a16-gptq", _G64),
+        (
+            "w4a16-gptq g64 + refine_sweeps 1, refit_scales 1, scale_search hessian",
+            "w4a16-gptq",
+            {**_G64, "algorithm": {"refine_sweeps": 1, "refit_scales": 1, "scale_search": "hessian"}},
+        ),
+    ],
+    "w4a16-awq-g64": [("w4a16-awq g64", "w4a16-awq", _G64)],
 }
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    out = dict(base)
+    for key, value in overlay.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
@@ -65,24 +94,23 @@ def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
     return model_dir, calib, held_out
 
 
-def _recipe(name: str, group: int | None):
-    from shardcal.recipes import load_recipe
+def _recipe(name: str, overlay: dict):
+    import tomllib
 
-    recipe = load_recipe(name)
-    if group is None:
-        return recipe
-    weight = dataclasses.replace(recipe.weight, group_size=group)  # every tool at group 64: stated in the table
-    fallback = recipe.fallback
-    return dataclasses.replace(recipe, name=f"{recipe.name} g{group}", weight=weight, fallback=fallback)
+    from shardcal.recipes import recipe_from_dict, shipped_recipe_path
+
+    path = shipped_recipe_path(name)
+    data = _merge(tomllib.loads(path.read_text(encoding="utf-8")), overlay)
+    return recipe_from_dict(data, source=f"{path} + {overlay}" if overlay else str(path), default_name=name)
 
 
-def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, group: int | None) -> dict:
+def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, overlay: dict) -> dict:
     from shardcal.evaluate import perplexity
     from shardcal.models import from_pretrained
     from shardcal.runner import calibrate
 
     model = from_pretrained(model_dir).eval()
-    recipe = _recipe(name, group)
+    recipe = _recipe(name, overlay)
     start = time.perf_counter()
     report = calibrate(model, calib, recipe, batch_size=8, progress=False)
     seconds = time.perf_counter() - start
@@ -142,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peers skipped: no peers' venv at {args.peers_python} (make bench-peers creates it)", flush=True)
     rows = []
     for scheme in args.schemes:
-        for label, name, group in SHARDCAL[scheme] if args.only != "peers" else ():
-            result = run_shardcal(model_dir, calib, held_out, name, group)
+        for label, name, overlay in SHARDCAL[scheme] if args.only != "peers" else ():
+            result = run_shardcal(model_dir, calib, held_out, name, overlay)
             print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
             rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
         for tool in PEERS if peers else ():
