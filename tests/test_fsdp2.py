@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from shardcal.errors import DistributedError, ModelLayoutError
+from shardcal.errors import ModelLayoutError
 from shardcal.fsdp2_utils import auxiliary_modules, fsdp2_root_unsharded, fsdp2_units, fsdp2_wrap, layer_unsharded
 from shardcal.models.config import ModelConfig
 from shardcal.models.decoder import CausalLM
@@ -329,10 +329,19 @@ def test_refusals():
 
 
 def test_wrap_without_process_group_is_a_clear_error():
-    if dist.is_initialized():
-        pytest.skip("a process group exists in this process")
-    with pytest.raises(DistributedError, match="init_process_group"):
-        fsdp2_wrap(_model(LLAMA))
+    """In a fresh process (earlier tests in this one may have left a group): no group, a clear error."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_fsdp2 import LLAMA, _model\n"
+        "from shardcal.errors import DistributedError\n"
+        "from shardcal.fsdp2_utils import fsdp2_wrap\n"
+        "try:\n    fsdp2_wrap(_model(LLAMA))\nexcept DistributedError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "init_process_group" in done.stdout, done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- load_pretrained
