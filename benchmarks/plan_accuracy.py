@@ -207,9 +207,12 @@ def run_memory(skip_wide: bool, workdir: Path) -> tuple[list[dict], bool]:
 
 
 def run_time() -> tuple[list[dict], bool]:
+    from shardcal.hostmem import pin_mmap_threshold
     from shardcal.options import CalibrationOptions
     from shardcal.plan import PlanSettings, read_source
     from shardcal.probe import estimate_time
+
+    pin_mmap_threshold()  # as `shardcal plan --probe` does: the allocator setting of the measured ranks
 
     smol, ids = _smollm2_data(32, 256)
     cfg = read_source(smol).config

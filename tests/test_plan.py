@@ -452,3 +452,18 @@ def test_a_model_type_only_transformers_runs_is_not_planned(capsys, tmp_path, mo
     status, out, err = run_cli(capsys, "calibrate", tmp_path / "phi3", "--recipe", "fp8", "--out", tmp_path / "out",
                                "--data", tmp_path / "ids.npy", "--batch-size", 2)  # fmt: skip
     assert status == 0 and "exported -> " in out, err
+
+
+def test_mmap_threshold_from_the_environment(monkeypatch):
+    from shardcal.errors import UsageError
+
+    called = []
+    real = hostmem.ctypes.util.find_library
+    monkeypatch.setattr(hostmem.ctypes.util, "find_library", lambda name: called.append(name) or real(name))
+    monkeypatch.setenv("SHARDCAL_MMAP_THRESHOLD", "0")
+    assert hostmem.pin_mmap_threshold() is False and called == []  # glibc's default left alone
+    monkeypatch.setenv("SHARDCAL_MMAP_THRESHOLD", "lots")
+    with pytest.raises(UsageError, match="SHARDCAL_MMAP_THRESHOLD='lots': expected a number of bytes"):
+        hostmem.pin_mmap_threshold()
+    monkeypatch.setenv("SHARDCAL_MMAP_THRESHOLD", str(hostmem.DEFAULT_MMAP_THRESHOLD))
+    assert hostmem.pin_mmap_threshold() is (real("c") is not None) and called == ["c"]

@@ -591,8 +591,10 @@ def _plan(args: argparse.Namespace) -> int:
     short = planning.shortfall(plan, budget)
     fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None
     if args.probe:
+        from .hostmem import pin_mmap_threshold
         from .probe import with_time
 
+        pin_mmap_threshold()  # the allocator setting calibrate's ranks run with (it changes their speed)
         with_time(plan, source.config, recipe, args.model_dir)
     if args.json:
         out = plan.to_dict()
