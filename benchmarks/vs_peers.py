@@ -42,10 +42,13 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
     "w8a8-int8-sq": [
         ("w8a8-int8-sq", "w8a8-int8-sq", {}),
         ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {}),
-        (
-            "w8a8-int8-sq-gptq + [fallback] int8 weight-only under 30 dB",
-            "w8a8-int8-sq-gptq",
-            {"fallback": {"min_layer_sqnr_db": 30.0, "weight": _INT8_CHANNEL}},
+        *(
+            (
+                f"w8a8-int8-sq-gptq + [fallback] int8 weight-only under {db:.0f} dB",
+                "w8a8-int8-sq-gptq",
+                {"fallback": {"min_layer_sqnr_db": db, "weight": _INT8_CHANNEL}},
+            )
+            for db in (30.0, 33.0, 36.0)
         ),
     ],
     "w8a8-int8-dynamic-sq": [
