@@ -63,7 +63,7 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
             {**_G64, "algorithm": {"refine_sweeps": 1, "refit_scales": 1, "scale_search": "hessian"}},
         ),
     ],
-    "w4a16-awq-g64": [("w4a16-awq g64", "w4a16-awq", _G64)],
+    "w4a16-awq-g64": [("w4a16-awq g64", "w4a16-awq", _G64), ("w4a16-awq-gptq g64", "w4a16-awq-gptq", _G64)],
 }
 
 
