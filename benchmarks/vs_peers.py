@@ -36,7 +36,7 @@ _G64 = {"weight": {"group_size": 64}}  # every tool at group 64 (SmolLM2's 576 i
 #: scheme -> shardcal's rows: (label, shipped recipe, overlay). The overlay is merged into the recipe's TOML table
 #: (tables merge key by key, ``None`` removes a key): the rows that are not shipped recipes say so in their label.
 SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
-    "fp8": [("fp8", "fp8", {})],
+    "fp8": [("fp8", "fp8", {}), ("fp8-gptq", "fp8-gptq", {})],
     "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", {}), ("fp8-dynamic-gptq", "fp8-dynamic-gptq", {})],
     "fp8-dynamic-kv": [("fp8-dynamic-kv", "fp8-dynamic-kv", {})],
     "w8a8-int8-sq": [
