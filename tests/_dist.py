@@ -9,15 +9,38 @@ wait in a collective), the pool is torn down and rebuilt for the next test.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
 
 _POOLS: dict[int, RankPool] = {}
+#: What a one-rank process group formed in the test process sets (a later subprocess must not think it is a rank).
+_GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def restored_process_group() -> Iterator[None]:
+    """Code run inside (an in-process ``calibrate`` or CLI command) may form a one-rank process group and set RANK
+    etc.; afterwards the group is destroyed and those variables are as they were."""
+    import torch.distributed as dist
+
+    saved = {name: os.environ.get(name) for name in _GROUP_ENV}
+    was_initialized = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized() and not was_initialized:
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _worker(rank: int, world_size: int, env: dict, tasks: Any, results: Any) -> None:

@@ -18,3 +18,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def single_process_group():
+    """The test may form a one-rank process group in this process: it is destroyed and RANK etc. restored after."""
+    from _dist import restored_process_group
+
+    with restored_process_group():
+        yield

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 import stat
@@ -1314,22 +1313,13 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
 @pytest.fixture(scope="module", autouse=True)
 def _single_process_group() -> Iterator[None]:
     """In-process ``calibrate`` forms a one-rank process group and sets RANK etc.; undo both afterwards."""
-    import torch.distributed as dist
+    from _dist import restored_process_group
 
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {name: os.environ.get(name) for name in names}
-    was_initialized = dist.is_initialized()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with restored_process_group():
+        yield
     torch.set_num_threads(threads)
-    if dist.is_initialized() and not was_initialized:
-        dist.destroy_process_group()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -516,25 +516,6 @@ def test_calibrate_takes_a_collected_report(tmp_path):
 
 
 # ------------------------------------------------------------ the command
-@pytest.fixture
-def single_process_group():
-    """The command in this process forms a one-rank process group and sets RANK etc.: undo both afterwards (a later
-    subprocess must not believe it runs under torchrun)."""
-    import os
-
-    import torch.distributed as dist
-
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {name: os.environ.get(name) for name in names}
-    was_initialized = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not was_initialized:
-        dist.destroy_process_group()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.mark.usefixtures("single_process_group")

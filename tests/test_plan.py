@@ -5,7 +5,6 @@ export and the real sharded load, the ``--json`` schema, a config-only directory
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -346,24 +345,6 @@ def test_plan_on_a_config_only_directory(capsys, tmp_path):
     folder = config_dir(tmp_path, {**TINY_CONFIGS["qwen3"]})
     status, out, err = run_cli(capsys, "plan", folder, "--recipe", "w8a8-int8")
     assert status == 0 and "from config.json)" in out, err
-
-
-@pytest.fixture(scope="module")
-def single_process_group():
-    """In-process ``calibrate`` forms a one-rank process group and sets RANK etc.; undo both afterwards."""
-    import torch.distributed as dist
-
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {name: os.environ.get(name) for name in names}
-    was_initialized = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not was_initialized:
-        dist.destroy_process_group()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture

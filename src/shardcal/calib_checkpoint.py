@@ -16,7 +16,6 @@ or run options is refused, and a file whose digest does not match is reported as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,7 @@ from .distributed import all_gather_strings, all_reduce_, barrier, broadcast_str
 from .errors import CalibrationCheckpointError
 from .faults import fault_point
 from .fsdp2_utils import local_rows
-from .fsutil import atomic_path, atomic_write_text, check_creatable
+from .fsutil import atomic_path, atomic_write_text, check_creatable, remove_manifested_dir, remove_matching_files
 from .quant.experts import expert_projections, iter_projections
 from .quant.quantizer import QuantMode
 from .quant.session import iter_quantizers
@@ -227,10 +226,9 @@ class CalibrationCheckpoint:
 
     def _remove_files_except(self, keep: dict[str, str]) -> None:
         """Remove this checkpoint's own files (and temporaries a killed run left) that ``keep`` does not list."""
-        for path in sorted(self.dir.iterdir()):
-            if _OWN_FILE.match(path.name) and path.name not in keep:
-                path.unlink(missing_ok=True)
-                fault_point("checkpoint.commit", step="old file removed", rank=self.rank)
+        remove_matching_files(
+            self.dir, _OWN_FILE, keep, lambda: fault_point("checkpoint.commit", step="old file removed", rank=self.rank)
+        )
 
     def _write_part(
         self,
@@ -488,15 +486,4 @@ def remove_checkpoint(directory: str | Path) -> int:
     """Delete a calibration checkpoint: its manifest first (so a half-removed one is never resumed), then its own
     files, then the directory when nothing else is in it. Returns the bytes freed. Not collective (one rank, after
     the run); files that are not the checkpoint's are left alone."""
-    folder = Path(directory)
-    if not (folder / MANIFEST).is_file():
-        return 0
-    freed = (folder / MANIFEST).stat().st_size
-    (folder / MANIFEST).unlink()
-    for path in sorted(folder.iterdir()):
-        if _OWN_FILE.match(path.name):
-            freed += path.stat().st_size
-            path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-    return freed
+    return remove_manifested_dir(directory, MANIFEST, _OWN_FILE)

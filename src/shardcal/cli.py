@@ -198,6 +198,14 @@ def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
     arguments=_calibrate_arguments,
 )
 def _calibrate(args: argparse.Namespace) -> int:
+    return run_ranks(args, check_calibrate_inputs, calibrate_job)
+
+
+def run_ranks(
+    args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[dict], Any]
+) -> int:
+    """Run ``job`` on this process's rank (under torchrun, or alone), or, with ``--nproc-per-node``, ``check`` the
+    inputs here first and launch that many local ranks running ``job``."""
     import os
 
     from .launcher import launch
@@ -205,10 +213,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc_per_node is not None and not under_torchrun:
-        check_calibrate_inputs(args)  # here, before any rank starts
-        launch(calibrate_job, args.nproc_per_node, options)
+        check(args)  # here, before any rank starts
+        launch(job, args.nproc_per_node, options)
     else:
-        calibrate_job(options)
+        job(options)
     return 0
 
 
@@ -384,18 +392,7 @@ def _collect_arguments(parser: argparse.ArgumentParser) -> None:
     arguments=_collect_arguments,
 )
 def _collect(args: argparse.Namespace) -> int:
-    import os
-
-    from .launcher import launch
-
-    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if args.nproc_per_node is not None and not under_torchrun:
-        check_collect_inputs(args)  # here, before any rank starts
-        launch(collect_job, args.nproc_per_node, options)
-    else:
-        collect_job(options)
-    return 0
+    return run_ranks(args, check_collect_inputs, collect_job)
 
 
 def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:

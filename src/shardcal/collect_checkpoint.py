@@ -21,7 +21,6 @@ digest does not match is reported as corrupt, never used. All ranks must see one
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
@@ -38,7 +37,14 @@ from .activation_report import TargetStats
 from .distributed import all_gather_strings, barrier, broadcast_string, world
 from .errors import CalibrationCheckpointError
 from .faults import fault_point
-from .fsutil import atomic_path, atomic_write_text, check_creatable, read_json_object
+from .fsutil import (
+    atomic_path,
+    atomic_write_text,
+    check_creatable,
+    read_json_object,
+    remove_manifested_dir,
+    remove_matching_files,
+)
 
 MANIFEST = "collect-manifest.json"
 FORMAT = "shardcal-collect-checkpoint"
@@ -277,9 +283,7 @@ class CollectionCheckpoint:
 
     def _remove_files_except(self, keep: dict[str, str]) -> None:
         """Remove this checkpoint's own files (and temporaries a killed run left) that ``keep`` does not list."""
-        for path in sorted(self.dir.iterdir()):
-            if _OWN_FILE.fullmatch(path.name) and path.name not in keep:
-                path.unlink(missing_ok=True)
+        remove_matching_files(self.dir, _OWN_FILE, keep)
 
 
 def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -325,15 +329,4 @@ def remove_checkpoint(directory: str | Path) -> int:
     """Delete a collection checkpoint: its manifest first (so a half-removed one is never resumed), then its own
     files, then the directory when nothing else is in it. Returns the bytes freed. Not collective (one rank, after
     the run); files that are not the checkpoint's are left alone."""
-    folder = Path(directory)
-    if not (folder / MANIFEST).is_file():
-        return 0
-    freed = (folder / MANIFEST).stat().st_size
-    (folder / MANIFEST).unlink()
-    for path in sorted(folder.iterdir()):
-        if _OWN_FILE.fullmatch(path.name):
-            freed += path.stat().st_size
-            path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-    return freed
+    return remove_manifested_dir(directory, MANIFEST, _OWN_FILE)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 from .errors import ShardcalError
@@ -59,6 +60,37 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def remove_matching_files(
+    folder: Path, own: re.Pattern[str], keep: Container[str] = (), after_each: Callable[[], None] | None = None
+) -> int:
+    """Delete the files of ``folder`` whose names ``own`` matches in full and ``keep`` does not hold (a
+    directory's own files, not a user's), calling ``after_each()`` after each one. Returns the bytes freed."""
+    freed = 0
+    for path in sorted(folder.iterdir()):
+        if own.fullmatch(path.name) and path.name not in keep:
+            with contextlib.suppress(FileNotFoundError):  # another rank may have removed it first
+                freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+            if after_each is not None:
+                after_each()
+    return freed
+
+
+def remove_manifested_dir(folder: str | Path, manifest: str, own: re.Pattern[str]) -> int:
+    """Delete a directory whose ``manifest`` file says what it holds: the manifest first (so a half-removed
+    directory is never read as complete), then the files ``own`` matches, then the directory when nothing else is
+    in it. Returns the bytes freed; 0 without a manifest. Files that are not its own are left alone."""
+    folder = Path(folder)
+    if not (folder / manifest).is_file():
+        return 0
+    freed = (folder / manifest).stat().st_size
+    (folder / manifest).unlink()
+    freed += remove_matching_files(folder, own)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return freed
 
 
 def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) -> None:
