@@ -201,9 +201,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     return run_ranks(args, check_calibrate_inputs, calibrate_job)
 
 
-def run_ranks(
-    args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[dict], Any]
-) -> int:
+def run_ranks(args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[dict], Any]) -> int:
     """Run ``job`` on this process's rank (under torchrun, or alone), or, with ``--nproc-per-node``, ``check`` the
     inputs here first and launch that many local ranks running ``job``."""
     import os
