@@ -133,3 +133,19 @@ def make_tiny_checkpoint(
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def starve_experts_2_and_3(model: Any) -> None:
+    """Make a 4-expert tiny MoE (shardcal's layout) route every token to experts 0 and 1 only: a constant positive
+    residual feature (embedding column 0, kept out of attention and the experts' outputs) that the routers weigh
+    3, 2, 1, -5. Experts 2 and 3 never get a token."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 5.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.post_attention_layernorm.weight.fill_(1.0)
+            for expert in layer.mlp.experts:
+                expert.down_proj.weight[0].zero_()
+            gate = layer.mlp.gate.weight
+            gate.zero_()
+            gate[:, 0] = torch.tensor([3.0, 2.0, 1.0, -5.0])

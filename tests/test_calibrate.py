@@ -20,7 +20,7 @@ from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 from shardcal.runner import calibrate
 
 from _dist import run_on_ranks
-from _tiny_models import TINY_CONFIGS, randomize_
+from _tiny_models import TINY_CONFIGS, randomize_, starve_experts_2_and_3
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
 
@@ -315,16 +315,7 @@ MOE = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
 def _moe_model_with_dead_expert() -> CausalLM:
     """Experts 2 and 3 never get a token: a constant positive residual feature makes the router pick 0 and 1."""
     model = _model(MOE)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 5.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0].zero_()
-            layer.post_attention_layernorm.weight.fill_(1.0)
-            for expert in layer.mlp.experts:
-                expert.down_proj.weight[0].zero_()
-            gate = layer.mlp.gate.weight
-            gate.zero_()
-            gate[:, 0] = torch.tensor([3.0, 2.0, 1.0, -5.0])
+    starve_experts_2_and_3(model)
     return model
 
 

@@ -22,7 +22,7 @@ from shardcal.quant import iter_quantizers
 from shardcal.runner import calibrate
 
 from _dist import run_on_ranks
-from _tiny_models import TINY_CONFIGS, randomize_
+from _tiny_models import TINY_CONFIGS, randomize_, starve_experts_2_and_3
 
 CFG = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 4, 2
@@ -36,16 +36,8 @@ def _model(dead_experts: bool = False) -> CausalLM:
     randomize_(model)
     with torch.no_grad():
         model.model.embed_tokens.weight[0] *= 300.0  # the pad id: any padded token that counts is seen at once
-        if dead_experts:  # a constant residual feature makes every router pick experts 0 and 1 only
-            model.model.embed_tokens.weight[:, 0] = 5.0
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight[0].zero_()
-                layer.post_attention_layernorm.weight.fill_(1.0)
-                for expert in layer.mlp.experts:
-                    expert.down_proj.weight[0].zero_()
-                gate = layer.mlp.gate.weight
-                gate.zero_()
-                gate[:, 0] = torch.tensor([3.0, 2.0, 1.0, -5.0])
+    if dead_experts:  # a constant residual feature makes every router pick experts 0 and 1 only
+        starve_experts_2_and_3(model)
     return model.eval()
 
 

@@ -29,6 +29,7 @@ from .batches import Batch, data_fingerprint
 from .distributed import all_reduce_, dp_group, world
 from .errors import CollectionError
 from .fsutil import atomic_path, atomic_write_text, read_json_object
+from .report import save_figure
 
 #: The statistics a collection can keep per target (absmax and the token count are always kept).
 STATS = ("absmax", "mean", "meansq", "histogram")
@@ -249,13 +250,7 @@ class ActivationReport:
             ax.set_title(f"{pattern}: absmax of its largest channels", fontsize=9)
             fig.colorbar(image, ax=ax)
         fig.tight_layout()
-        path = Path(path)
-        try:
-            with atomic_path(path, suffix=".png") as tmp:
-                fig.savefig(tmp, dpi=100)
-        finally:
-            plt.close(fig)
-        return path
+        return save_figure(fig, path)
 
     def layer_absmax(self, pattern: str) -> dict[int, float]:
         """Layer -> the largest absmax of the pattern's targets in that layer."""

@@ -129,15 +129,7 @@ class CalibrationReport:
             fig = self.sqnr_figure()
         except ImportError:
             return None
-        import matplotlib.pyplot as plt
-
-        path = Path(path)
-        try:
-            with atomic_path(path, suffix=".png") as tmp:
-                fig.savefig(tmp, dpi=100)
-        finally:
-            plt.close(fig)
-        return path
+        return save_figure(fig, path)
 
 
 def amax_summary(amax: torch.Tensor | None) -> dict[str, Any]:
@@ -145,3 +137,16 @@ def amax_summary(amax: torch.Tensor | None) -> dict[str, Any]:
         return {"dynamic": True}
     a = amax.detach().float().cpu()
     return {"amax": float(a.max()), "amax_mean": float(a.mean()), "shape": list(a.shape)}
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Write a matplotlib figure as a PNG, atomically with the umask's permissions, and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
