@@ -16,7 +16,8 @@ gets, extrapolated over layers and batches) against the measured ``calibrate()``
 and 2, each the mean of two interleaved tries. This machine's 2 cores are shared with other jobs, so the bound
 (±30 %) is checked on the CPU seconds of the busiest rank, less sensitive to the load than wall time, and the wall
 times are printed beside them. (Not insensitive: two OpenMP threads on oversubscribed cores spin, and the probe
-leaves out the gathers across ranks; docs/scaling.md has the measured rows and what misses.)
+leaves out the gathers across ranks; docs/scaling.md has the measured rows.) The probe runs with the ranks'
+allocator setting (``pin_mmap_threshold``), as ``shardcal plan --probe`` does.
 
 Exits 1 when a bound is missed.
 """
@@ -33,27 +34,14 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_check import LLAMA3_8B
 
 from shardcal.hostmem import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 MiB = 2**20
 LOW, HIGH = -0.20, 0.25  # the memory bound: measured / predicted - 1
 TIME_BOUND = 0.30
-LLAMA3_8B_WIDTHS = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "num_hidden_layers": 2,
-}
+LLAMA3_8B_WIDTHS = {**LLAMA3_8B, "num_hidden_layers": 2}  # the GPU check's Llama-3-8B widths, 2 layers
 
 
 def wide_checkpoint(folder: Path, cfg: dict = LLAMA3_8B_WIDTHS) -> Path:
