@@ -48,10 +48,13 @@ def _data(n: int = 5, seq: int = 16, seed: int = 1) -> torch.Tensor:
 
 
 def _recipe(algorithm: str, weight_only: bool = True, **params) -> object:
-    """A test recipe: int4 groups of 32 weight-only (tiny hidden sizes), or W8A8 int8 per-tensor inputs."""
+    """A test recipe: int4 groups of 32 weight-only (tiny hidden sizes; ``symmetric=False``: asymmetric), or W8A8
+    int8 per-tensor inputs."""
+    symmetric = params.pop("symmetric", True)
     extra = "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in params.items())
     if weight_only:
         quant = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\nobserver = "mse"\n'
+        quant += "" if symmetric else "symmetric = false\n"
     else:
         quant = '[weight]\nformat = "int8"\ngranularity = "channel"\naxis = 0\n[input]\nformat = "int8"\n'
     return parse_recipe(
@@ -213,6 +216,36 @@ def test_gptq_indefinite_hessian_reported_or_named_on_every_rank():
     assert first == second
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_asymmetric_gptq_beats_asymmetric_rtn_and_symmetric_gptq(act_order):
+    """On weights whose groups are off-centre, asymmetric int4 (zero points) beats symmetric int4, with GPTQ as with
+    round to nearest, and GPTQ's result is reproduced exactly by the quantizer's calibrated range."""
+    from shardcal.algorithms.gptq import gptq_quantize
+
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 256, generator=g) * 0.05 + torch.rand(96, 1, generator=g) * 0.1
+    x = _correlated_inputs(4096, 256)
+    hessian = x.double().T @ x.double()
+    err = lambda w: (x @ (w - weight).T).pow(2).sum().item()
+    errors = {}
+    for symmetric in (True, False):
+        spec = QuantizerSpec("int4", "group", group_size=64, observer="mse", symmetric=symmetric)
+        quantizer = TensorQuantizer(spec, (96, 256))
+        quantizer.calibrate_from(weight)
+        errors["rtn", symmetric] = err(quantizer(weight))
+        q = gptq_quantize(weight, hessian, quantizer, act_order=act_order)
+        errors["gptq", symmetric] = err(q)
+        assert torch.equal(quantizer(q), q)
+    assert errors["gptq", False] < 0.8 * errors["rtn", False], errors
+    assert errors["gptq", False] < errors["gptq", True] and errors["rtn", False] < errors["rtn", True], errors
+
+
+def test_asymmetric_gptq_refuses_rounding_sweeps_and_refits():
+    with pytest.raises(RecipeError, match="refine_sweeps and refit_scales need symmetric weights"):
+        calibrate(_model(), _data(n=2), _recipe("gptq", symmetric=False, refine_sweeps=1, refit_scales=1),
+                  batch_size=2, progress=False)  # fmt: skip
+
+
 def test_gptq_calibrate_defaults_to_qdq_and_beats_rtn():
     data = _data(n=8)
     want = _logits(_model(), data)
@@ -271,6 +304,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
         for n, p in model.named_parameters()
     }
     out.update({f"{n}.amax": q.amax.detach().clone() for n, q in iter_quantizers(model) if q.amax is not None})
+    out.update({f"{n}.amin": q.amin.detach().clone() for n, q in iter_quantizers(model) if q.amin is not None})
     return out
 
 
@@ -301,6 +335,9 @@ CASES = [
     ("gptq", False, "llama", {"smooth": '{ name = "smoothquant", alpha = 0.8 }'}),  # W8A8: SmoothQuant, then GPTQ
     # rounding sweeps and least-squares scale refits on the solving rank, amax broadcast
     ("gptq", True, "llama", {"act_order": True, "refine_sweeps": 1, "refit_scales": 1, "scale_search": '"hessian"'}),
+    # asymmetric int4: AWQ's clip search and GPTQ's in-order group ranges (amax and amin broadcast)
+    ("gptq", True, "llama", {"symmetric": False, "smooth": '{ name = "awq" }'}),
+    ("gptq", True, "qwen2_moe", {"symmetric": False, "act_order": True, "scale_search": '"hessian"'}),
 ]
 
 
@@ -328,7 +365,9 @@ def _gptq_resume_run(directory: str, interrupt: int | None, params: dict | None 
     return dict(interrupted=False, state=_state(model), logits=_logits(model, _data(n=2, seed=9)))
 
 
-@pytest.mark.parametrize("params", [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}])
+@pytest.mark.parametrize(
+    "params", [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}, {"symmetric": False}]
+)
 def test_gptq_resume_is_bit_identical(tmp_path, params):
     """Changed weights (and refitted scales) are checkpointed: resumed on the same world size, or on another one
     (written by 2 ranks, resumed on 1 — each rank reassembles its new shard from the old ranks' rows)."""

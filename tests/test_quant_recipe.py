@@ -83,7 +83,19 @@ BAD = [
     ('[weight]\nformat = "int4"\ngroup_size = 128\n', "'weight.group_size': group_size is only valid"),
     ('[weight]\nformat = "int8"\ngranularity = "row"\n', "'weight.granularity': unknown granularity 'row'"),
     ('[weight]\nformat = "int8"\naxis = 0\n', "'weight.axis'"),
-    ('[weight]\nformat = "int8"\nsymmetric = false\n', "'weight.symmetric': only symmetric"),
+    (
+        '[weight]\nformat = "fp8_e4m3"\nsymmetric = false\n',
+        "'weight.symmetric': asymmetric quantization (symmetric = false) needs an int format, not 'fp8_e4m3'",
+    ),
+    (
+        '[weight]\nformat = "int8"\nsymmetric = false\nobserver = "percentile"\n',
+        "'weight.symmetric': asymmetric quantization is calibrated by the 'max' or 'mse' observer, not 'percentile'",
+    ),
+    ('[input]\nformat = "int8"\nsymmetric = false\n', "'input.symmetric': asymmetric quantization is for weights only"),
+    (
+        '[weight]\nformat = "int8"\nsymmetric = false\n[input]\nformat = "int8"\n',
+        "'weight.symmetric': asymmetric weights are for weight-only recipes",
+    ),
     ('[weight]\nformat = "int8"\ndynamic = true\n', "'weight.dynamic': weights are quantized statically"),
     (
         '[weight]\nformat = "nvfp4"\ngranularity = "group"\ngroup_size = 32\n',

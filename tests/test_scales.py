@@ -64,5 +64,5 @@ def test_clip_search_never_worse_than_max_on_its_objective():
         ((w[:, i : i + 16] @ h[i : i + 16, i : i + 16]) * w[:, i : i + 16]).sum() for i in range(0, 64, 16)
     )
     before = blocks(q(weight) - weight)
-    q.set_amax(clip_search_amax(weight, q, h, max_shrink=0.5, grid=20))
+    q.set_amax(*clip_search_amax(weight, q, h, max_shrink=0.5, grid=20))
     assert blocks(q(weight) - weight) <= before

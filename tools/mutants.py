@@ -409,7 +409,7 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "quantizer-state-dict",
         "quant/quantizer.py",
-        "            self._calibrated = not bool(torch.isnan(self.amax).any())\n",
+        "            self._calibrated = not any(bool(torch.isnan(t).any()) for t in ranges)\n",
         "            self._calibrated = True\n",
         "a state dict with NaN amax loads as calibrated",
     ),

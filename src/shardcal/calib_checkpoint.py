@@ -354,14 +354,16 @@ def _read_tensor(path: Path, key: str, rows: tuple[int, int] | None = None) -> t
 
 
 def quantizer_state(model: nn.Module, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The calibrated amax of every quantizer in the named layers (identical on every rank)."""
+    """The calibrated amax (and an asymmetric quantizer's amin) of every quantizer in the named layers (identical on
+    every rank)."""
     modules = dict(model.named_modules())
-    return {
-        f"{n}.amax": q.amax.detach().cpu().clone()
-        for layer_name in layer_names
-        for n, q in iter_quantizers(modules[layer_name], layer_name)
-        if q.amax is not None
-    }
+    state: dict[str, torch.Tensor] = {}
+    for layer_name in layer_names:
+        for n, q in iter_quantizers(modules[layer_name], layer_name):
+            for key, t in (("amax", q.amax), ("amin", q.amin)):
+                if t is not None:
+                    state[f"{n}.{key}"] = t.detach().cpu().clone()
+    return state
 
 
 def restore_quantizers(
@@ -380,10 +382,11 @@ def restore_quantizers(
         for n, q in iter_quantizers(modules[layer_name], layer_name):
             if q.amax is None:
                 continue
-            key = f"{n}.amax"
-            if key not in state:
-                raise CalibrationCheckpointError(f"calibration checkpoint lacks quantizer state {key!r}")
-            q.set_amax(state[key].to(q.amax.device))
+            keys = [f"{n}.amax"] + ([f"{n}.amin"] if q.amin is not None else [])
+            for key in keys:
+                if key not in state:
+                    raise CalibrationCheckpointError(f"calibration checkpoint lacks quantizer state {key!r}")
+            q.set_amax(*(state[key].to(q.amax.device) for key in keys))
             q.mode = QuantMode.QUANTIZE
         for experts in (m for m in modules[layer_name].modules() if expert_projections(m)):
             for _, _, projection in iter_projections(experts):  # fused weights hold their quantized values

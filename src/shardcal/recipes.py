@@ -17,7 +17,7 @@
     axis = 0                     # channel only (default 0 for weights, -1 for activations)
     group_size = 128             # group only
     observer = "max"             # max | percentile | mse, or a table: { name = "mse", max_shrink = 0.3 }
-    symmetric = true             # only true
+    symmetric = true             # false: asymmetric (zero points; int weights only, max or mse observer)
     dynamic = false              # activations only: amax from each tensor at run time
 
     [algorithm]                  # optional: rtn (default), smoothquant, gptq, awq, with their parameters
@@ -345,6 +345,8 @@ def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -
         kwargs["axis"] = 0 if role == "weight" else -1
     if role == "weight" and kwargs.get("dynamic"):
         raise _error(source, f"{where}.dynamic", "weights are quantized statically (dynamic = false)")
+    if role != "weight" and kwargs.get("symmetric") is False:
+        raise _error(source, f"{where}.symmetric", "asymmetric quantization is for weights only ([weight])")
     if role == "weight" and kwargs.get("granularity") == "token":
         raise _error(source, f"{where}.granularity", "'token' is for activations ([input] with dynamic = true)")
     if "observer" in table:
@@ -392,6 +394,7 @@ def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe
         for role in ("weight", "input")
         if role in table
     }
+    _check_asymmetric_weight_only(specs, source, "fallback.")
     if full == bool(specs):
         raise _error(
             source,
@@ -402,6 +405,19 @@ def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe
         recipe, name=f"{recipe.name}:fallback", weight=specs.get("weight"), input=specs.get("input"), output=None
     )
     return dataclasses.replace(recipe, min_layer_sqnr_db=float(floor), fallback=fallback)
+
+
+def _check_asymmetric_weight_only(specs: Mapping[str, QuantizerSpec], source: str, key_prefix: str) -> None:
+    """Asymmetric weights are for weight-only schemes: vLLM's W4A16 / W8A16 kernels take zero points, its W8A8
+    kernels need symmetric weights."""
+    weight = specs.get("weight")
+    if weight is not None and not weight.symmetric and specs.get("input") is not None:
+        raise _error(
+            source,
+            f"{key_prefix}weight.symmetric",
+            "asymmetric weights are for weight-only recipes (vLLM's W8A8 / FP8 kernels need symmetric weights); "
+            "drop [input] or set symmetric = true",
+        )
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
@@ -420,6 +436,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
     if not specs:
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
+    _check_asymmetric_weight_only(specs, source, "")
     kv_cache = _kv_cache_spec(_table(data["kv_cache"], source, "kv_cache"), source) if "kv_cache" in data else None
     try:
         algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))

@@ -47,8 +47,12 @@ from .stats import InputStats, threads
 
 
 def _max_qdq(w: torch.Tensor, q: TensorQuantizer) -> torch.Tensor:
-    """``w`` fake-quantized with the quantizer's format and granularity, amax = max |w| per slot."""
-    return fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+    """``w`` fake-quantized with the quantizer's format and granularity, amax = max |w| per slot (asymmetric:
+    the range ``[min w, max w]`` per slot)."""
+    if q.spec.symmetric:
+        return fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+    hi, lo = q.layout.range_of(w)
+    return fake_quantize(w, hi, q.spec, q.layout, lo)
 
 
 def _output_error(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -183,13 +187,13 @@ class AWQ(LayerAlgorithm):
             return
         for lin, h in self._clip_hessians.values():
             with threads(1 if _small([lin]) else None):
-                amax = clip_search_amax(
+                found = clip_search_amax(
                     lin.weight.detach().float(),
                     lin.weight_quantizer,
                     h.to(lin.weight.device),
                     self.params["max_shrink"],
                     self.params["clip_grid"],
                 )
-            if amax is not None:
-                lin.weight_quantizer.set_amax(amax)
+            if found is not None:
+                lin.weight_quantizer.set_amax(*found)
         self._clip_hessians = {}

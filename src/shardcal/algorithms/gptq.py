@@ -40,7 +40,7 @@ from ..distributed import all_gather_strings, broadcast_, group_rank_size
 from ..errors import NumericsError, RecipeError
 from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
-from ..quant.formats import FORMATS, scale_from_amax
+from ..quant.formats import FORMATS, asymmetric_qparams, scale_from_amax
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .awq import AWQ
@@ -64,17 +64,36 @@ def check_quantizer(q: TensorQuantizer, name: str) -> None:
         raise RecipeError(f"{name}: gptq needs a calibrated static weight quantizer")
 
 
-def element_scales(q: TensorQuantizer, weight: torch.Tensor) -> torch.Tensor:
-    """The quantizer's scale for every element of ``weight`` (float32, ``weight``'s shape)."""
+def _qparams(amax: torch.Tensor, amin: torch.Tensor | None, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, zero point or None)`` of an amax (and, asymmetric, an amin)."""
+    if amin is None:
+        return scale_from_amax(amax, fmt), None
+    return asymmetric_qparams(amax, amin, fmt)
+
+
+def element_qparams(q: TensorQuantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantizer's scale (and zero point, asymmetric) for every element of ``weight`` (float32, its shape)."""
     lay = q.layout
     arranged = lay.arrange(weight)
-    scale = scale_from_amax(lay.broadcast(q.amax.to(device=weight.device, dtype=torch.float32)), q.spec.format)
-    return lay.restore(scale.expand(arranged.shape)).contiguous()
+
+    def per_element(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return lay.restore(t.expand(arranged.shape)).contiguous()
+
+    amin = None if q.amin is None else lay.broadcast(q.amin.to(device=weight.device, dtype=torch.float32))
+    scale, zp = _qparams(lay.broadcast(q.amax.to(device=weight.device, dtype=torch.float32)), amin, q.spec.format)
+    return per_element(scale), per_element(zp)
 
 
-def _quantize_column(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Fake quantization of one column with its static scales: the same arithmetic as ``formats.fake_quantize``."""
+def _quantize_column(
+    w: torch.Tensor, scale: torch.Tensor, fmt: str, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fake quantization of one column with its static scales (and zero points): the same arithmetic as
+    ``formats.fake_quantize``."""
     f = FORMATS[fmt]
+    if zero_point is not None:
+        return (torch.clamp(torch.round(w / scale) + zero_point, f.qmin, f.qmax) - zero_point) * scale
     scaled = torch.clamp(w / scale, f.qmin, f.qmax)
     q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
     return q * scale
@@ -115,10 +134,12 @@ def _inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> tuple[torch.Ten
     )
 
 
-def _group_amax(spec: Any, values: torch.Tensor) -> torch.Tensor:
-    """The amax the recipe's observer gives one group of columns ``values`` [out, group] (shape [out, 1])."""
+def _group_range(spec: Any, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The amax (and, asymmetric, amin) the recipe's observer gives one group of columns ``values`` [out, group]
+    (shape [out, 1])."""
     q = TensorQuantizer(spec, tuple(values.shape), device=values.device)
-    return q.calibrate_from(values).clone()
+    amax = q.calibrate_from(values).clone()
+    return amax, None if q.amin is None else q.amin.clone()
 
 
 @torch.no_grad()
@@ -146,19 +167,21 @@ def gptq_quantize(
     group = quantizer.layout.group_size if not static_groups and not act_order else None
     if group is not None:
         block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
-    scale = element_scales(quantizer, w)
+    scale, zp = element_qparams(quantizer, w)
     h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
     out, n = w.shape
     dead = torch.diag(h) == 0
     if bool(dead.all()) and group is None:  # no input ever reached it: round to nearest
-        return _quantize_column(w, scale, fmt).to(weight.dtype)
+        return _quantize_column(w, scale, fmt, zp).to(weight.dtype)
     h[dead, dead] = 1.0
     perm = None
     if act_order:
         perm = torch.argsort(torch.diag(h), descending=True, stable=True)
         w, scale, h = w[:, perm], scale[:, perm], h[perm][:, perm]
+        zp = zp[:, perm] if zp is not None else None
     small = w.device.type == "cpu" and out * block_size <= 1 << 20 and n <= 8192
     amax = quantizer.amax.detach().clone() if group is not None else None
+    amin = quantizer.amin.detach().clone() if group is not None and quantizer.amin is not None else None
     group_spec = dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None) if group else None
     with threads(1 if small else None):
         hinv, used = _inverse_hessian_factor(h, percdamp)
@@ -167,6 +190,7 @@ def gptq_quantize(
             info["damping"] = used
         # Work on the transposed weight: a column of W is a contiguous row here.
         wt, st = w.T.clone(memory_format=torch.contiguous_format), scale.T.contiguous()
+        zt = zp.T.contiguous() if zp is not None else None
         qt = torch.empty_like(wt)
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
@@ -176,11 +200,16 @@ def gptq_quantize(
             for i in range(i2 - i1):
                 if group is not None and (i1 + i) % group == 0:
                     g = (i1 + i) // group
-                    amax[:, g] = _group_amax(group_spec, w1[i : i + group].T).reshape(-1).to(amax.device)
-                    gs = scale_from_amax(amax[:, g], fmt).to(st.device)
-                    st[i1 + i : i1 + i + group] = gs
+                    hi, lo = _group_range(group_spec, w1[i : i + group].T)
+                    amax[:, g] = hi.reshape(-1).to(amax.device)
+                    if lo is not None:
+                        amin[:, g] = lo.reshape(-1).to(amin.device)
+                    gs, gz = _qparams(amax[:, g], None if lo is None else amin[:, g], fmt)
+                    st[i1 + i : i1 + i + group] = gs.to(st.device)
+                    if gz is not None:
+                        zt[i1 + i : i1 + i + group] = gz.to(zt.device)
                 row = w1[i]
-                q = _quantize_column(row, st[i1 + i], fmt)
+                q = _quantize_column(row, st[i1 + i], fmt, None if zt is None else zt[i1 + i])
                 qt[i1 + i] = q
                 torch.sub(row, q, out=err1[i]).div_(diag[i])
                 if i + 1 < i2 - i1:
@@ -188,7 +217,7 @@ def gptq_quantize(
             if i2 < n:
                 wt[i2:].addmm_(hinv[i1:i2, i2:].T, err1, alpha=-1.0)
     if amax is not None:
-        quantizer.set_amax(amax)
+        quantizer.set_amax(amax, amin)
     q = qt.T
     if perm is not None:
         q = q[:, torch.argsort(perm)]
@@ -258,6 +287,7 @@ class GPTQ(LayerAlgorithm):
             return
         for n, m in targets:
             check_quantizer(m.weight_quantizer, n)
+            self._check_asymmetric(m.weight_quantizer, n)
         stats = InputStats({n: (m, "input") for n, m in targets}, {"gram"}).collect(step).merge(group)
         rank, size = group_rank_size(group)
         damping: dict[str, float] = {}
@@ -286,7 +316,14 @@ class GPTQ(LayerAlgorithm):
             for k, (_, m) in enumerate(targets):
                 broadcast_(m.weight.data, k % size, group)
                 broadcast_(m.weight_quantizer.amax, k % size, group)  # in-order, searched or refitted scales
+                if m.weight_quantizer.amin is not None:
+                    broadcast_(m.weight_quantizer.amin, k % size, group)
         step.invalidate_outputs()
+
+    def _check_asymmetric(self, q: TensorQuantizer, name: str) -> None:
+        tuned = [k for k in ("refine_sweeps", "refit_scales") if self.params[k]]
+        if not q.spec.symmetric and tuned:
+            raise RecipeError(f"{name}: gptq's {' and '.join(tuned)} need symmetric weights (symmetric = true)")
 
     def _gptq(
         self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]
@@ -310,9 +347,9 @@ class GPTQ(LayerAlgorithm):
         fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
         h = hessian.to(device=weight.device, dtype=torch.float32)
         if self.params["scale_search"] == "hessian" and fixed:
-            amax = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])
-            if amax is not None:
-                wq.set_amax(amax)
+            found = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])
+            if found is not None:
+                wq.set_amax(*found)
         q = self._gptq(weight, hessian, wq, info)
         sweeps, refits = self.params["refine_sweeps"], self.params["refit_scales"]
         for r in range(max(refits, 1 if sweeps else 0)):

@@ -14,7 +14,8 @@ instead of the weight error itself:
   down where that lowers ``e H e^T`` (the exact change, ``2 d (E H)_rj + d^2 H_jj``, is known from the running
   ``E H``), i.e. rounding tuned against the inputs, starting from GPTQ's.
 
-Both return amax values for the weight quantizer (``scale = amax / qmax``), so export and reload work unchanged.
+They return amax values for the weight quantizer (``scale = amax / qmax``), so export and reload work unchanged;
+:func:`clip_search_amax` also serves asymmetric weights (an amin as well), the other two symmetric ones only.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def _group_size(q: TensorQuantizer, n: int) -> int | None:
 
 def clip_search_amax(
     w: torch.Tensor, q: TensorQuantizer, h: torch.Tensor, max_shrink: float, grid: int
-) -> torch.Tensor | None:
-    """Per group: the shrunk max amax with the least output error ``e H_gg e^T`` (see the module docstring).
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per group: the shrunk max amax with the least output error ``e H_gg e^T`` (see the module docstring);
+    ``(amax, amin)``, with amin the shrunk minimum for an asymmetric quantizer (both ends shrink by the same
+    fraction) and None for a symmetric one.
 
     ``w`` [out, in] float32, ``h`` [in, in] float32 on ``w``'s device. None for a layout without row groups.
     """
@@ -51,18 +54,25 @@ def clip_search_amax(
     out, n = w.shape
     blocks = w.reshape(out, n // g, g)  # [out, groups, g]
     hb = torch.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
-    wmax = blocks.abs().amax(dim=-1)  # [out, groups]
+    if q.spec.symmetric:
+        wmax, wmin = blocks.abs().amax(dim=-1), None  # [out, groups]
+    else:
+        wmax, wmin = (t.reshape(out, n // g) for t in lay.range_of(w))
     best_err = torch.full_like(wmax, math.inf, dtype=torch.float64)
-    best = wmax.clone()
+    best, best_min = wmax.clone(), None if wmin is None else wmin.clone()
     for i in range(int(math.floor(max_shrink * grid + 1e-9)) + 1):
-        amax = wmax * (1.0 - i / grid)
-        qdq = fake_quantize(w, amax.reshape(lay.amax_shape), q.spec, lay).reshape(out, n // g, g)
+        c = 1.0 - i / grid
+        amax, amin = wmax * c, None if wmin is None else wmin * c
+        low = None if amin is None else amin.reshape(lay.amax_shape)
+        qdq = fake_quantize(w, amax.reshape(lay.amax_shape), q.spec, lay, low).reshape(out, n // g, g)
         e = blocks - qdq
         err = torch.einsum("ogi,gij,ogj->og", e, hb, e).double()
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, amax, best)
-    return best.reshape(lay.amax_shape)
+        if amin is not None:
+            best_min = torch.where(better, amin, best_min)
+    return best.reshape(lay.amax_shape), None if best_min is None else best_min.reshape(lay.amax_shape)
 
 
 def _row_errors(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

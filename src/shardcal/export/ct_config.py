@@ -76,7 +76,7 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
         }
         return args
     kind = "int" if spec.format.startswith("int") else "float"
-    base = {"num_bits": spec.num_bits, "type": kind, "symmetric": True}
+    base = {"num_bits": spec.num_bits, "type": kind, "symmetric": spec.symmetric}
     if role == "weight":
         if spec.granularity == "tensor":
             return {**base, "group_size": None, "strategy": "tensor", "dynamic": False}
@@ -179,8 +179,9 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
     if strategy is None:  # compressed-tensors infers it from group_size
         strategy = "tensor" if group_size is None else ("channel" if group_size == -1 else "group")
     strategy = str(strategy).lower()
-    if args.get("symmetric", True) is not True:
-        raise UnsupportedSpec("symmetric", "only symmetric quantization is supported")
+    symmetric = args.get("symmetric", True)
+    if symmetric is not True and (symmetric is not False or role != "weight" or kind != "int"):
+        raise UnsupportedSpec("symmetric", "asymmetric quantization is supported for int weights only")
     if args.get("block_structure") is not None:
         raise UnsupportedSpec("block_structure", "block quantization is not supported")
     if (kind, num_bits) == ("float", 4):
@@ -202,11 +203,11 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         if dynamic:
             raise UnsupportedSpec("dynamic", "dynamic weight quantization is not supported")
         if strategy == "tensor":
-            return QuantizerSpec(format=fmt, granularity="tensor")
+            return QuantizerSpec(format=fmt, granularity="tensor", symmetric=symmetric)
         if strategy == "channel":
-            return QuantizerSpec(format=fmt, granularity="channel", axis=0)
+            return QuantizerSpec(format=fmt, granularity="channel", axis=0, symmetric=symmetric)
         if strategy == "group":
-            return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size))
+            return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size), symmetric=symmetric)
         raise UnsupportedSpec("strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group)")
     if strategy == "token":
         if dynamic is not True:
@@ -318,7 +319,8 @@ def tensor_layout(
     ``weight`` (int8 / float8_e4m3fn) or ``weight_packed`` (int32 for pack-quantized, eight int4 or four int8 per
     word; uint8 for nvfp4, two E2M1 codes per byte) + ``weight_shape`` (int64 ``[2]``, pack-quantized only);
     ``weight_scale`` (float32 ``[1]`` / ``[out, 1]`` / ``[out, in/group]``; float8_e4m3fn ``[out, in/16]`` for nvfp4);
-    ``weight_global_scale`` (nvfp4); ``input_scale`` (float32 ``[1]``, static inputs) or ``input_global_scale``
+    ``weight_zero_point`` (asymmetric weights: int8 of the scale's shape, or for pack-quantized int32 with
+    ``32 // bits`` zero points per word along the output dim); ``weight_global_scale`` (nvfp4); ``input_scale`` (float32 ``[1]``, static inputs) or ``input_global_scale``
     (float32 ``[1]``, nvfp4 inputs).
     """
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -340,6 +342,10 @@ def tensor_layout(
         else:
             out["weight"] = (torch.int8 if weight.format.startswith("int") else torch.float8_e4m3fn, (out_f, in_f))
         out["weight_scale"] = (SCALE_DTYPE, scale_shape)
+        if not weight.symmetric:
+            zp_rows = -(-scale_shape[0] * weight.num_bits // 32) if fmt == PACK_QUANTIZED else scale_shape[0]
+            zp_dtype = torch.int32 if fmt == PACK_QUANTIZED else torch.int8
+            out["weight_zero_point"] = (zp_dtype, (zp_rows,) + scale_shape[1:])
     if input is not None and not input.dynamic:
         if input.format == "nvfp4":
             out["input_global_scale"] = (torch.float32, (1,))

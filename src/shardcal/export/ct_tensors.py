@@ -7,11 +7,14 @@ bit for bit. Packing follows compressed-tensors (``pack_to_int32``, ``pack_fp4_t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
+    asymmetric_qparams,
     decode,
     nvfp4_global_scale,
     pack_int4_to_int32,
@@ -62,7 +65,25 @@ def encode_weight(quantizer: TensorQuantizer, weight: torch.Tensor, fmt: str) ->
     else:
         out["weight"] = enc["values"]
     out["weight_scale"] = enc["scale"].to(SCALE_DTYPE)
+    if "zero_point" in enc:
+        out["weight_zero_point"] = _pack_zero_point(enc["zero_point"], quantizer.spec.num_bits, fmt)
     return out
+
+
+def _pack_zero_point(zero_point: torch.Tensor, bits: int, fmt: str) -> torch.Tensor:
+    """``weight_zero_point`` as compressed-tensors stores it: int8 ``[out, groups]`` (int-quantized), or packed
+    ``32 // bits`` per int32 along the output dim, ``[ceil(out * bits / 32), groups]`` (pack-quantized)."""
+    if fmt != PACK_QUANTIZED:
+        return zero_point
+    return pack_to_int32(zero_point.T.contiguous(), bits).T.contiguous()
+
+
+def _unpack_zero_point(stored: torch.Tensor, bits: int, fmt: str, out_features: int) -> torch.Tensor:
+    if fmt != PACK_QUANTIZED:
+        return stored.to(torch.int8)
+    words = stored.T.contiguous()
+    unpack = unpack_int4_from_int32 if bits == 4 else unpack_int8_from_int32
+    return unpack(words, out_features).T.contiguous()
 
 
 def encode_input(quantizer: TensorQuantizer | None) -> dict[str, torch.Tensor]:
@@ -95,7 +116,17 @@ def decode_weight(
         values = unpack_int4_from_int32(packed, in_f) if spec.num_bits == 4 else unpack_int8_from_int32(packed, in_f)
     else:
         values = tensors["weight"]
-    return decode({"values": values, "scale": tensors["weight_scale"].float()}, spec, dtype)
+    enc = {"values": values, "scale": tensors["weight_scale"].float()}
+    if not spec.symmetric:
+        enc["zero_point"] = weight_zero_point(tensors, spec, fmt, out_f)
+    return decode(enc, spec, dtype)
+
+
+def weight_zero_point(
+    tensors: dict[str, torch.Tensor], spec: QuantizerSpec, fmt: str, out_features: int
+) -> torch.Tensor:
+    """The int8 zero points (the scale's shape) of an asymmetric weight's stored ``weight_zero_point``."""
+    return _unpack_zero_point(tensors["weight_zero_point"], spec.num_bits, fmt, out_features)
 
 
 # ----------------------------------------------------------------------------------------------- amax from scales
@@ -123,6 +154,43 @@ def amax_for_scale(scale: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor:
     qmax = NUMBER_FORMATS[spec.format].qmax
     scale = scale.float()
     return _float32_preimage(scale, scale * qmax, lambda a: scale_from_amax(a, spec.format))
+
+
+def range_for_qparams(
+    scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantizerSpec, span: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An asymmetric ``(amax, amin)`` whose scale and zero point (``formats.asymmetric_qparams``) equal the stored
+    ones bit for bit: ``amin`` within ``span`` ulps of ``(qmin - zp) * scale``, ``amax`` within ``span`` ulps of
+    ``amin + scale * (qmax - qmin)`` (the subtraction in the scale rule needs both ends to move)."""
+    f = NUMBER_FORMATS[spec.format]
+    scale, zero_point = scale.float(), zero_point.float()
+    centre = (f.qmin - zero_point) * scale
+    best_max, best_min = centre + scale * (f.qmax - f.qmin), centre.clone()
+    found = torch.zeros_like(scale, dtype=torch.bool)
+    for amin in _ulp_neighbours(centre, span):
+        scale_of = functools.partial(_asymmetric_scale, amin=amin, fmt=spec.format)
+        amax = _float32_preimage(scale, amin + scale * (f.qmax - f.qmin), scale_of, span)
+        got_scale, got_zp = asymmetric_qparams(amax, amin, spec.format)
+        hit = ~found & (got_scale == scale) & (got_zp == zero_point)
+        best_max, best_min = torch.where(hit, amax, best_max), torch.where(hit, amin, best_min)
+        found |= hit
+        if bool(found.all()):
+            break
+    return best_max, best_min
+
+
+def _asymmetric_scale(amax: torch.Tensor, amin: torch.Tensor, fmt: str) -> torch.Tensor:
+    return asymmetric_qparams(amax, amin, fmt)[0]
+
+
+def _ulp_neighbours(x: torch.Tensor, span: int) -> list[torch.Tensor]:
+    """``x``, then its neighbours 1, -1, 2, -2, ... ``span`` ulps away (float32)."""
+    out, up, down = [x], x, x
+    for _ in range(span):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        out += [up, down]
+    return out
 
 
 def amax_for_global_scale(global_scale: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,13 @@ from torch import nn
 from ..errors import CheckpointError, ConfigError
 from ..export import ct_config
 from ..export.ct_config import NVFP4_PACK_QUANTIZED, Scheme
-from ..export.ct_tensors import amax_for_global_scale, amax_for_scale, decode_weight
+from ..export.ct_tensors import (
+    amax_for_global_scale,
+    amax_for_scale,
+    decode_weight,
+    range_for_qparams,
+    weight_zero_point,
+)
 from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
 from ..quant.kv_cache import attach_kv_cache_quantizers, attention_modules, kv_cache_quantizers
@@ -145,6 +151,10 @@ def load_quantized_into(
                 wq = m.weight_quantizer
                 if scheme.format == NVFP4_PACK_QUANTIZED:
                     wq.set_amax(amax_for_global_scale(stored["weight_global_scale"]))
+                elif not scheme.weight.symmetric:
+                    zero_point = weight_zero_point(stored, scheme.weight, scheme.format, m.out_features)
+                    amax, amin = range_for_qparams(stored["weight_scale"], zero_point, scheme.weight)
+                    wq.set_amax(amax.reshape(wq.amax.shape), amin.reshape(wq.amax.shape))
                 else:
                     wq.set_amax(amax_for_scale(stored["weight_scale"], scheme.weight).reshape(wq.amax.shape))
                 wq.mode = QuantMode.DISABLED  # the weight already holds its quantized values

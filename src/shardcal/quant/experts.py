@@ -274,7 +274,7 @@ def store_quantized_weights(module: nn.Module) -> int:
         if wq is None:
             continue
         w = weight_slice(module, e, p)
-        w.copy_(fake_quantize(w, wq.amax, wq.spec, wq.layout).to(w.dtype))
+        w.copy_(fake_quantize(w, wq.amax, wq.spec, wq.layout, wq.amin).to(w.dtype))
         wq.mode = QuantMode.DISABLED  # the weights hold their quantized values now
         written += 1
     return written

@@ -5,6 +5,10 @@ deterministic, computed in float32 whatever the input dtype, and fake quantizati
 
 - ``int8`` / ``int4`` (symmetric): ``scale = amax / qmax`` (qmax 127 / 7), ``q = clamp(round(x / scale), qmin,
   qmax)`` with qmin -128 / -8 and round-half-to-even (``torch.round``), ``x_hat = q * scale``.
+- ``int8`` / ``int4`` asymmetric (weights): the range ``[lo, hi] = [min(amin, 0), max(amax, 0)]`` per slot gives
+  ``scale = (hi - lo) / (qmax - qmin)`` and the zero point ``zp = clamp(qmin - round(lo / scale), qmin, qmax)``
+  (compressed-tensors' rule, zero points in the signed range); ``q = clamp(round(x / scale) + zp, qmin, qmax)``,
+  ``x_hat = (q - zp) * scale``. Zero is represented exactly.
 - ``fp8_e4m3``: ``scale = amax / 448``, ``q = float8_e4m3fn(clamp(x / scale, -448, 448))`` (torch's round to
   nearest even; the clamp saturates instead of overflowing to NaN), ``x_hat = q * scale``.
 - ``nvfp4``: E2M1 values (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) in blocks of 16 along the last dim.
@@ -65,6 +69,20 @@ def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
         raise ValueError("nvfp4 has a global scale and per-block scales: use nvfp4_global_scale / nvfp4_block_scales")
     scale = amax.float() / f.qmax
     return torch.where(scale == 0, torch.full_like(scale, _F32_EPS), scale)
+
+
+def asymmetric_qparams(amax: torch.Tensor, amin: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero_point)`` (float32; the zero point holds integers) of an int format's range ``[amin, amax]``
+    (widened to include 0), a zero scale replaced by float32 eps."""
+    f = FORMATS[fmt]
+    if f.kind != "int":
+        raise ValueError(f"asymmetric quantization needs an int format, got {fmt!r}")
+    hi = torch.clamp(amax.float(), min=0.0)
+    lo = torch.clamp(amin.float(), max=0.0)
+    scale = (hi - lo) / (f.qmax - f.qmin)
+    scale = torch.where(scale == 0, torch.full_like(scale, _F32_EPS), scale)
+    zero_point = torch.clamp(f.qmin - torch.round(lo / scale), f.qmin, f.qmax)
+    return scale, zero_point
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -183,9 +201,16 @@ def _nvfp4_blocks(a: torch.Tensor) -> torch.Tensor:
     return a.unflatten(-1, (a.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE))
 
 
-def _quantize_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """Quantize a float32 arranged tensor; ``amax_b`` broadcasts against it. Values stay float32 here."""
+def _quantize_arranged(
+    a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Quantize a float32 arranged tensor; ``amax_b`` (and, asymmetric, ``amin_b``) broadcast against it. Values
+    stay float32 here; an asymmetric result has ``zp`` and its ``q`` holds the stored codes (zero point added)."""
     f = FORMATS[fmt]
+    if amin_b is not None:
+        scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
+        q = torch.clamp(torch.round(a / scale) + zp, f.qmin, f.qmax)
+        return {"q": q, "eff": scale, "zp": zp}
     if f.kind == "nvfp4":
         gs = nvfp4_global_scale(amax_b)
         xb = _nvfp4_blocks(a)
@@ -199,10 +224,11 @@ def _quantize_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str) -> dict[
     return {"q": q, "eff": scale}
 
 
-def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this)."""
-    r = _quantize_arranged(a, amax_b, fmt)
-    out = r["q"] * r["eff"]
+def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this); ``amin_b``
+    makes it asymmetric."""
+    r = _quantize_arranged(a, amax_b, fmt, amin_b)
+    out = (r["q"] - r["zp"]) * r["eff"] if "zp" in r else r["q"] * r["eff"]
     return out.flatten(-2) if FORMATS[fmt].kind == "nvfp4" else out
 
 
@@ -210,34 +236,57 @@ def _layout(spec: QuantizerSpec, x: torch.Tensor, layout: Layout | None) -> Layo
     return layout if layout is not None else Layout(spec, tuple(x.shape))
 
 
+def _broadcast_range(
+    lay: Layout, x: torch.Tensor, spec: QuantizerSpec, amax: torch.Tensor, amin: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``amax`` (and ``amin``, which an asymmetric spec needs and a symmetric one ignores) on ``x``'s device,
+    shaped to broadcast against the arranged ``x``."""
+    amax_b = lay.broadcast(amax.to(device=x.device, dtype=torch.float32))
+    if spec.symmetric:
+        return amax_b, None
+    if amin is None:
+        raise ValueError(f"{lay.name}: an asymmetric quantizer needs its amin as well as its amax")
+    return amax_b, lay.broadcast(amin.to(device=x.device, dtype=torch.float32))
+
+
 def fake_quantize(
-    x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    spec: QuantizerSpec,
+    layout: Layout | None = None,
+    amin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantize-dequantize ``x`` with ``amax`` (of the layout's amax shape); returns ``x``'s dtype.
+    """Quantize-dequantize ``x`` with ``amax`` (of the layout's amax shape; asymmetric: the range ``[amin, amax]``);
+    returns ``x``'s dtype.
 
     ``layout`` defaults to ``Layout(spec, x.shape)`` (right for a weight; a quantizer passes its own).
     """
     lay = _layout(spec, x, layout)
     a = lay.arrange(x.float())
-    amax_b = lay.broadcast(amax.to(device=x.device, dtype=torch.float32))
-    return lay.restore(qdq_arranged(a, amax_b, spec.format)).to(x.dtype)
+    amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
+    return lay.restore(qdq_arranged(a, amax_b, spec.format, amin_b)).to(x.dtype)
 
 
 def encode(
-    x: torch.Tensor, amax: torch.Tensor, spec: QuantizerSpec, layout: Layout | None = None
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    spec: QuantizerSpec,
+    layout: Layout | None = None,
+    amin: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The real quantized encoding of ``x`` (a weight) in compressed-tensors conventions.
 
     - int8: ``values`` int8 (``x``'s shape), ``scale`` float32 (amax shape: ``[1]``, ``[out, 1]``, ``[out, in/g]``)
     - int4: ``values`` int8 in [-8, 7] (pack with :func:`pack_int4_to_int32`), ``scale`` as above
+    - asymmetric int8 / int4: also ``zero_point`` int8 (amax shape); ``values`` include it
     - fp8_e4m3: ``values`` float8_e4m3fn, ``scale`` as above
     - nvfp4: ``packed`` uint8 ``[..., in/2]`` (two E2M1 codes per byte), ``scale`` float8_e4m3fn
       ``[..., in/16]`` (block scales), ``global_scale`` float32 ``[1]`` (``448 * 6 / amax``)
     """
     lay = _layout(spec, x, layout)
     a = lay.arrange(x.float())
-    amax_b = lay.broadcast(amax.to(device=x.device, dtype=torch.float32))
-    r = _quantize_arranged(a, amax_b, spec.format)
+    amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
+    r = _quantize_arranged(a, amax_b, spec.format, amin_b)
     kind = FORMATS[spec.format].kind
     if kind == "nvfp4":
         codes = e2m1_codes(r["q"].flatten(-2))
@@ -249,6 +298,9 @@ def encode(
     q = lay.restore(r["q"])
     values = q.to(torch.int8) if kind == "int" else q.to(torch.float8_e4m3fn)
     scale = r["eff"].expand(lay.bshape).reshape(lay.amax_shape).contiguous()
+    if "zp" in r:
+        zero_point = r["zp"].expand(lay.bshape).reshape(lay.amax_shape).to(torch.int8).contiguous()
+        return {"values": values, "scale": scale, "zero_point": zero_point}
     return {"values": values, "scale": scale}
 
 
@@ -262,7 +314,10 @@ def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype
         return (_nvfp4_blocks(q) * eff).flatten(-2).to(dtype)
     values = enc["values"]
     lay = Layout(spec, tuple(values.shape))
-    out = lay.arrange(values.float()) * lay.broadcast(enc["scale"].float())
+    codes = lay.arrange(values.float())
+    if "zero_point" in enc:
+        codes = codes - lay.broadcast(enc["zero_point"].float())
+    out = codes * lay.broadcast(enc["scale"].float())
     return lay.restore(out).to(dtype)
 
 

@@ -147,3 +147,11 @@ class Layout:
         if self.kind == "token":
             return x.detach().abs().amax(dim=-1, keepdim=True).float()
         return self.reduce(self.arrange(x).abs(), "amax").float()
+
+    def range_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(max, min)`` of ``x`` per slot (float32, :attr:`amax_shape`), widened to include 0: the range an
+        asymmetric max observer records."""
+        a = self.arrange(x.detach())
+        hi = torch.clamp(self.reduce(a, "amax").float(), min=0.0)
+        lo = torch.clamp(-self.reduce(-a, "amax").float(), max=0.0)
+        return hi, lo

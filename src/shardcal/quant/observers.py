@@ -14,6 +14,10 @@ over ranks and merging gives the same amax as observing all of it in one process
   ``sum |x - fake_quant(x)|^norm`` per slot (float64 sums, merged with SUM); the best candidate wins (the larger
   one on a tie).
 
+An asymmetric spec (int weights) calibrates a range: pass 0 also records the running ``min(x, 0)`` per slot (kept
+as ``max(-x, 0)``, merged with MAX, so bit-exact), ``max`` records ``max(x, 0)`` instead of ``max |x|``, and ``mse``
+shrinks both ends by the same fraction.
+
 Every observer also counts the elements it saw in pass 0 (merged with SUM): an MoE expert that no rank routed a
 token to reports 0, and its amax stays 0.
 
@@ -50,6 +54,8 @@ class Observer:
     def reset(self) -> None:
         """Forget everything observed."""
         self.amax = torch.zeros(self.layout.amax_shape, dtype=torch.float32, device=self.device)
+        #: Asymmetric only: the running ``max(-x, 0)`` per slot (``-amin``), merged with MAX like the amax.
+        self.neg_amin = None if self.spec.symmetric else torch.zeros_like(self.amax)
         self.count = torch.zeros((), dtype=torch.float64, device=self.device)
 
     @property
@@ -62,7 +68,12 @@ class Observer:
         if x.numel() == 0:
             return
         if pass_idx == 0:
-            self.amax = torch.maximum(self.amax, self.layout.amax_of(x.detach()).to(self.device))
+            if self.neg_amin is None:
+                self.amax = torch.maximum(self.amax, self.layout.amax_of(x.detach()).to(self.device))
+            else:
+                hi, lo = self.layout.range_of(x)
+                self.amax = torch.maximum(self.amax, hi.to(self.device))
+                self.neg_amin = torch.maximum(self.neg_amin, (-lo).to(self.device))
             self.count += x.numel()
         else:
             self._observe_pass(x.detach(), pass_idx)
@@ -73,7 +84,8 @@ class Observer:
     def stats(self, pass_idx: int) -> list[Stat]:
         """The tensors to all-reduce after pass ``pass_idx`` (merged in place)."""
         if pass_idx == 0:
-            return [("max", self.amax), ("sum", self.count)]
+            ranges = [("max", self.amax)] + ([] if self.neg_amin is None else [("max", self.neg_amin)])
+            return ranges + [("sum", self.count)]
         return self._pass_stats(pass_idx)
 
     def _pass_stats(self, pass_idx: int) -> list[Stat]:
@@ -85,6 +97,10 @@ class Observer:
     def compute_amax(self) -> torch.Tensor:
         """The calibrated amax (float32, the layout's amax shape), after the last pass."""
         return self.amax.clone()
+
+    def compute_amin(self) -> torch.Tensor | None:
+        """The calibrated amin of an asymmetric spec (float32, <= 0), after the last pass; None when symmetric."""
+        return None if self.neg_amin is None else -self.neg_amin
 
 
 class MaxObserver(Observer):
@@ -157,11 +173,19 @@ class MseObserver(Observer):
         """``[n_candidates, n_slots]`` float32 candidate amax values."""
         return self.amax.reshape(1, -1) * self.fractions.to(self.amax.device).reshape(-1, 1)
 
+    def amin_candidates(self) -> torch.Tensor | None:
+        """Asymmetric: the ``[n_candidates, n_slots]`` candidate amin values (the same fractions); else None."""
+        if self.neg_amin is None:
+            return None
+        return -self.neg_amin.reshape(1, -1) * self.fractions.to(self.amax.device).reshape(-1, 1)
+
     def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
         a = self.layout.arrange(x).float()
         norm = float(self.params["norm"])
+        lows = self.amin_candidates()
         for i, cand in enumerate(self.candidates().to(a.device)):
-            deq = qdq_arranged(a, self.layout.broadcast(cand), self.spec.format)
+            low = None if lows is None else self.layout.broadcast(lows[i].to(a.device))
+            deq = qdq_arranged(a, self.layout.broadcast(cand), self.spec.format, low)
             diff = (a - deq).abs_()
             err = diff.square_() if norm == 2.0 else diff.pow_(norm)
             self.errors[i] += self.layout.reduce(err, "sum").reshape(-1).to(self.device)
@@ -169,11 +193,16 @@ class MseObserver(Observer):
     def _pass_stats(self, pass_idx: int) -> list[Stat]:
         return [("sum", self.errors)]
 
-    def compute_amax(self) -> torch.Tensor:
+    def _best(self, cands: torch.Tensor) -> torch.Tensor:
         best = torch.argmin(self.errors, dim=0)  # the first (largest) candidate on a tie
-        cands = self.candidates()
-        amax = cands.gather(0, best.reshape(1, -1).to(cands.device)).reshape(-1)
-        return amax.reshape(self.layout.amax_shape).clone()
+        return cands.gather(0, best.reshape(1, -1).to(cands.device)).reshape(self.layout.amax_shape).clone()
+
+    def compute_amax(self) -> torch.Tensor:
+        return self._best(self.candidates())
+
+    def compute_amin(self) -> torch.Tensor | None:
+        lows = self.amin_candidates()
+        return None if lows is None else self._best(lows)
 
 
 OBSERVERS: dict[str, type[Observer]] = {cls.name: cls for cls in (MaxObserver, PercentileObserver, MseObserver)}

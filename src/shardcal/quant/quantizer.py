@@ -1,5 +1,6 @@
 """``TensorQuantizer``: fake quantization of one tensor (a weight, a layer's input or output), calibrated by an
-observer, with its amax kept as a buffer so that a state dict carries it.
+observer, with its amax kept as a buffer so that a state dict carries it (an asymmetric quantizer: ``amax`` and
+``amin``, its range's two ends).
 
 Modes (``quantizer.mode``):
 
@@ -77,6 +78,12 @@ class TensorQuantizer(nn.Module):
             self.register_buffer(
                 "amax", torch.full(self.layout.amax_shape, float("nan"), dtype=torch.float32, device=device)
             )
+        #: Asymmetric specs only: the range's lower end per slot (<= 0); ``amax`` is then its upper end.
+        self.amin: torch.Tensor | None
+        if spec.symmetric:
+            self.amin = None
+        else:
+            self.register_buffer("amin", torch.full_like(self.amax, float("nan")))
         self._calibrated = spec.dynamic
         self._observer: Observer | None = None
         self._pass: int | None = None
@@ -103,18 +110,26 @@ class TensorQuantizer(nn.Module):
         """Calibration passes over the data this quantizer needs (0 for a dynamic spec)."""
         return 0 if self.spec.dynamic else OBSERVERS[self.spec.observer].num_passes
 
-    def set_amax(self, amax: torch.Tensor) -> None:
-        """Set the calibrated amax directly (shape: the layout's amax shape, or anything that reshapes to it)."""
+    def set_amax(self, amax: torch.Tensor, amin: torch.Tensor | None = None) -> None:
+        """Set the calibrated amax directly (shape: the layout's amax shape, or anything that reshapes to it); an
+        asymmetric quantizer needs ``amin`` too (a symmetric one refuses it)."""
         if self.amax is None:
             raise ValueError(f"{self.name}: a dynamic quantizer has no amax to set")
+        if (amin is None) != (self.amin is None):
+            need = "needs an amin with its amax" if self.amin is not None else "takes no amin (it is symmetric)"
+            kind = "an asymmetric" if self.amin is not None else "a symmetric"
+            raise ValueError(f"{self.name}: {kind} quantizer {need}")
         with torch.no_grad():
             self.amax.copy_(torch.as_tensor(amax, dtype=torch.float32).reshape(self.amax.shape))
+            if amin is not None:
+                self.amin.copy_(torch.as_tensor(amin, dtype=torch.float32).reshape(self.amin.shape))
         self._calibrated = True
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.amax is not None and prefix + "amax" in state_dict:
-            self._calibrated = not bool(torch.isnan(self.amax).any())
+            ranges = [self.amax] + ([] if self.amin is None else [self.amin])
+            self._calibrated = not any(bool(torch.isnan(t).any()) for t in ranges)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -147,7 +162,7 @@ class TensorQuantizer(nn.Module):
         else:
             self._require_calibrated("quantize")
             amax = self.amax
-        return fake_quantize(x, amax, self.spec, self.layout)
+        return fake_quantize(x, amax, self.spec, self.layout, self.amin)
 
     def _require_calibrated(self, what: str) -> None:
         if not self._calibrated:
@@ -207,13 +222,16 @@ class TensorQuantizer(nn.Module):
                 )
             with torch.no_grad():
                 self.amax.copy_(self._observer.compute_amax().to(self.amax.device))
+                if self.amin is not None:
+                    self.amin.copy_(self._observer.compute_amin().to(self.amin.device))
             self.num_observed = self._observer.num_observed
             self._calibrated = True
         self._observer, self._pass = None, None
         self._mode = QuantMode.QUANTIZE
 
     def calibrate_from(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor | None:
-        """Run every pass on ``tensor`` (a full weight; a DTensor is gathered first) and return the amax."""
+        """Run every pass on ``tensor`` (a full weight; a DTensor is gathered first) and return the amax (an
+        asymmetric quantizer's amin is in :attr:`amin`)."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(tensor, DTensor):
@@ -234,7 +252,7 @@ class TensorQuantizer(nn.Module):
         """The real quantized encoding of ``tensor`` (a weight) with the calibrated amax (see ``formats.encode``)."""
         self._require_calibrated("encode")
         amax = self.layout.amax_of(tensor) if self.spec.dynamic else self.amax
-        return encode(tensor, amax, self.spec, self.layout)
+        return encode(tensor, amax, self.spec, self.layout, self.amin)
 
     def export_scales(self) -> dict[str, torch.Tensor]:
         """Static activation scales for export: ``{"scale"}`` (int/fp8) or ``{"global_scale"}`` (nvfp4)."""

@@ -57,6 +57,10 @@ OBSERVER_KINDS: dict[str, ObserverKind] = {
 }
 
 
+#: Observers that calibrate an asymmetric range (min and max per slot).
+ASYMMETRIC_OBSERVERS: tuple[str, ...] = ("max", "mse")
+
+
 def validate_observer(name: Any, params: Mapping[str, Any]) -> dict[str, Any]:
     """``params`` checked and completed with defaults; :class:`SpecError` for an unknown observer or parameter."""
     if name not in OBSERVER_KINDS:
@@ -75,7 +79,9 @@ class QuantizerSpec:
       ``nvfp4`` is always ``"group"`` with ``group_size`` 16 (its FP8 block scales) and one calibrated global
       amax per tensor; a spec built with ``format="nvfp4"`` and nothing else gets those values.
     - ``observer`` and ``observer_params``: how the amax is calibrated (see :mod:`shardcal.quant.observers`).
-    - ``symmetric``: only symmetric quantization is supported (``True``).
+    - ``symmetric``: ``True`` (one scale, zero at zero) or ``False``: asymmetric, for int weights only — a scale
+      and an integer zero point per slot, from the slot's range ``[min(x, 0), max(x, 0)]`` (see
+      :mod:`shardcal.quant.formats`); calibrated by the ``max`` or ``mse`` observer.
     - ``dynamic``: the amax is computed from each tensor at run time (no calibration, no stored amax).
     """
 
@@ -122,8 +128,8 @@ class QuantizerSpec:
                 f"nvfp4 always uses blocks of {NVFP4_BLOCK_SIZE} (granularity 'group', group_size {NVFP4_BLOCK_SIZE}); "
                 f"got granularity {self.granularity!r}, group_size {self.group_size!r}",
             )
-        if self.symmetric is not True:
-            raise SpecError("symmetric", "only symmetric quantization is supported (symmetric = true)")
+        if not isinstance(self.symmetric, bool):
+            raise SpecError("symmetric", f"symmetric must be true or false, got {self.symmetric!r}")
         if not isinstance(self.dynamic, bool):
             raise SpecError("dynamic", f"dynamic must be true or false, got {self.dynamic!r}")
         if self.granularity == "token" and not self.dynamic:
@@ -136,8 +142,24 @@ class QuantizerSpec:
                 "dynamic",
                 "nvfp4 block scales are always computed at run time; its global amax is calibrated (dynamic = false)",
             )
+        if not self.symmetric:
+            self._check_asymmetric()
         params = validate_observer(self.observer, dict(self.observer_params))
         object.__setattr__(self, "observer_params", params)
+
+    def _check_asymmetric(self) -> None:
+        if not self.format.startswith("int"):
+            raise SpecError(
+                "symmetric", f"asymmetric quantization (symmetric = false) needs an int format, not {self.format!r}"
+            )
+        if self.dynamic:
+            raise SpecError("symmetric", "asymmetric quantization is static only (dynamic = false)")
+        if self.observer not in ASYMMETRIC_OBSERVERS:
+            raise SpecError(
+                "symmetric",
+                f"asymmetric quantization is calibrated by the {' or '.join(map(repr, ASYMMETRIC_OBSERVERS))} "
+                f"observer, not {self.observer!r}",
+            )
 
     def __hash__(self) -> int:
         return hash(
@@ -177,7 +199,8 @@ class QuantizerSpec:
             where = "per channel"
         else:
             where = f"per {self.granularity}"
-        return f"{self.format}, {where}, " + ("dynamic" if self.dynamic else self.observer)
+        sym = "" if self.symmetric else "asymmetric, "
+        return f"{self.format}, {where}, {sym}" + ("dynamic" if self.dynamic else self.observer)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data; :meth:`from_dict` gives the spec back."""
