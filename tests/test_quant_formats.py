@@ -272,3 +272,62 @@ def test_pack_fp4_order():
         pack_int4_to_int32(torch.zeros(2, 8, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         pack_int4_to_int32(torch.full((1, 8), 9, dtype=torch.int8))
+
+
+# ------------------------------------------------------------------------------------- asymmetric int
+
+
+def _asymmetric_reference(w: torch.Tensor, group: int, qmin: int, qmax: int) -> torch.Tensor:
+    """A plain per-group loop over Python floats rounded to float32 step by step (the documented rule)."""
+    import numpy as np
+
+    f32 = np.float32
+    rows = []
+    for row in w.tolist():
+        out = []
+        for g0 in range(0, len(row), group):
+            vals = [f32(v) for v in row[g0 : g0 + group]]
+            hi, lo = max(max(vals), f32(0)), min(min(vals), f32(0))
+            s = f32(f32(hi - lo) / f32(qmax - qmin))
+            s = s if s != 0 else np.finfo(np.float32).eps
+            zp = min(max(f32(qmin) - np.round(f32(lo / s)), qmin), qmax)
+            out += [f32(f32(min(max(np.round(f32(v / s)) + zp, qmin), qmax) - zp) * s) for v in vals]
+        rows.append(out)
+    return torch.tensor(np.array(rows, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt, qmin, qmax", [("int4", -8, 7), ("int8", -128, 127)])
+def test_asymmetric_int_matches_a_plain_loop_and_round_trips(fmt, qmin, qmax):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(6, 64, generator=g) * 0.05 + torch.rand(6, 1, generator=g) * 0.1  # off-centre rows
+    w[0] = torch.rand(64, generator=g)  # all positive: the range still includes 0
+    spec = QuantizerSpec(fmt, "group", group_size=16, symmetric=False)
+    hi, lo = Layout(spec, w.shape).range_of(w)
+    fq = fake_quantize(w, hi, spec, amin=lo)
+    assert torch.equal(fq, _asymmetric_reference(w, 16, qmin, qmax))
+    enc = encode(w, hi, spec, amin=lo)
+    assert enc["values"].dtype == torch.int8 and enc["zero_point"].dtype == torch.int8
+    assert enc["zero_point"].shape == (6, 4) and int(enc["zero_point"][0].min()) == qmin  # min 0: zp at qmin
+    assert torch.equal(decode(enc, spec), fq)
+    assert torch.equal(fake_quantize(torch.zeros(6, 64), hi, spec, amin=lo), torch.zeros(6, 64))  # zero is exact
+    sym = QuantizerSpec(fmt, "group", group_size=16)
+    sym_err = (fake_quantize(w, Layout(sym, w.shape).amax_of(w), sym) - w).pow(2).sum()
+    assert (fq - w).pow(2).sum() < 0.6 * sym_err  # off-centre groups: the full range of codes is used
+
+
+def test_asymmetric_int_matches_compressed_tensors_fake_quantize():
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fq
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(16, 256, generator=g) * 3 + 1.0
+    spec = QuantizerSpec("int4", "group", group_size=128, symmetric=False)
+    hi, lo = Layout(spec, w.shape).range_of(w)
+    enc = encode(w, hi, spec, amin=lo)
+    args = _ct_args(num_bits=4, type="int", strategy="group", group_size=128, symmetric=False)
+    assert torch.equal(fake_quantize(w, hi, spec, amin=lo), ct_fq(w, enc["scale"], enc["zero_point"], args))
+
+
+def test_asymmetric_quantizer_needs_its_amin():
+    spec = QuantizerSpec("int4", "group", group_size=16, symmetric=False)
+    with pytest.raises(ValueError, match="needs its amin"):
+        fake_quantize(torch.ones(2, 16), torch.ones(2, 1), spec)

@@ -41,6 +41,8 @@ CONFIGS = [
     ),
     ("mse-fp8-tensor", QuantizerSpec("fp8_e4m3", observer="mse"), (HIDDEN,)),
     ("mse-nvfp4", QuantizerSpec("nvfp4", observer="mse"), (HIDDEN,)),
+    ("max-int8-channel-asym", QuantizerSpec("int8", "channel", axis=-1, symmetric=False), (HIDDEN,)),
+    ("mse-int4-group-asym", QuantizerSpec("int4", "group", group_size=8, observer="mse", symmetric=False), (HIDDEN,)),
 ]
 
 
@@ -83,6 +85,36 @@ def test_max_observer_is_the_exact_amax():
     w = torch.randn(6, 16)
     q = TensorQuantizer(QuantizerSpec("int8", "channel", axis=0), w.shape)
     assert torch.equal(q.calibrate_from(w), w.abs().amax(1, keepdim=True))
+
+
+def test_asymmetric_max_observer_is_the_exact_range():
+    """Asymmetric: amax is ``max(x, 0)`` and amin ``min(x, 0)`` over the elements that share a scale."""
+    x = _data() + 1.0  # most values positive: amin is the (small) minimum, not -amax
+    q = TensorQuantizer(QuantizerSpec("int4", "group", group_size=8, symmetric=False), (HIDDEN,))
+    _calibrate(q, list(x))
+    groups = x.reshape(-1, HIDDEN // 8, 8)
+    assert torch.equal(q.amax, groups.amax(dim=(0, 2)).clamp(min=0))
+    assert torch.equal(q.amin, groups.amin(dim=(0, 2)).clamp(max=0))
+    assert bool((q.amin > -q.amax).any())
+    w = torch.rand(6, 16) + 0.5  # all positive: the range still starts at 0
+    wq = TensorQuantizer(QuantizerSpec("int8", "channel", axis=0, symmetric=False), w.shape)
+    assert torch.equal(wq.calibrate_from(w), w.amax(1, keepdim=True)) and torch.equal(wq.amin, torch.zeros(6, 1))
+
+
+def test_asymmetric_mse_observer_picks_the_best_candidate():
+    torch.manual_seed(1)
+    w = torch.randn(4, 64) + 0.5
+    w[0, 0] = 12.0  # an outlier worth clipping
+    params = {"grid": 50, "max_shrink": 0.6}
+    spec = QuantizerSpec("int4", "channel", axis=0, observer="mse", observer_params=params, symmetric=False)
+    q = TensorQuantizer(spec, w.shape)
+    amax = q.calibrate_from(w)
+    hi, lo = w.amax(1, keepdim=True).clamp(min=0), w.amin(1, keepdim=True).clamp(max=0)
+    fractions = torch.tensor([1 - i / 50 for i in range(31)], dtype=torch.float32)
+    errs = torch.stack([(fake_quantize(w, hi * f, spec, amin=lo * f) - w).pow(2).sum(1).double() for f in fractions])
+    best = fractions[errs.argmin(0)][:, None]
+    assert torch.equal(amax, hi * best) and torch.equal(q.amin, lo * best)
+    assert amax[0].item() < 12.0
 
 
 def test_percentile_observer_close_to_quantile():
@@ -154,7 +186,8 @@ def _split_and_merge_on_ranks():
     finish_calibration_all(dist_qs)
     for dq, rq, (name, _, _) in zip(dist_qs, ref_qs, CONFIGS):
         ref = _calibrate(rq, [x.reshape(-1, HIDDEN)])
-        results[name] = (torch.equal(dq.amax, ref), dq.num_observed == x.numel(), dq.amax.tolist()[:3])
+        same = torch.equal(dq.amax, ref) and (dq.amin is None or torch.equal(dq.amin, rq.amin))
+        results[name] = (same, dq.num_observed == x.numel(), dq.amax.tolist()[:3])
     # a rank that sees no data still takes part in every merge (an MoE expert with no tokens)
     q = TensorQuantizer(QuantizerSpec("int8", observer="percentile"), (HIDDEN,))
     amax = _calibrate(q, [x.reshape(-1, HIDDEN)] if rank == 0 else [], dist.group.WORLD)
@@ -177,7 +210,7 @@ def _split_and_merge_on_ranks():
 def test_split_over_ranks_and_merge_equals_one_process():
     for issued, results, world in run_on_ranks(2, _split_and_merge_on_ranks):
         assert world == 2
-        assert issued == [2, 1], issued  # pass 0: MAX + SUM; pass 1: SUM, for all ten quantizers together
+        assert issued == [2, 1], issued  # pass 0: MAX + SUM; pass 1: SUM, for all twelve quantizers together
         bad = {k: v for k, v in results.items() if not (v[0] and v[1])}
         assert not bad, bad
 

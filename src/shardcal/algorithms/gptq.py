@@ -93,7 +93,7 @@ def _quantize_column(
     ``formats.fake_quantize``."""
     f = FORMATS[fmt]
     if zero_point is not None:
-        return (torch.clamp(torch.round(w / scale) + zero_point, f.qmin, f.qmax) - zero_point) * scale
+        return torch.clamp(torch.round(w / scale), f.qmin - zero_point, f.qmax - zero_point) * scale
     scaled = torch.clamp(w / scale, f.qmin, f.qmax)
     q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
     return q * scale

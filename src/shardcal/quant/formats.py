@@ -205,11 +205,13 @@ def _quantize_arranged(
     a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Quantize a float32 arranged tensor; ``amax_b`` (and, asymmetric, ``amin_b``) broadcast against it. Values
-    stay float32 here; an asymmetric result has ``zp`` and its ``q`` holds the stored codes (zero point added)."""
+    stay float32 here and ``q * eff`` is the dequantized tensor; an asymmetric result also has ``zp`` (the stored
+    codes are ``q + zp``: ``clamp(round(x / s), qmin - zp, qmax - zp) + zp`` equals ``clamp(round(x / s) + zp,
+    qmin, qmax)`` exactly, small integers in float32, with two full-size operations fewer)."""
     f = FORMATS[fmt]
     if amin_b is not None:
         scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
-        q = torch.clamp(torch.round(a / scale) + zp, f.qmin, f.qmax)
+        q = torch.clamp(torch.round(a / scale), f.qmin - zp, f.qmax - zp)
         return {"q": q, "eff": scale, "zp": zp}
     if f.kind == "nvfp4":
         gs = nvfp4_global_scale(amax_b)
@@ -228,7 +230,7 @@ def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.
     """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this); ``amin_b``
     makes it asymmetric."""
     r = _quantize_arranged(a, amax_b, fmt, amin_b)
-    out = (r["q"] - r["zp"]) * r["eff"] if "zp" in r else r["q"] * r["eff"]
+    out = r["q"] * r["eff"]
     return out.flatten(-2) if FORMATS[fmt].kind == "nvfp4" else out
 
 
@@ -295,7 +297,7 @@ def encode(
             "scale": r["block_scale"].squeeze(-1).to(torch.float8_e4m3fn),
             "global_scale": r["global_scale"].reshape(1),
         }
-    q = lay.restore(r["q"])
+    q = lay.restore(r["q"] + r["zp"] if "zp" in r else r["q"])
     values = q.to(torch.int8) if kind == "int" else q.to(torch.float8_e4m3fn)
     scale = r["eff"].expand(lay.bshape).reshape(lay.amax_shape).contiguous()
     if "zp" in r:
