@@ -40,12 +40,12 @@ from ..distributed import all_gather_strings, broadcast_, group_rank_size
 from ..errors import NumericsError, RecipeError
 from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
-from ..quant.formats import FORMATS, asymmetric_qparams, scale_from_amax
+from ..quant.formats import FORMATS
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .awq import AWQ
 from .base import LayerAlgorithm
-from .scales import clip_search_amax, refine_rounding, refit_scales
+from .scales import clip_search_amax, element_qparams, qparams, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
 
@@ -62,28 +62,6 @@ def check_quantizer(q: TensorQuantizer, name: str) -> None:
         raise RecipeError(f"{name}: gptq supports int8, int4 and fp8_e4m3 weights, not {spec.format!r}")
     if not q.calibrated or q.amax is None:
         raise RecipeError(f"{name}: gptq needs a calibrated static weight quantizer")
-
-
-def _qparams(amax: torch.Tensor, amin: torch.Tensor | None, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(scale, zero point or None)`` of an amax (and, asymmetric, an amin)."""
-    if amin is None:
-        return scale_from_amax(amax, fmt), None
-    return asymmetric_qparams(amax, amin, fmt)
-
-
-def element_qparams(q: TensorQuantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The quantizer's scale (and zero point, asymmetric) for every element of ``weight`` (float32, its shape)."""
-    lay = q.layout
-    arranged = lay.arrange(weight)
-
-    def per_element(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return lay.restore(t.expand(arranged.shape)).contiguous()
-
-    amin = None if q.amin is None else lay.broadcast(q.amin.to(device=weight.device, dtype=torch.float32))
-    scale, zp = _qparams(lay.broadcast(q.amax.to(device=weight.device, dtype=torch.float32)), amin, q.spec.format)
-    return per_element(scale), per_element(zp)
 
 
 def _quantize_column(
@@ -204,7 +182,7 @@ def gptq_quantize(
                     amax[:, g] = hi.reshape(-1).to(amax.device)
                     if lo is not None:
                         amin[:, g] = lo.reshape(-1).to(amin.device)
-                    gs, gz = _qparams(amax[:, g], None if lo is None else amin[:, g], fmt)
+                    gs, gz = qparams(amax[:, g], None if lo is None else amin[:, g], fmt)
                     st[i1 + i : i1 + i + group] = gs.to(st.device)
                     if gz is not None:
                         zt[i1 + i : i1 + i + group] = gz.to(zt.device)
@@ -321,9 +299,8 @@ class GPTQ(LayerAlgorithm):
         step.invalidate_outputs()
 
     def _check_asymmetric(self, q: TensorQuantizer, name: str) -> None:
-        tuned = [k for k in ("refine_sweeps", "refit_scales") if self.params[k]]
-        if not q.spec.symmetric and tuned:
-            raise RecipeError(f"{name}: gptq's {' and '.join(tuned)} need symmetric weights (symmetric = true)")
+        if not q.spec.symmetric and self.params["refit_scales"]:
+            raise RecipeError(f"{name}: gptq's refit_scales needs symmetric weights (symmetric = true)")
 
     def _gptq(
         self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]

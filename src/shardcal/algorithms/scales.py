@@ -15,7 +15,8 @@ instead of the weight error itself:
   ``E H``), i.e. rounding tuned against the inputs, starting from GPTQ's.
 
 They return amax values for the weight quantizer (``scale = amax / qmax``), so export and reload work unchanged;
-:func:`clip_search_amax` also serves asymmetric weights (an amin as well), the other two symmetric ones only.
+:func:`clip_search_amax` and :func:`refine_rounding` also serve asymmetric weights (zero points shift the codes'
+bounds), :func:`refit_scales` symmetric ones only.
 """
 
 from __future__ import annotations
@@ -24,8 +25,30 @@ import math
 
 import torch
 
-from ..quant.formats import FORMATS, fake_quantize, scale_from_amax
+from ..quant.formats import FORMATS, asymmetric_qparams, fake_quantize, scale_from_amax
 from ..quant.quantizer import TensorQuantizer
+
+
+def qparams(amax: torch.Tensor, amin: torch.Tensor | None, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, zero point or None)`` of an amax (and, asymmetric, an amin)."""
+    if amin is None:
+        return scale_from_amax(amax, fmt), None
+    return asymmetric_qparams(amax, amin, fmt)
+
+
+def element_qparams(q: TensorQuantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The quantizer's scale (and zero point, asymmetric) for every element of ``weight`` (float32, its shape)."""
+    lay = q.layout
+    arranged = lay.arrange(weight)
+
+    def per_element(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return lay.restore(t.expand(arranged.shape)).contiguous()
+
+    amin = None if q.amin is None else lay.broadcast(q.amin.to(device=weight.device, dtype=torch.float32))
+    scale, zp = qparams(lay.broadcast(q.amax.to(device=weight.device, dtype=torch.float32)), amin, q.spec.format)
+    return per_element(scale), per_element(zp)
 
 
 def _group_size(q: TensorQuantizer, n: int) -> int | None:
@@ -42,37 +65,61 @@ def clip_search_amax(
     w: torch.Tensor, q: TensorQuantizer, h: torch.Tensor, max_shrink: float, grid: int
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per group: the shrunk max amax with the least output error ``e H_gg e^T`` (see the module docstring);
-    ``(amax, amin)``, with amin the shrunk minimum for an asymmetric quantizer (both ends shrink by the same
-    fraction) and None for a symmetric one.
+    ``(amax, amin)``, amin None for a symmetric quantizer. An asymmetric one first shrinks both ends of each
+    group's range by the same fraction, then each end alone (the other held at its best so far), lower end first.
 
     ``w`` [out, in] float32, ``h`` [in, in] float32 on ``w``'s device. None for a layout without row groups.
     """
     g = _group_size(q, w.shape[1]) if w.dim() == 2 else None
     if g is None:
         return None
-    lay = q.layout
-    out, n = w.shape
-    blocks = w.reshape(out, n // g, g)  # [out, groups, g]
-    hb = torch.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
+    search = _RangeSearch(w, q, h, g)
+    fractions = [1.0 - i / grid for i in range(int(math.floor(max_shrink * grid + 1e-9)) + 1)]
     if q.spec.symmetric:
-        wmax, wmin = blocks.abs().amax(dim=-1), None  # [out, groups]
-    else:
-        wmax, wmin = (t.reshape(out, n // g) for t in lay.range_of(w))
-    best_err = torch.full_like(wmax, math.inf, dtype=torch.float64)
-    best, best_min = wmax.clone(), None if wmin is None else wmin.clone()
-    for i in range(int(math.floor(max_shrink * grid + 1e-9)) + 1):
-        c = 1.0 - i / grid
-        amax, amin = wmax * c, None if wmin is None else wmin * c
-        low = None if amin is None else amin.reshape(lay.amax_shape)
-        qdq = fake_quantize(w, amax.reshape(lay.amax_shape), q.spec, lay, low).reshape(out, n // g, g)
-        e = blocks - qdq
-        err = torch.einsum("ogi,gij,ogj->og", e, hb, e).double()
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, amax, best)
+        for c in fractions:
+            search.try_range(search.wmax * c, None)
+        return search.result()
+    for c in fractions:
+        search.try_range(search.wmax * c, search.wmin * c)
+    for c in fractions:
+        search.try_range(search.best_max, search.wmin * c)
+    for c in fractions:
+        search.try_range(search.wmax * c, search.best_min)
+    return search.result()
+
+
+class _RangeSearch:
+    """Candidate ranges per group of one weight, scored by the output error on the group's block of ``H``."""
+
+    def __init__(self, w: torch.Tensor, q: TensorQuantizer, h: torch.Tensor, g: int):
+        self.w, self.q, self.lay = w, q, q.layout
+        out, n = w.shape
+        self.blocks = w.reshape(out, n // g, g)  # [out, groups, g]
+        self.hb = torch.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
+        if q.spec.symmetric:
+            self.wmax, self.wmin = self.blocks.abs().amax(dim=-1), None  # [out, groups]
+        else:
+            self.wmax, self.wmin = (t.reshape(out, n // g) for t in self.lay.range_of(w))
+        self.best_err = torch.full_like(self.wmax, math.inf, dtype=torch.float64)
+        self.best_max = self.wmax.clone()
+        self.best_min = None if self.wmin is None else self.wmin.clone()
+
+    def try_range(self, amax: torch.Tensor, amin: torch.Tensor | None) -> None:
+        """Keep ``(amax, amin)`` [out, groups] for the groups where it lowers the error (strictly)."""
+        shape = self.lay.amax_shape
+        low = None if amin is None else amin.reshape(shape)
+        qdq = fake_quantize(self.w, amax.reshape(shape), self.q.spec, self.lay, low).reshape(self.blocks.shape)
+        e = self.blocks - qdq
+        err = torch.einsum("ogi,gij,ogj->og", e, self.hb, e).double()
+        better = err < self.best_err
+        self.best_err = torch.where(better, err, self.best_err)
+        self.best_max = torch.where(better, amax, self.best_max)
         if amin is not None:
-            best_min = torch.where(better, amin, best_min)
-    return best.reshape(lay.amax_shape), None if best_min is None else best_min.reshape(lay.amax_shape)
+            self.best_min = torch.where(better, amin, self.best_min)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shape = self.lay.amax_shape
+        return self.best_max.reshape(shape), None if self.best_min is None else self.best_min.reshape(shape)
 
 
 def _row_errors(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -138,12 +185,13 @@ def refine_rounding(
     fmt = FORMATS[q.spec.format]
     if fmt.kind != "int" or weight.dim() != 2:
         return None
-    lay = q.layout
     w, wq, h = weight.float(), quantized.float(), h.to(device=weight.device, dtype=torch.float32)
-    amax = lay.broadcast(q.amax.to(device=w.device, dtype=torch.float32))
-    scale = lay.restore(scale_from_amax(amax, q.spec.format).expand(lay.arrange(w).shape))
+    scale, zp = element_qparams(q, w)
     scale_t = scale.T.contiguous()  # column j of W is row j here
-    codes_t = torch.round(wq / scale).T.contiguous()
+    codes_t = torch.round(wq / scale).T.contiguous()  # asymmetric: codes less the zero point
+    # the codes' bounds, per element when zero points shift them
+    lo_t = fmt.qmin if zp is None else (fmt.qmin - zp).T.contiguous()
+    hi_t = fmt.qmax if zp is None else (fmt.qmax - zp).T.contiguous()
     grad_t = ((wq - w) @ h).T.contiguous()  # (E H)^T: row j is half the derivative of every row's error in w_.j
     n = w.shape[1]
     diag = torch.diagonal(h).tolist()
@@ -157,7 +205,8 @@ def refine_rounding(
                 s, g = scale_t[b0 + i], local[i]
                 step = -torch.sign(g)
                 target = codes_t[b0 + i] + step
-                move = (step * g * 2.0 + s * diag[b0 + i] < 0) & (target >= fmt.qmin) & (target <= fmt.qmax)
+                lo, hi = (lo_t, hi_t) if zp is None else (lo_t[b0 + i], hi_t[b0 + i])
+                move = (step * g * 2.0 + s * diag[b0 + i] < 0) & (target >= lo) & (target <= hi)
                 step = step * move
                 codes_t[b0 + i] += step
                 delta = step * s
