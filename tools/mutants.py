@@ -346,8 +346,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-e2m1-tie",
         "quant/formats.py",
-        "    v = torch.where(a > 0.25, 0.5, v)\n",
-        "    v = torch.where(a >= 0.25, 0.5, v)\n",
+        "    return a.add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)  # torch.sign(NaN) = 0: NaN -> 0.0\n",
+        "    return a.nextafter_(c).add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)\n",
         "E2M1: 0.25 rounds up to 0.5 (not to even, 0)",
     ),
     Mutant(

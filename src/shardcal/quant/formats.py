@@ -106,18 +106,15 @@ def nvfp4_block_scales(xb: torch.Tensor, global_scale: torch.Tensor) -> torch.Te
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values already clamped to [-6, 6] to the nearest E2M1 value, ties to even.
 
-    Same thresholds and sign handling as compressed-tensors' ``cast_to_fp4`` (a small negative rounds to -0.0).
+    Same values as compressed-tensors' ``cast_to_fp4`` thresholds and sign handling (a small negative rounds to
+    -0.0, -0.0 and NaN give 0.0). The E2M1 step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, i.e. ``2 ** (e - 1)``
+    for ``|x|``'s binary exponent ``e`` taken at least 0: adding ``c = step * 2 ** 23`` (whose float32 ulp is
+    that step) rounds ``|x|`` to a multiple of its step, ties to even, and subtracting ``c`` again is exact.
     """
     a = x.abs()
-    v = torch.zeros_like(a)
-    v = torch.where(a > 0.25, 0.5, v)
-    v = torch.where(a >= 0.75, 1.0, v)
-    v = torch.where(a > 1.25, 1.5, v)
-    v = torch.where(a >= 1.75, 2.0, v)
-    v = torch.where(a > 2.5, 3.0, v)
-    v = torch.where(a >= 3.5, 4.0, v)
-    v = torch.where(a > 5.0, 6.0, v)
-    return v * torch.sign(x)
+    exponent = (a.view(torch.int32) >> 23).clamp_(min=127)  # biased; at least 127 (2 ** 0): the step is >= 0.5
+    c = ((exponent + 22) << 23).view(torch.float32)  # 2 ** (e + 22) = step * 2 ** 23
+    return a.add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)  # torch.sign(NaN) = 0: NaN -> 0.0
 
 
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:

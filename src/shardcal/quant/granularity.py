@@ -30,8 +30,9 @@ from .spec import QuantizerSpec
 
 
 def _sum64(t: torch.Tensor, dim: tuple[int, ...], keepdim: bool = False) -> torch.Tensor:
-    """Sums accumulate in float64 (error sums merged across ranks then pick the same candidate)."""
-    return torch.sum(t, dim=dim, keepdim=keepdim, dtype=torch.float64)
+    """Sums accumulate in float64 (error sums merged across ranks then pick the same candidate). ``double()``
+    first is what ``torch.sum(dtype=torch.float64)`` does on a CPU tensor, and faster spelled out."""
+    return t.double().sum(dim=dim, keepdim=keepdim)
 
 
 class Layout:

@@ -28,6 +28,7 @@ data's device first, so only amax-sized tensors move.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -179,16 +180,42 @@ class MseObserver(Observer):
             return None
         return -self.neg_amin.reshape(1, -1) * self.fractions.to(self.amax.device).reshape(-1, 1)
 
+    #: About how many elements of a weight are scored against every candidate at a time (a block of whole rows
+    #: that stays in the CPU cache while the candidates run over it).
+    TILE_ELEMENTS: ClassVar[int] = 1 << 18
+
     def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
-        a = self.layout.arrange(x).float()
+        cands, lows = self.candidates(), self.amin_candidates()
+        for slots, layout, tile in self._tiles(x):
+            a = layout.arrange(tile).float()
+            for i, cand in enumerate(cands[:, slots].to(a.device)):
+                low = None if lows is None else layout.broadcast(lows[i, slots].to(a.device))
+                err = self._errors_of(a, layout.broadcast(cand), low)
+                self.errors[i, slots] += layout.reduce(err, "sum").reshape(-1).to(self.device)
+
+    def _errors_of(self, a: torch.Tensor, amax_b: torch.Tensor, amin_b: torch.Tensor | None = None) -> torch.Tensor:
+        """``|a - fake_quant(a)|^norm`` per element (float32), computed in place on the dequantized tensor
+        (``|deq - a|`` is ``|a - deq|`` bit for bit, and for norm 2 the square needs no ``abs``)."""
+        diff = qdq_arranged(a, amax_b, self.spec.format, amin_b).sub_(a)
         norm = float(self.params["norm"])
-        lows = self.amin_candidates()
-        for i, cand in enumerate(self.candidates().to(a.device)):
-            low = None if lows is None else self.layout.broadcast(lows[i].to(a.device))
-            deq = qdq_arranged(a, self.layout.broadcast(cand), self.spec.format, low)
-            diff = (a - deq).abs_()
-            err = diff.square_() if norm == 2.0 else diff.pow_(norm)
-            self.errors[i] += self.layout.reduce(err, "sum").reshape(-1).to(self.device)
+        return diff.square_() if norm == 2.0 else diff.abs_().pow_(norm)
+
+    def _tiles(self, x: torch.Tensor) -> Iterator[tuple[slice, Layout, torch.Tensor]]:
+        """``(slots, layout, part of x)``: a weight whose first dim holds amax slots (per channel / group) in blocks
+        of whole rows of about :attr:`TILE_ELEMENTS` (each slot's error sum is over the same elements, in the same
+        order, as over the whole weight); anything else whole: activations (sums over tokens), and any norm but 2
+        (a vectorized ``pow`` can round an element differently from the scalar one, which handles the tail of a
+        tensor, so the elements' positions must stay as they were)."""
+        lay = self.layout
+        rows = x.shape[0] if x.ndim else 1
+        if float(self.params["norm"]) != 2.0 or x.ndim != len(lay.amax_shape) or lay.amax_shape[0] != rows or rows == 1:
+            yield slice(None), lay, x
+            return
+        per_row = lay.num_slots // rows
+        step = max(1, self.TILE_ELEMENTS // max(1, x[0].numel()))
+        for r in range(0, rows, step):
+            tile = x[r : r + step]
+            yield slice(r * per_row, (r + tile.shape[0]) * per_row), Layout(self.spec, tile.shape, lay.name), tile
 
     def _pass_stats(self, pass_idx: int) -> list[Stat]:
         return [("sum", self.errors)]
