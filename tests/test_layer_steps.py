@@ -140,3 +140,16 @@ def test_resume_from_a_layer_with_given_inputs():
 def test_bad_propagate_is_refused():
     with pytest.raises(ValueError, match="propagate must be one of"):
         next(layer_steps(_model(), make_batches(IDS, batch_size=BATCH), propagate="int8"))
+
+
+def test_finite_check_is_not_fooled_by_an_overflowing_sum():
+    from shardcal.steps import _all_finite
+
+    big = torch.full((4, 8), 3e38)  # every value finite, the sum overflows to inf
+    assert _all_finite(big) and _all_finite(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.ones(4, 8)
+        x[2, 3] = bad
+        assert not _all_finite(x)
+    mixed = torch.tensor([float("inf"), float("-inf")])  # sums to NaN, still caught
+    assert not _all_finite(mixed)

@@ -135,10 +135,16 @@ def layer_steps(
         del step, outputs
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf: a finite sum says so in one reduction (NaN and inf never sum to a finite
+    number); only a non-finite sum, which large finite values can also give, needs the element-wise check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _check_finite(name: str, outputs: list[torch.Tensor], batch_numbers: Sequence[int]) -> None:
     """Stop every rank together, with the same message, when any rank's layer output holds NaN or inf (collective:
     one small all-gather of each rank's first bad batch number, -1 for none)."""
-    bad = next((i for i, out in enumerate(outputs) if not bool(torch.isfinite(out).all())), None)
+    bad = next((i for i, out in enumerate(outputs) if not _all_finite(out)), None)
     found = all_gather_floats(-1.0 if bad is None else float(batch_numbers[bad]))
     culprits = [(int(n), r) for r, n in enumerate(found) if n >= 0]
     if culprits:
