@@ -69,7 +69,7 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
         ("w4a16-awq g64", "w4a16-awq", _G64),
         ("w4a16-awq-gptq g64", "w4a16-awq-gptq", _G64),
         ("w4a16-awq g64 asymmetric", "w4a16-awq", _G64_ASYM),
-        ("w4a16-awq-gptq g64 asymmetric", "w4a16-awq-gptq", _G64_ASYM),
+        ("w4a16-awq-gptq-asym g64", "w4a16-awq-gptq-asym", _G64),
     ],
 }
 

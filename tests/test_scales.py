@@ -66,3 +66,47 @@ def test_clip_search_never_worse_than_max_on_its_objective():
     before = blocks(q(weight) - weight)
     q.set_amax(*clip_search_amax(weight, q, h, max_shrink=0.5, grid=20))
     assert blocks(q(weight) - weight) <= before
+
+
+def _group_error(w: torch.Tensor, hi: float, lo: float, h: torch.Tensor) -> float:
+    """``e H e^T`` of one group ``w`` [g] quantized asymmetric int4 over ``[lo, hi]``, written out per element."""
+    scale = (max(hi, 0.0) - min(lo, 0.0)) / 15.0
+    zp = min(max(-8 - round(min(lo, 0.0) / scale), -8), 7)
+    deq = torch.tensor([(min(max(round(float(v) / scale) + zp, -8), 7) - zp) * scale for v in w])
+    e = (deq - w).double()
+    return float(e @ h.double() @ e)
+
+
+def test_asymmetric_clip_search_is_the_documented_three_stage_search():
+    """Per group, a plain loop over the documented candidates: both ends shrunk together, then the lower end alone,
+    then the upper end alone (the other at its best so far), keeping a candidate only when it is strictly better.
+    The search's ranges match it, and on off-centre groups the per-end stages beat shrinking both ends alike."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4, 32, generator=g) * 0.1 + torch.rand(4, 1, generator=g) * 0.1
+    weight[1, 3] = -0.6  # one low outlier: only the lower end should shrink
+    x = _inputs(dim=32)
+    h = x.T @ x
+    q = TensorQuantizer(QuantizerSpec("int4", "group", group_size=16, symmetric=False), tuple(weight.shape))
+    q.calibrate_from(weight)
+    amax, amin = clip_search_amax(weight, q, h, max_shrink=0.5, grid=10)
+    fractions = [1.0 - i / 10 for i in range(6)]
+    improved = 0
+    for r in range(4):
+        for k in range(2):
+            w, hb = weight[r, 16 * k : 16 * k + 16], h[16 * k : 16 * k + 16, 16 * k : 16 * k + 16]
+            top, bottom = max(float(w.max()), 0.0), min(float(w.min()), 0.0)
+            best, err = (top, bottom), float("inf")
+            for c in fractions:
+                cand = _group_error(w, top * c, bottom * c, hb)
+                if cand < err:
+                    best, err = (top * c, bottom * c), cand
+            joint = err
+            for lo in (bottom * c for c in fractions):
+                if (cand := _group_error(w, best[0], lo, hb)) < err:
+                    best, err = (best[0], lo), cand
+            for hi in (top * c for c in fractions):
+                if (cand := _group_error(w, hi, best[1], hb)) < err:
+                    best, err = (hi, best[1]), cand
+            improved += err < joint
+            assert abs(float(amax[r, k]) - best[0]) < 1e-7 and abs(float(amin[r, k]) - best[1]) < 1e-7, (r, k)
+    assert improved >= 1
