@@ -226,9 +226,16 @@ def _quantize_arranged(
 def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None) -> torch.Tensor:
     """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this); ``amin_b``
     makes it asymmetric."""
+    f = FORMATS[fmt]
+    if f.kind == "int":  # the arithmetic of _quantize_arranged, in place on one new tensor
+        if amin_b is None:
+            scale = scale_from_amax(amax_b, fmt)
+            return (a / scale).clamp_(f.qmin, f.qmax).round_().mul_(scale)
+        scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
+        return (a / scale).round_().clamp_(f.qmin - zp, f.qmax - zp).mul_(scale)
     r = _quantize_arranged(a, amax_b, fmt, amin_b)
     out = r["q"] * r["eff"]
-    return out.flatten(-2) if FORMATS[fmt].kind == "nvfp4" else out
+    return out.flatten(-2) if f.kind == "nvfp4" else out
 
 
 def _layout(spec: QuantizerSpec, x: torch.Tensor, layout: Layout | None) -> Layout:
