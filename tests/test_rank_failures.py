@@ -264,14 +264,15 @@ def test_ctrl_c_at_random_layers_ends_cleanly(tmp_path):
 
     model_dir = make_tiny_checkpoint(tmp_path, "llama", **SLOW)
     data = tmp_path / "ids.npy"
-    np.save(data, np.random.default_rng(0).integers(0, 256, size=(16, 64)))
+    # 32 samples and a layer in the first half: a layer takes ~20 ms here, so at least 8 remain to be interrupted in
+    np.save(data, np.random.default_rng(0).integers(0, 256, size=(32, 64)))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**_clean_env(), "TMPDIR": str(scratch)}
     rng = random.Random(1)
     for attempt in range(10 if SOAK else 2):
         ckpt = tmp_path / f"ckpt{attempt}"
-        layer = rng.randint(1, SLOW["num_hidden_layers"] - 3)
+        layer = rng.randint(1, SLOW["num_hidden_layers"] // 2)
         proc, err, acted = _run_until(
             _cli(model_dir, tmp_path / f"out{attempt}", ckpt, data), ckpt, layer,
             lambda p: os.killpg(p.pid, signal.SIGINT), env, start_new_session=True,
