@@ -255,6 +255,12 @@ def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
         assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
 
 
+def _default_sigint() -> None:
+    """A terminal's run gets SIGINT's default disposition; a background job of a non-interactive shell (CI run with
+    ``&``) inherits it ignored, and Python then installs no handler: restore it, as a terminal would have it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_at_random_layers_ends_cleanly(tmp_path):
     """SIGINT to the process group (a terminal's Ctrl-C) of a 2-rank run at a random layer: "interrupted" on its
     own line, exit 130, no traceback, nothing of ours left in the temp directory (2 times here; 10 under soak)."""
@@ -275,7 +281,7 @@ def test_ctrl_c_at_random_layers_ends_cleanly(tmp_path):
         layer = rng.randint(1, SLOW["num_hidden_layers"] // 2)
         proc, err, acted = _run_until(
             _cli(model_dir, tmp_path / f"out{attempt}", ckpt, data), ckpt, layer,
-            lambda p: os.killpg(p.pid, signal.SIGINT), env, start_new_session=True,
+            lambda p: os.killpg(p.pid, signal.SIGINT), env, start_new_session=True, preexec_fn=_default_sigint,
         )  # fmt: skip
         assert acted is not None, "the run ended before it could be interrupted"
         lines = [line for line in err.splitlines() if line.strip()]
