@@ -145,12 +145,15 @@ class Layout:
     def amax_of(self, x: torch.Tensor) -> torch.Tensor:
         """The exact amax of ``x`` (float32, :attr:`amax_shape`; per token ``[..., 1]``): what a max observer
         records, and the dynamic amax."""
-        if self.kind == "token" and x.shape[-1]:  # one pass, no |x| temporary: max(|min|, |max|) is max |x|
+        # A contiguous tensor in one pass with no |x| temporary (max(|min|, |max|) is max |x|); on a strided view
+        # (keys and values after a transpose) aminmax is slower than abs then amax.
+        one_pass = x.is_contiguous() and x.numel() > 0
+        if self.kind == "token" and one_pass:
             lo, hi = torch.aminmax(x.detach(), dim=-1, keepdim=True)
             return torch.maximum(lo.abs(), hi.abs()).float()
         if self.kind == "token":
             return x.detach().abs().amax(dim=-1, keepdim=True).float()
-        if self.kind == "tensor" and x.numel():
+        if self.kind == "tensor" and one_pass:
             lo, hi = torch.aminmax(x.detach())
             return torch.maximum(lo.abs(), hi.abs()).reshape(1).float()
         return self.reduce(self.arrange(x).abs(), "amax").float()
