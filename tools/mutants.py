@@ -339,8 +339,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-round-half-up",
         "quant/formats.py",
-        '    q = torch.round(scaled) if f.kind == "int" else',
-        '    q = torch.floor(scaled + 0.5) if f.kind == "int" else',
+        '    q = scaled.round_() if f.kind == "int" else',
+        '    q = scaled.add_(0.5).floor_() if f.kind == "int" else',
         "int rounding is half-up, not half-to-even",
     ),
     Mutant(

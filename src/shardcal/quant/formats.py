@@ -202,13 +202,14 @@ def _quantize_arranged(
     a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Quantize a float32 arranged tensor; ``amax_b`` (and, asymmetric, ``amin_b``) broadcast against it. Values
-    stay float32 here and ``q * eff`` is the dequantized tensor; an asymmetric result also has ``zp`` (the stored
-    codes are ``q + zp``: ``clamp(round(x / s), qmin - zp, qmax - zp) + zp`` equals ``clamp(round(x / s) + zp,
-    qmin, qmax)`` exactly, small integers in float32, with two full-size operations fewer)."""
+    stay float32 here, ``q`` is a new tensor (each step after the division works on it in place) and ``q * eff``
+    is the dequantized tensor; an asymmetric result also has ``zp`` (the stored codes are ``q + zp``:
+    ``clamp(round(x / s), qmin - zp, qmax - zp) + zp`` equals ``clamp(round(x / s) + zp, qmin, qmax)`` exactly,
+    small integers in float32, with two full-size operations fewer)."""
     f = FORMATS[fmt]
     if amin_b is not None:
         scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
-        q = torch.clamp(torch.round(a / scale), f.qmin - zp, f.qmax - zp)
+        q = (a / scale).round_().clamp_(f.qmin - zp, f.qmax - zp)
         return {"q": q, "eff": scale, "zp": zp}
     if f.kind == "nvfp4":
         gs = nvfp4_global_scale(amax_b)
@@ -218,24 +219,17 @@ def _quantize_arranged(
         q = round_e2m1(torch.clamp(xb / eff, -E2M1_MAX, E2M1_MAX))
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
     scale = scale_from_amax(amax_b, fmt)
-    scaled = torch.clamp(a / scale, f.qmin, f.qmax)
-    q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
+    scaled = (a / scale).clamp_(f.qmin, f.qmax)
+    q = scaled.round_() if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
     return {"q": q, "eff": scale}
 
 
 def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None) -> torch.Tensor:
     """Fake-quantize a float32 arranged tensor (observers score candidate amax values with this); ``amin_b``
     makes it asymmetric."""
-    f = FORMATS[fmt]
-    if f.kind == "int":  # the arithmetic of _quantize_arranged, in place on one new tensor
-        if amin_b is None:
-            scale = scale_from_amax(amax_b, fmt)
-            return (a / scale).clamp_(f.qmin, f.qmax).round_().mul_(scale)
-        scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
-        return (a / scale).round_().clamp_(f.qmin - zp, f.qmax - zp).mul_(scale)
     r = _quantize_arranged(a, amax_b, fmt, amin_b)
-    out = r["q"] * r["eff"]
-    return out.flatten(-2) if f.kind == "nvfp4" else out
+    out = r["q"].mul_(r["eff"])  # q is _quantize_arranged's own new tensor
+    return out.flatten(-2) if FORMATS[fmt].kind == "nvfp4" else out
 
 
 def _layout(spec: QuantizerSpec, x: torch.Tensor, layout: Layout | None) -> Layout:
