@@ -1,17 +1,18 @@
 """Calibration speed and memory, as ratios measured side by side in one run (not a timed test).
 
     python benchmarks/calibration_speed.py [--samples 32] [--seq-len 256] [--batch-size 8] [--recipes NAME ...]
-                                           [--recipes-only]
+                                           [--recipes-only] [--observer-only] [--repeat N]
 
 1. SmolLM2-135M (the embedded model), one process: calibration time (w8a8-int8, propagate=fp) divided by the
    time of one plain FP forward of the whole model over the same data. Target <= 1.3.
 2. The same at 2 ranks (gloo; the model loaded sharded with load_pretrained; each rank half of the data).
 3. t(2L) / t(L): calibration time of random models with L and 2L layers (target <= 2.1: O(L) layer calls).
 4. Peak RSS growth per rank during calibration at 1 vs 2 ranks (model loaded with load_pretrained).
-5. Every shipped recipe (or ``--recipes``), one process, warm: calibration time / one plain FP forward over the
-   same data, both measured in this process (the forward before and after the recipes, the mean of the two).
-   Target <= 1.2 for observer-only recipes (no weight-changing algorithm); for GPTQ / AWQ / SmoothQuant recipes
-   the ratio is printed for information.
+5. Every shipped recipe (or ``--recipes``; ``--observer-only``: those with no weight-changing algorithm), one
+   process, warm: calibration time / one plain FP forward over the same data, both measured in this process, a
+   forward timed just before each calibration (``--repeat N``: N such pairs per recipe, the fastest calibration
+   over the fastest forward — on a shared machine single runs move by +-0.07). Target <= 1.2 for observer-only
+   recipes; for GPTQ / AWQ / SmoothQuant recipes the ratio is printed for information.
 """
 
 from __future__ import annotations
@@ -116,24 +117,32 @@ def _single_plain(model_dir: str, data: torch.Tensor, batch_size: int) -> tuple[
     return t_fp, time.perf_counter() - start
 
 
-def _per_recipe(model_dir: str, data: torch.Tensor, batch_size: int, recipes: list[str]) -> list[tuple]:
-    """``(recipe, algorithm, seconds, fp seconds)`` per recipe, fresh model each, one process, after a warm-up."""
+def _per_recipe(model_dir: str, data: torch.Tensor, batch_size: int, recipes: list[str], repeat: int) -> list[tuple]:
+    """``(recipe, algorithm, calibration seconds, forward seconds)`` per recipe, one process, after a warm-up: a
+    plain forward and then the recipe's calibration (a fresh model each), ``repeat`` times in turn, the fastest of
+    each (the least disturbed run on a shared machine)."""
     from shardcal import calibrate, load_recipe
     from shardcal.models import from_pretrained
 
     model = from_pretrained(model_dir)
     calibrate(model, data[: batch_size // 2, :32], "w8a8-int8", batch_size=batch_size, progress=False)  # warm-up
-    before = _fp_forward_seconds(from_pretrained(model_dir), data, batch_size)
     rows = []
     for name in recipes:
         recipe = load_recipe(name)
-        model = from_pretrained(model_dir)
-        start = time.perf_counter()
-        calibrate(model, data, recipe, batch_size=batch_size, progress=False)
-        rows.append([name, recipe.algorithm["name"], time.perf_counter() - start])
-        print(f"  {name}: {rows[-1][2]:.1f} s", flush=True)
-    t_fp = (before + _fp_forward_seconds(from_pretrained(model_dir), data, batch_size)) / 2
-    return [(*row, t_fp) for row in rows]
+        forward, calibration = [], []
+        for _ in range(repeat):
+            forward.append(_fp_forward_seconds(from_pretrained(model_dir), data, batch_size))
+            model = from_pretrained(model_dir)
+            start = time.perf_counter()
+            calibrate(model, data, recipe, batch_size=batch_size, progress=False)
+            calibration.append(time.perf_counter() - start)
+        ratios = ", ".join(f"{c / f:.2f}" for c, f in zip(calibration, forward))
+        print(
+            f"  {name}: calibration {min(calibration):.1f} s, forward {min(forward):.1f} s (each run: {ratios})",
+            flush=True,
+        )
+        rows.append((name, recipe.algorithm["name"], min(calibration), min(forward)))
+    return rows
 
 
 def _scaling(layers: int, data: torch.Tensor, batch_size: int) -> float:
@@ -162,6 +171,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="L for the t(2L)/t(L) measurement")
     parser.add_argument("--recipes", nargs="+", default=None, help="recipes for part 5 (default: every shipped one)")
     parser.add_argument("--recipes-only", action="store_true", help="run part 5 only")
+    parser.add_argument("--observer-only", action="store_true", help="part 5: the shipped observer-only recipes")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="part 5: time each recipe and its forward N times, keep the fastest"
+    )
     args = parser.parse_args()
 
     from shardcal.data import token_blocks
@@ -173,8 +186,16 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     from shardcal.recipes import shipped_recipes
 
-    recipes = _per_recipe(str(model_dir), data, args.batch_size, args.recipes or shipped_recipes())
-    print(f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, one process, warm")
+    names = args.recipes or shipped_recipes()
+    if args.observer_only:
+        from shardcal import load_recipe
+
+        names = [n for n in names if load_recipe(n).algorithm["name"] == "rtn"]
+    recipes = _per_recipe(str(model_dir), data, args.batch_size, names, max(1, args.repeat))
+    print(
+        f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, one process, warm, "
+        f"fastest of {max(1, args.repeat)}"
+    )
     print(f"{'recipe':24} {'algorithm':12} {'calibration':>12} {'FP forward':>11} {'ratio':>6}  target")
     for name, algorithm, t_cal, t_fp in recipes:
         target = "<= 1.2" if algorithm == "rtn" else "(algorithm)"

@@ -50,6 +50,37 @@ def test_int8_per_token_matches_plain_torch():
     assert torch.equal(q(x[0, 0]), want[0, 0])  # any number of leading dims
 
 
+def test_one_input_is_quantized_once_for_quantizers_of_one_spec(monkeypatch):
+    """q / k / v input quantizers see one tensor: the first result is reused, never a stale one."""
+    import shardcal.quant.quantizer as quantizer
+
+    calls = []
+    real = quantizer.fake_quantize
+    monkeypatch.setattr(quantizer, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def plain_fp8(x):  # large enough for the table path of the fp8 conversion
+        scale = x.abs().amax(dim=-1, keepdim=True) / 448.0
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    spec = QuantizerSpec("fp8_e4m3", "token", dynamic=True)
+    q, k, v = (TensorQuantizer(spec, (64,)) for _ in range(3))
+    x = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert all(torch.equal(out, plain_fp8(x)) for out in (q(x), k(x), v(x))) and len(calls) == 1
+        x.mul_(3.0)  # the input changed in place: quantized again
+        assert torch.equal(q(x), plain_fp8(x)) and len(calls) == 2
+        k(x).add_(1.0)  # a result changed in place is not handed out again
+        assert torch.equal(v(x), plain_fp8(x)) and len(calls) == 3
+        int8 = TensorQuantizer(QuantizerSpec("int8", "token", dynamic=True), (64,))
+        scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+        assert torch.equal(int8(x), torch.round(x / scale).clamp(-128, 127) * scale) and len(calls) == 4
+        y = x.clone()  # equal values, another tensor
+        assert torch.equal(q(y), plain_fp8(x)) and len(calls) == 5
+    x.requires_grad_(True)  # autograd: every call its own result
+    q(x), k(x)
+    assert len(calls) == 7
+
+
 def test_token_granularity_needs_dynamic_and_is_for_inputs_only():
     from shardcal.errors import RecipeError
     from shardcal.params import SpecError

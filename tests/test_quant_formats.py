@@ -331,3 +331,24 @@ def test_asymmetric_quantizer_needs_its_amin():
     spec = QuantizerSpec("int4", "group", group_size=16, symmetric=False)
     with pytest.raises(ValueError, match="needs its amin"):
         fake_quantize(torch.ones(2, 16), torch.ones(2, 1), spec)
+
+
+def test_fp8_values_read_by_table_are_the_e4m3_definition():
+    from shardcal.quant.formats import fp8_e4m3_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    sign, exp, man = (codes >> 7).double(), ((codes >> 3) & 15).double(), (codes & 7).double()
+    want = torch.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * torch.pow(2.0, exp - 7)) * (1 - 2 * sign)
+    want[(exp == 15) & (man == 7)] = float("nan")  # e4m3fn: no infinities, one NaN pattern per sign
+    for copies in (1, 100):  # 256 codes by torch's cast, 25,600 by the table
+        got = fp8_e4m3_to_float32(codes.repeat(copies).view(torch.float8_e4m3fn))
+        assert got.dtype == torch.float32
+        assert torch.equal(got.double().nan_to_num(7.0), want.repeat(copies).nan_to_num(7.0))
+
+
+def test_fp8_rounding_by_table_equals_torch_cast():
+    from shardcal.quant.formats import round_to_fp8_e4m3
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(40_000, generator=g) * 100, torch.randn(10_000, generator=g) * 1e-3]).clamp(-448, 448)
+    assert torch.equal(round_to_fp8_e4m3(x), x.to(torch.float8_e4m3fn).float())

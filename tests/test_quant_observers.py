@@ -226,3 +226,59 @@ def test_pass_protocol_errors():
         q.finish_calibration()
     with pytest.raises(RuntimeError, match="next pass is 1"):
         q.begin_pass(0)
+
+
+def _mse_reference(x: torch.Tensor, spec: QuantizerSpec, reduce_dims: tuple[int, ...], shape) -> tuple:
+    """The mse observer by its definition: every candidate fraction of the max range fake-quantized with
+    ``fake_quantize``, float64 error sums per slot, the first (largest) candidate of least error."""
+    grid, shrink, norm = (
+        spec.observer_params.get(k, d) for k, d in (("grid", 100), ("max_shrink", 0.2), ("norm", 2.0))
+    )
+    fractions = [torch.tensor(1 - i / grid, dtype=torch.float32) for i in range(int(shrink * grid + 1e-9) + 1)]
+    hi = x.amax(dim=reduce_dims).reshape(shape).clamp(min=0)
+    lo = x.amin(dim=reduce_dims).reshape(shape).clamp(max=0)
+    if spec.symmetric:
+        hi = torch.maximum(hi, -lo)
+    errors = []
+    for f in fractions:
+        deq = fake_quantize(x, hi * f, spec, amin=None if spec.symmetric else lo * f)
+        errors.append((deq.double() - x.double()).abs().pow(norm).sum(dim=reduce_dims).reshape(-1))
+    best = torch.stack(errors).min(dim=0).indices
+    pick = torch.stack([torch.full_like(hi.reshape(-1), float(f)) for f in fractions]).gather(0, best[None])[0]
+    return hi * pick.reshape(shape), None if spec.symmetric else lo * pick.reshape(shape)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        QuantizerSpec("int4", "group", group_size=16, observer="mse"),
+        QuantizerSpec("int4", "group", group_size=16, observer="mse", symmetric=False),
+        QuantizerSpec("int8", "channel", axis=0, observer="mse", observer_params={"max_shrink": 0.5}),
+        QuantizerSpec("int4", "channel", axis=0, observer="mse", observer_params={"norm": 2.4, "grid": 40}),
+        QuantizerSpec("int4", "group", group_size=16, observer="mse", symmetric=False, observer_params={"norm": 3.0}),
+    ],
+    ids=["int4-group", "int4-group-asym", "int8-channel", "int4-channel-norm2.4", "int4-group-asym-norm3"],
+)
+def test_mse_weight_observer_is_its_definition_over_many_tiles(spec, monkeypatch):
+    from shardcal.quant.observers import MseObserver
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=g) * torch.linspace(0.2, 3.0, 24)[:, None] + 0.3
+    w[5, 9], w[17, 40] = 9.0, -7.0  # outliers worth clipping
+    monkeypatch.setattr(MseObserver, "TILE_ELEMENTS", 3 * 64)  # blocks of three rows: eight tiles
+    q = TensorQuantizer(spec, w.shape)
+    amax = q.calibrate_from(w)
+    groups = w.reshape(24, -1, spec.group_size) if spec.granularity == "group" else w.reshape(24, 1, 64)
+    ref_amax, ref_amin = _mse_reference(groups, spec, (-1,), q.amax.shape)
+    assert torch.equal(amax, ref_amax)
+    assert spec.symmetric or torch.equal(q.amin, ref_amin)
+    if spec.format == "int4":  # some slots clipped
+        assert (amax < w.abs().reshape(groups.shape).amax(-1).reshape(amax.shape)).any()
+
+
+def test_mse_activation_observer_is_its_definition():
+    x = _data(5)
+    spec = QuantizerSpec("int8", "channel", axis=-1, observer="mse", observer_params={"max_shrink": 0.6, "grid": 30})
+    amax = _calibrate(TensorQuantizer(spec, (HIDDEN,)), [x[0], x[1], x[2]])
+    ref, _ = _mse_reference(x.reshape(-1, HIDDEN), spec, (0,), (HIDDEN,))
+    assert torch.equal(amax, ref)

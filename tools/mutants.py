@@ -402,8 +402,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "obs-mse-argmax",
         "quant/observers.py",
-        "        best = torch.argmin(self.errors, dim=0)",
-        "        best = torch.argmax(self.errors, dim=0)",
+        "        best = self.errors.min(dim=0).indices",
+        "        best = self.errors.max(dim=0).indices",
         "mse picks the worst candidate",
     ),
     Mutant(

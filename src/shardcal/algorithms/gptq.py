@@ -40,7 +40,7 @@ from ..distributed import all_gather_strings, broadcast_, group_rank_size
 from ..errors import NumericsError, RecipeError
 from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
-from ..quant.formats import FORMATS
+from ..quant.formats import FORMATS, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .awq import AWQ
@@ -73,7 +73,7 @@ def _quantize_column(
     if zero_point is not None:
         return torch.clamp(torch.round(w / scale), f.qmin - zero_point, f.qmax - zero_point) * scale
     scaled = torch.clamp(w / scale, f.qmin, f.qmax)
-    q = torch.round(scaled) if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
+    q = torch.round(scaled) if f.kind == "int" else round_to_fp8_e4m3(scaled)
     return q * scale
 
 

@@ -62,6 +62,26 @@ FORMATS: dict[str, Format] = {
 # ----------------------------------------------------------------------------------------------- scales
 
 
+#: Below this many elements (or off the CPU) fp8 values are converted by torch's own cast.
+_E4M3_TABLE_MIN_ELEMENTS = 1 << 14
+_E4M3_TABLE: list[torch.Tensor] = []  # built on first use
+
+
+def fp8_e4m3_to_float32(t: torch.Tensor) -> torch.Tensor:
+    """The float32 values of a float8_e4m3fn tensor: on CPU a large tensor's are read from a 256-entry table by
+    code, the same values as ``t.float()``, which there converts element by element (about 3x slower)."""
+    if t.device.type != "cpu" or t.numel() < _E4M3_TABLE_MIN_ELEMENTS:
+        return t.float()
+    if not _E4M3_TABLE:
+        _E4M3_TABLE.append(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float())
+    return _E4M3_TABLE[0].index_select(0, t.view(torch.uint8).reshape(-1).to(torch.int32)).view(t.shape)
+
+
+def round_to_fp8_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` (within +-448) rounded to the nearest float8_e4m3fn value (ties to even), in float32."""
+    return fp8_e4m3_to_float32(t.to(torch.float8_e4m3fn))
+
+
 def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """int / fp8 scale ``amax / qmax`` in float32, a zero scale replaced by float32 eps."""
     f = FORMATS[fmt]
@@ -96,7 +116,7 @@ def nvfp4_block_scales(xb: torch.Tensor, global_scale: torch.Tensor) -> torch.Te
     """FP8-representable block scales (float32, ``[..., n_blocks, 1]``) of float32 blocks ``xb`` ``[..., n_blocks, 16]``."""
     block_amax = xb.abs().amax(dim=-1, keepdim=True)
     s = global_scale * (block_amax / E2M1_MAX)
-    s = torch.clamp(s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s = round_to_fp8_e4m3(torch.clamp(s, -E4M3_MAX, E4M3_MAX))
     return torch.where(s == 0, torch.full_like(s, _FP8_SCALE_EPS), s)
 
 
@@ -220,7 +240,7 @@ def _quantize_arranged(
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
     scale = scale_from_amax(amax_b, fmt)
     scaled = (a / scale).clamp_(f.qmin, f.qmax)
-    q = scaled.round_() if f.kind == "int" else scaled.to(torch.float8_e4m3fn).float()
+    q = scaled.round_() if f.kind == "int" else round_to_fp8_e4m3(scaled)
     return {"q": q, "eff": scale}
 
 
@@ -314,7 +334,7 @@ def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype
         return (_nvfp4_blocks(q) * eff).flatten(-2).to(dtype)
     values = enc["values"]
     lay = Layout(spec, tuple(values.shape))
-    codes = lay.arrange(values.float())
+    codes = lay.arrange(fp8_e4m3_to_float32(values) if values.dtype == torch.float8_e4m3fn else values.float())
     if "zero_point" in enc:
         codes = codes - lay.broadcast(enc["zero_point"].float())
     out = codes * lay.broadcast(enc["scale"].float())

@@ -11,8 +11,8 @@ over ranks and merging gives the same amax as observing all of it in one process
   merged with SUM (integer counts, exact); the amax is the upper edge of the bin holding the given percentile.
 - ``mse`` (2 passes; ``grid`` = 100, ``max_shrink`` = 0.2, ``norm`` = 2.0): pass 0 is ``max``; pass 1 scores the
   candidates ``amax * (1 - i / grid)`` for ``i = 0 .. max_shrink * grid`` by the quantization error
-  ``sum |x - fake_quant(x)|^norm`` per slot (float64 sums, merged with SUM); the best candidate wins (the larger
-  one on a tie).
+  ``sum |x - fake_quant(x)|^norm`` per slot (float64 sums, merged with SUM; int formats score in code units,
+  see :meth:`MseObserver._code_errors`); the best candidate wins (the larger one on a tie).
 
 An asymmetric spec (int weights) calibrates a range: pass 0 also records the running ``min(x, 0)`` per slot (kept
 as ``max(-x, 0)``, merged with MAX, so bit-exact), ``max`` records ``max(x, 0)`` instead of ``max |x|``, and ``mse``
@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from .formats import qdq_arranged
+from .formats import FORMATS, asymmetric_qparams, qdq_arranged, scale_from_amax
 from .granularity import Layout
 from .merge import Stat
 from .spec import OBSERVER_KINDS, QuantizerSpec
@@ -185,43 +185,93 @@ class MseObserver(Observer):
     TILE_ELEMENTS: ClassVar[int] = 1 << 18
 
     def _observe_pass(self, x: torch.Tensor, pass_idx: int) -> None:
-        cands, lows = self.candidates(), self.amin_candidates()
-        for slots, layout, tile in self._tiles(x):
+        cands, lows = self.candidates().to(x.device), self.amin_candidates()
+        lows = None if lows is None else lows.to(x.device)
+        codes = self._code_ranges(cands, lows) if FORMATS[self.spec.format].kind == "int" else None
+        for slots, layout, tile, rows in self._tiles(x):
             a = layout.arrange(tile).float()
-            for i, cand in enumerate(cands[:, slots].to(a.device)):
-                low = None if lows is None else layout.broadcast(lows[i, slots].to(a.device))
-                err = self._errors_of(a, layout.broadcast(cand), low)
-                self.errors[i, slots] += layout.reduce(err, "sum").reshape(-1).to(self.device)
+            if codes is not None:
+                sums = self._code_errors(a, layout, [t if isinstance(t, float) else t[:, slots] for t in codes], rows)
+            else:
+                sums = self._value_errors(a, layout, cands[:, slots], None if lows is None else lows[:, slots], rows)
+            self.errors[:, slots] += sums.to(self.device)
 
-    def _errors_of(self, a: torch.Tensor, amax_b: torch.Tensor, amin_b: torch.Tensor | None = None) -> torch.Tensor:
-        """``|a - fake_quant(a)|^norm`` per element (float32), computed in place on the dequantized tensor
-        (``|deq - a|`` is ``|a - deq|`` bit for bit, and for norm 2 the square needs no ``abs``)."""
-        diff = qdq_arranged(a, amax_b, self.spec.format, amin_b).sub_(a)
+    def _value_errors(
+        self, a: torch.Tensor, layout: Layout, cands: torch.Tensor, lows: torch.Tensor | None, rows: bool
+    ) -> torch.Tensor:
+        """``[candidates, slots]`` float64 sums of ``|a - fake_quant(a)|^norm`` (fp8, nvfp4)."""
         norm = float(self.params["norm"])
-        return diff.square_() if norm == 2.0 else diff.abs_().pow_(norm)
+        sums = torch.empty(len(cands), layout.num_slots, dtype=torch.float64, device=a.device)
+        for i, cand in enumerate(cands):
+            low = None if lows is None else layout.broadcast(lows[i])
+            diff = qdq_arranged(a, layout.broadcast(cand), self.spec.format, low).sub_(a)  # |deq - a| = |a - deq|
+            err = diff.square_() if norm == 2.0 else diff.abs_().pow_(norm)
+            sums[i] = (err.sum(-1) if rows else layout.reduce(err, "sum")).reshape(-1)
+        return sums
 
-    def _tiles(self, x: torch.Tensor) -> Iterator[tuple[slice, Layout, torch.Tensor]]:
-        """``(slots, layout, part of x)``: a weight whose first dim holds amax slots (per channel / group) in blocks
-        of whole rows of about :attr:`TILE_ELEMENTS` (each slot's error sum is over the same elements, in the same
-        order, as over the whole weight); anything else whole: activations (sums over tokens), and any norm but 2
-        (a vectorized ``pow`` can round an element differently from the scalar one, which handles the tail of a
-        tensor, so the elements' positions must stay as they were)."""
+    def _code_ranges(self, cands: torch.Tensor, lows: torch.Tensor | None) -> list[torch.Tensor | float]:
+        """``[scale, scale / first candidate's scale, lowest code, highest code, scale^norm (float64)]`` of every
+        candidate of an int format (``[candidates, slots]`` each; the codes a float when symmetric, else shifted
+        by each candidate's zero point, as ``formats`` quantizes them)."""
+        f, norm = FORMATS[self.spec.format], float(self.params["norm"])
+        if lows is None:
+            scales = scale_from_amax(cands, self.spec.format)
+            low_codes: torch.Tensor | float = f.qmin
+            high_codes: torch.Tensor | float = f.qmax
+        else:
+            scales, zp = asymmetric_qparams(cands, lows, self.spec.format)
+            low_codes, high_codes = f.qmin - zp, f.qmax - zp
+        factors = scales.double().square() if norm == 2.0 else scales.double().pow(norm)
+        return [scales, scales[:1] / scales, low_codes, high_codes, factors]
+
+    def _code_errors(
+        self, a: torch.Tensor, layout: Layout, codes: list[torch.Tensor | float], rows: bool
+    ) -> torch.Tensor:
+        """``[candidates, slots]`` float64 sums of ``|a - fake_quant(a)|^norm`` for an int format, scored in code
+        units: with ``z = a / scale`` and the code ``q = clamp(round(z))``, an element's error is
+        ``scale * |q - z|``, so a slot's sum is ``scale^norm * sum |q - z|^norm``. ``z`` is ``a`` over the first
+        candidate's scale times the ratio of the scales (one division per tile, not per candidate); a tile of
+        whole weight rows sums each slot's few elements in float32."""
+        norm = float(self.params["norm"])
+        scales, ratios, low_codes, high_codes, factors = codes
+        b = layout.broadcast
+        scaled = a / b(scales[0])
+        z, d = torch.empty_like(a), torch.empty_like(a)
+        sums = torch.empty(
+            len(ratios), layout.num_slots, device=a.device, dtype=torch.float32 if rows else torch.float64
+        )
+        for i in range(len(ratios)):
+            torch.mul(scaled, b(ratios[i]), out=z)
+            lo, hi = (t if isinstance(t, float) else b(t[i]) for t in (low_codes, high_codes))
+            torch.round(z, out=d).clamp_(lo, hi).sub_(z)
+            if rows:  # norm 2 (see _tiles): the root of the sum of squares in one pass, squared below
+                torch.linalg.vector_norm(d, dim=-1, out=sums[i].view(d.shape[:-1]))
+            else:
+                sums[i] = layout.reduce(d.square_() if norm == 2.0 else d.abs_().pow_(norm), "sum").reshape(-1)
+        return (sums.double().square_() if rows else sums).mul_(factors)
+
+    def _tiles(self, x: torch.Tensor) -> Iterator[tuple[slice, Layout, torch.Tensor, bool]]:
+        """``(slots, layout, part of x, whole rows)``: a weight whose first dim holds amax slots (per channel /
+        group) in blocks of whole rows of about :attr:`TILE_ELEMENTS` (each slot's elements all in one block);
+        anything else whole: activations (sums over tokens), and any norm but 2 (a vectorized ``pow`` can round an
+        element differently from the scalar one, which handles the tail of a tensor, so the elements' positions
+        must stay as they were)."""
         lay = self.layout
         rows = x.shape[0] if x.ndim else 1
         if float(self.params["norm"]) != 2.0 or x.ndim != len(lay.amax_shape) or lay.amax_shape[0] != rows or rows == 1:
-            yield slice(None), lay, x
+            yield slice(None), lay, x, False
             return
         per_row = lay.num_slots // rows
         step = max(1, self.TILE_ELEMENTS // max(1, x[0].numel()))
         for r in range(0, rows, step):
             tile = x[r : r + step]
-            yield slice(r * per_row, (r + tile.shape[0]) * per_row), Layout(self.spec, tile.shape, lay.name), tile
+            yield slice(r * per_row, (r + tile.shape[0]) * per_row), Layout(self.spec, tile.shape, lay.name), tile, True
 
     def _pass_stats(self, pass_idx: int) -> list[Stat]:
         return [("sum", self.errors)]
 
     def _best(self, cands: torch.Tensor) -> torch.Tensor:
-        best = torch.argmin(self.errors, dim=0)  # the first (largest) candidate on a tie
+        best = self.errors.min(dim=0).indices  # the first (largest) candidate on a tie; faster than argmin
         return cands.gather(0, best.reshape(1, -1).to(cands.device)).reshape(self.layout.amax_shape).clone()
 
     def compute_amax(self) -> torch.Tensor:
