@@ -81,6 +81,35 @@ def test_one_input_is_quantized_once_for_quantizers_of_one_spec(monkeypatch):
     assert len(calls) == 7
 
 
+def test_one_input_is_quantized_once_for_static_quantizers_of_one_range(monkeypatch):
+    import shardcal.quant.quantizer as quantizer
+
+    calls = []
+    real = quantizer.fake_quantize
+    monkeypatch.setattr(quantizer, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(3))
+    spec = QuantizerSpec("int8")
+    q, k, v = (TensorQuantizer(spec, (64,)) for _ in range(3))
+    for quant in (q, k):
+        quant.set_amax(torch.tensor([2.5]))
+    v.set_amax(torch.tensor([3.0]))
+
+    def plain(amax):
+        return torch.round(x / (amax / 127)).clamp(-128, 127) * (amax / 127)
+
+    with torch.no_grad():
+        assert torch.equal(q(x), plain(2.5)) and torch.equal(k(x), plain(2.5)) and len(calls) == 1
+        assert torch.equal(v(x), plain(3.0)) and len(calls) == 2  # another amax
+        k.set_amax(torch.tensor([3.0]))
+        assert torch.equal(k(x), plain(3.0)) and len(calls) == 2  # now the same as v's
+        weight = torch.nn.Parameter(x[0].clone())
+        w1, w2 = TensorQuantizer(spec, weight.shape), TensorQuantizer(spec, weight.shape)
+        w1.set_amax(torch.tensor([2.5]))
+        w2.set_amax(torch.tensor([2.5]))
+        w1(weight), w2(weight)
+        assert len(calls) == 4  # parameters are not kept
+
+
 def test_token_granularity_needs_dynamic_and_is_for_inputs_only():
     from shardcal.errors import RecipeError
     from shardcal.params import SpecError

@@ -282,3 +282,25 @@ def test_mse_activation_observer_is_its_definition():
     amax = _calibrate(TensorQuantizer(spec, (HIDDEN,)), [x[0], x[1], x[2]])
     ref, _ = _mse_reference(x.reshape(-1, HIDDEN), spec, (0,), (HIDDEN,))
     assert torch.equal(amax, ref)
+
+
+def test_observers_of_one_tensor_share_one_amax_and_never_a_stale_one(monkeypatch):
+    from shardcal.quant.granularity import Layout
+
+    calls = []
+    real = Layout._amax_of
+    monkeypatch.setattr(Layout, "_amax_of", lambda self, x: calls.append(1) or real(self, x))
+    x = _data(9)
+    qs = [TensorQuantizer(QuantizerSpec("int8"), (HIDDEN,)) for _ in range(3)]
+    start_calibration_all(qs)
+    begin_pass_all(qs, 0)
+    with torch.no_grad():
+        for q in qs:
+            q(x)
+        assert len(calls) == 1
+        x[0, 0, 0] = 99.0  # changed in place: measured again
+        qs[0](x)
+    end_pass_all(qs)
+    finish_calibration_all(qs)
+    assert len(calls) == 2
+    assert qs[0].amax.item() == 99.0 and qs[1].amax.item() == qs[2].amax.item() == _data(9).abs().max().item()

@@ -4,6 +4,7 @@ insertion and TOML recipes. See docs/quantization.md.
 - :mod:`.spec` — ``QuantizerSpec``: plain-data description of one quantizer (what recipes and export use).
 - :mod:`.formats` — int8 / int4 / fp8_e4m3 / nvfp4 fake quantization and real encodings (compressed-tensors).
 - :mod:`.granularity` — per-tensor / per-channel / per-group amax layouts.
+- :mod:`.reuse` — the last result kept for the same input tensor (q / k / v read one input).
 - :mod:`.observers` — max / percentile / mse, each with an exact cross-rank merge.
 - :mod:`.merge` — one all-reduce per reduce op for many quantizers' statistics.
 - :mod:`.quantizer` — ``TensorQuantizer`` (modes, calibration passes, amax buffer).

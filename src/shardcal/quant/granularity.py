@@ -26,7 +26,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .reuse import LastResult, reusable
 from .spec import QuantizerSpec
+
+_LAST_AMAX = LastResult()  # the last amax_of, for the next observer of the same tensor
 
 
 def _sum64(t: torch.Tensor, dim: tuple[int, ...], keepdim: bool = False) -> torch.Tensor:
@@ -144,18 +147,28 @@ class Layout:
 
     def amax_of(self, x: torch.Tensor) -> torch.Tensor:
         """The exact amax of ``x`` (float32, :attr:`amax_shape`; per token ``[..., 1]``): what a max observer
-        records, and the dynamic amax."""
+        records, and the dynamic amax. The q / k / v observers of one input share one computation."""
+        key = (self.kind, self.amax_shape, self.group_size)
+        keep = reusable(x)
+        amax = _LAST_AMAX.get(x, key) if keep else None
+        if amax is None:
+            amax = self._amax_of(x)
+            if keep:
+                _LAST_AMAX.put(x, key, amax)
+        return amax
+
+    def _amax_of(self, x: torch.Tensor) -> torch.Tensor:
         # A contiguous tensor with no |x| temporary (max |x| is max(max x, -min x)): per tensor in one aminmax
         # pass, per token by amax and amin (aminmax along a dim is several times slower); on a strided view
         # (keys and values after a transpose) abs then amax is faster.
+        x = x.detach()
         one_pass = x.is_contiguous() and x.numel() > 0
         if self.kind == "token" and one_pass:
-            x = x.detach()
             return torch.maximum(x.amax(dim=-1, keepdim=True), x.amin(dim=-1, keepdim=True).neg_()).float()
         if self.kind == "token":
-            return x.detach().abs().amax(dim=-1, keepdim=True).float()
+            return x.abs().amax(dim=-1, keepdim=True).float()
         if self.kind == "tensor" and one_pass:
-            lo, hi = torch.aminmax(x.detach())
+            lo, hi = torch.aminmax(x)
             return torch.maximum(lo.abs(), hi.abs()).reshape(1).float()
         return self.reduce(self.arrange(x).abs(), "amax").float()
 

@@ -70,7 +70,7 @@ class Observer:
             return
         if pass_idx == 0:
             if self.neg_amin is None:
-                self.amax = torch.maximum(self.amax, self.layout.amax_of(x.detach()).to(self.device))
+                self.amax = torch.maximum(self.amax, self.layout.amax_of(x).to(self.device))
             else:
                 hi, lo = self.layout.range_of(x)
                 self.amax = torch.maximum(self.amax, hi.to(self.device))

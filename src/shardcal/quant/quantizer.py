@@ -26,7 +26,6 @@ with one all-reduce per reduce op)::
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -39,6 +38,7 @@ from .formats import encode, fake_quantize, scales_from_amax
 from .granularity import Layout
 from .merge import merge_stats
 from .observers import OBSERVERS, Observer, make_observer
+from .reuse import LastResult, reusable
 from .spec import QuantizerSpec
 from .tokens import real_positions
 
@@ -53,38 +53,7 @@ class QuantMode(str, Enum):
     DISABLED = "disabled"
 
 
-class _LastDynamicResult:
-    """The last dynamic fake quantization, reused for the same tensor under the same spec: the q / k / v (gate /
-    up) projections' input quantizers see one tensor, and a dynamic result depends on the tensor alone. Held
-    until the input is freed (or another input is quantized); an in-place change to the input or to the result
-    (``_version``) makes it stale."""
-
-    def __init__(self) -> None:
-        self._key: tuple[Any, int, QuantizerSpec] | None = None
-        self._result: torch.Tensor | None = None
-        self._result_version = 0
-
-    def get(self, x: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor | None:
-        if self._key is None or self._result is None:
-            return None
-        ref, version, key_spec = self._key
-        if ref() is not x or version != x._version or key_spec != spec or self._result._version != self._result_version:
-            return None
-        return self._result
-
-    def put(self, x: torch.Tensor, spec: QuantizerSpec, result: torch.Tensor) -> None:
-        self._key, self._result, self._result_version = (
-            (weakref.ref(x, self._forget), x._version, spec),
-            result,
-            result._version,
-        )
-
-    def _forget(self, ref: Any) -> None:
-        if self._key is not None and self._key[0] is ref:  # not a newer entry's input
-            self._key, self._result = None, None
-
-
-_LAST_DYNAMIC = _LastDynamicResult()
+_LAST_RESULT = LastResult()  # an activation quantizer's last fake quantization
 
 
 class TensorQuantizer(nn.Module):
@@ -194,13 +163,14 @@ class TensorQuantizer(nn.Module):
         self.layout.check(x)
         if not self.spec.dynamic:
             self._require_calibrated("quantize")
-            return fake_quantize(x, self.amax, self.spec, self.layout, self.amin)
-        reusable = not (torch.is_grad_enabled() and x.requires_grad)
-        out = _LAST_DYNAMIC.get(x, self.spec) if reusable else None
+        key = (self.spec, None, None) if self.spec.dynamic else (self.spec, self.amax, self.amin)
+        keep = reusable(x)
+        out = _LAST_RESULT.get(x, key) if keep else None
         if out is None:
-            out = fake_quantize(x, self.layout.amax_of(x), self.spec, self.layout, self.amin)
-            if reusable:
-                _LAST_DYNAMIC.put(x, self.spec, out)
+            amax = self.layout.amax_of(x) if self.spec.dynamic else self.amax
+            out = fake_quantize(x, amax, self.spec, self.layout, self.amin)
+            if keep:
+                _LAST_RESULT.put(x, key, out)
         return out
 
     def _require_calibrated(self, what: str) -> None:
