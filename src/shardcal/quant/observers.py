@@ -199,7 +199,8 @@ class MseObserver(Observer):
     def _value_errors(
         self, a: torch.Tensor, layout: Layout, cands: torch.Tensor, lows: torch.Tensor | None, rows: bool
     ) -> torch.Tensor:
-        """``[candidates, slots]`` float64 sums of ``|a - fake_quant(a)|^norm`` (fp8, nvfp4)."""
+        """``[candidates, slots]`` float64 sums of ``|a - fake_quant(a)|^norm`` (fp8, nvfp4; a tile of whole weight
+        rows sums each slot's few elements in float32 first)."""
         norm = float(self.params["norm"])
         sums = torch.empty(len(cands), layout.num_slots, dtype=torch.float64, device=a.device)
         for i, cand in enumerate(cands):
