@@ -191,10 +191,11 @@ def main() -> None:
         from shardcal import load_recipe
 
         names = [n for n in names if load_recipe(n).algorithm["name"] == "rtn"]
-    recipes = _per_recipe(str(model_dir), data, args.batch_size, names, max(1, args.repeat))
+    repeat = max(1, args.repeat)
+    recipes = _per_recipe(str(model_dir), data, args.batch_size, names, repeat)
     print(
         f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, one process, warm, "
-        f"fastest of {max(1, args.repeat)}"
+        f"fastest of {repeat}"
     )
     print(f"{'recipe':24} {'algorithm':12} {'calibration':>12} {'FP forward':>11} {'ratio':>6}  target")
     for name, algorithm, t_cal, t_fp in recipes:

@@ -40,12 +40,12 @@ from ..distributed import all_gather_strings, broadcast_, group_rank_size
 from ..errors import NumericsError, RecipeError
 from ..options import PROPAGATE_MODES
 from ..params import SpecError, boolean, integer, number, one_of, table_or_none
-from ..quant.formats import FORMATS, round_to_fp8_e4m3
+from ..quant.formats import FORMATS, qparams, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from .awq import AWQ
 from .base import LayerAlgorithm
-from .scales import clip_search_amax, element_qparams, qparams, refine_rounding, refit_scales
+from .scales import clip_search_amax, element_qparams, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
 

@@ -25,15 +25,8 @@ import math
 
 import torch
 
-from ..quant.formats import FORMATS, asymmetric_qparams, fake_quantize, scale_from_amax
+from ..quant.formats import FORMATS, fake_quantize, qparams, scale_from_amax
 from ..quant.quantizer import TensorQuantizer
-
-
-def qparams(amax: torch.Tensor, amin: torch.Tensor | None, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(scale, zero point or None)`` of an amax (and, asymmetric, an amin)."""
-    if amin is None:
-        return scale_from_amax(amax, fmt), None
-    return asymmetric_qparams(amax, amin, fmt)
 
 
 def element_qparams(q: TensorQuantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

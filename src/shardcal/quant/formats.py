@@ -24,6 +24,7 @@ compressed-tensors does, so nothing divides by zero; an all-zero tensor stays al
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,12 @@ FORMATS: dict[str, Format] = {
 
 #: Below this many elements (or off the CPU) fp8 values are converted by torch's own cast.
 _E4M3_TABLE_MIN_ELEMENTS = 1 << 14
-_E4M3_TABLE: list[torch.Tensor] = []  # built on first use
+
+
+@functools.cache
+def _e4m3_table() -> torch.Tensor:
+    """float32 value of every float8_e4m3fn code (CPU)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def fp8_e4m3_to_float32(t: torch.Tensor) -> torch.Tensor:
@@ -72,9 +78,7 @@ def fp8_e4m3_to_float32(t: torch.Tensor) -> torch.Tensor:
     code, the same values as ``t.float()``, which there converts element by element (about 3x slower)."""
     if t.device.type != "cpu" or t.numel() < _E4M3_TABLE_MIN_ELEMENTS:
         return t.float()
-    if not _E4M3_TABLE:
-        _E4M3_TABLE.append(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float())
-    return _E4M3_TABLE[0].index_select(0, t.view(torch.uint8).reshape(-1).to(torch.int32)).view(t.shape)
+    return _e4m3_table().index_select(0, t.view(torch.uint8).reshape(-1).to(torch.int32)).view(t.shape)
 
 
 def round_to_fp8_e4m3(t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +107,13 @@ def asymmetric_qparams(amax: torch.Tensor, amin: torch.Tensor, fmt: str) -> tupl
     scale = torch.where(scale == 0, torch.full_like(scale, _F32_EPS), scale)
     zero_point = torch.clamp(f.qmin - torch.round(lo / scale), f.qmin, f.qmax)
     return scale, zero_point
+
+
+def qparams(amax: torch.Tensor, amin: torch.Tensor | None, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, zero point or None)`` of an int / fp8 amax (and, asymmetric, an amin)."""
+    if amin is None:
+        return scale_from_amax(amax, fmt), None
+    return asymmetric_qparams(amax, amin, fmt)
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:

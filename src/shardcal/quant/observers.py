@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from .formats import FORMATS, asymmetric_qparams, qdq_arranged, scale_from_amax
+from .formats import FORMATS, qdq_arranged, qparams
 from .granularity import Layout
 from .merge import Stat
 from .spec import OBSERVER_KINDS, QuantizerSpec
@@ -215,13 +215,9 @@ class MseObserver(Observer):
         candidate of an int format (``[candidates, slots]`` each; the codes a float when symmetric, else shifted
         by each candidate's zero point, as ``formats`` quantizes them)."""
         f, norm = FORMATS[self.spec.format], float(self.params["norm"])
-        if lows is None:
-            scales = scale_from_amax(cands, self.spec.format)
-            low_codes: torch.Tensor | float = f.qmin
-            high_codes: torch.Tensor | float = f.qmax
-        else:
-            scales, zp = asymmetric_qparams(cands, lows, self.spec.format)
-            low_codes, high_codes = f.qmin - zp, f.qmax - zp
+        scales, zp = qparams(cands, lows, self.spec.format)
+        low_codes: torch.Tensor | float = f.qmin if zp is None else f.qmin - zp
+        high_codes: torch.Tensor | float = f.qmax if zp is None else f.qmax - zp
         factors = scales.double().square() if norm == 2.0 else scales.double().pow(norm)
         return [scales, scales[:1] / scales, low_codes, high_codes, factors]
 
