@@ -176,6 +176,8 @@ def main() -> None:
         "--repeat", type=int, default=1, help="part 5: time each recipe and its forward N times, keep the fastest"
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
 
     from shardcal.data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
@@ -191,11 +193,10 @@ def main() -> None:
         from shardcal import load_recipe
 
         names = [n for n in names if load_recipe(n).algorithm["name"] == "rtn"]
-    repeat = max(1, args.repeat)
-    recipes = _per_recipe(str(model_dir), data, args.batch_size, names, repeat)
+    recipes = _per_recipe(str(model_dir), data, args.batch_size, names, args.repeat)
     print(
         f"SmolLM2-135M, {args.samples} x {args.seq_len} tokens, batch {args.batch_size}, one process, warm, "
-        f"fastest of {repeat}"
+        f"fastest of {args.repeat}"
     )
     print(f"{'recipe':24} {'algorithm':12} {'calibration':>12} {'FP forward':>11} {'ratio':>6}  target")
     for name, algorithm, t_cal, t_fp in recipes:
