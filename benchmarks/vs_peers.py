@@ -33,6 +33,7 @@ PEERS = ("llmcompressor", "modelopt")
 _INT8_CHANNEL = {"format": "int8", "granularity": "channel", "axis": 0, "observer": "max"}
 _GPTQ_SQ = {"name": "gptq", "act_order": True, "smooth": {"name": "smoothquant", "alpha": 0.8}, "alpha": None}
 _G64 = {"weight": {"group_size": 64}}  # every tool at group 64 (SmolLM2's 576 is no multiple of 128)
+_G64_MAX = {"weight": {"group_size": 64, "observer": "max"}}  # the scales of the peers' default GPTQ
 _G64_ASYM = {"weight": {"group_size": 64, "symmetric": False}}  # zero points, as llm-compressor's AWQ default
 #: scheme -> shardcal's rows: (label, shipped recipe, overlay). The overlay is merged into the recipe's TOML table
 #: (tables merge key by key, ``None`` removes a key): the rows that are not shipped recipes say so in their label.
@@ -58,6 +59,7 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
     ],
     "w4a16-gptq-g64": [
         ("w4a16-gptq g64", "w4a16-gptq", _G64),
+        ("w4a16-gptq g64, max observer (llm-compressor's default minmax scales)", "w4a16-gptq", _G64_MAX),
         (
             "w4a16-gptq g64 + refine_sweeps 1, refit_scales 1, scale_search hessian",
             "w4a16-gptq",

@@ -120,6 +120,49 @@ def test_smoothquant_reduces_w8a8_error_with_outlier_channels():
     assert errors["smoothquant"] < 0.5 * errors["rtn"], errors
 
 
+def _consumer_input_max(model: nn.Module, data: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """Per Linear with an input quantizer: max |x| of its input over ``data`` in the model's own full-precision
+    forward (quantizers off) — what a max observer would record."""
+    found: dict[str, float] = {}
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda m, args, n=n: found.__setitem__(n, max(found.get(n, 0.0), args[0].abs().max().item()))
+        )
+        for n, m in model.named_modules()
+        if getattr(m, "input_quantizer", None) is not None
+    ]
+    set_quantizer_mode(model, "disabled")
+    with torch.no_grad():
+        for batch in data.split(batch_size):
+            model(batch)
+    for h in hooks:
+        h.remove()
+    set_quantizer_mode(model, "quantize")
+    return found
+
+
+@pytest.mark.parametrize("alpha_grid", [[], [0.5, 0.9]])
+def test_smoothquant_input_amax_is_the_smoothed_inputs_max_in_one_pass(alpha_grid):
+    """Static per-tensor max inputs of smoothed Linears take ``max_j act_max_j / s_j`` from SmoothQuant's own
+    statistics: equal to what observing the smoothed model's inputs gives, and the layer runs over the data as often
+    as under round to nearest (one pass, plus the SQNR batch)."""
+    data = _data(n=8)
+    calls: dict[str, dict[int, int]] = {}
+    for algorithm in ("rtn", "smoothquant"):
+        model = _model(outliers=True)
+        counts = calls.setdefault(algorithm, {})
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i, c=counts: c.__setitem__(i, c.get(i, 0) + 1))
+        params = {"alpha_grid": alpha_grid} if alpha_grid and algorithm == "smoothquant" else {}
+        calibrate(model, data, _recipe(algorithm, weight_only=False, **params), batch_size=4, progress=False)
+    assert calls["smoothquant"] == calls["rtn"], calls
+    observed = _consumer_input_max(model, data, 4)
+    assert len(observed) == 7 * LLAMA["num_hidden_layers"]
+    for name, want in observed.items():
+        got = model.get_submodule(name).input_quantizer.amax.item()
+        assert got == pytest.approx(want, rel=1e-5), name
+
+
 # ------------------------------------------------------------------------------------ GPTQ
 
 

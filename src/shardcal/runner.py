@@ -189,7 +189,7 @@ def _calibrate_layer_once(
     quantize_modules(step.layer, recipe, prefix=step.name)
     kv_quantizers = _pass_kv_cache(step, recipe)
     reference: dict[int, torch.Tensor] | None = None
-    if algorithm.changes_weights:  # SQNR against the layer as it was, not against the algorithm's new weights
+    if algorithm.changes_weights and not algorithm.preserves_function:  # SQNR against the layer as it was
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             reference = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     algorithm.before_weight_calibration(step, recipe, group)
@@ -203,8 +203,11 @@ def _calibrate_layer_once(
     algorithm.after_weight_calibration(step, recipe, group)
     if algorithm.changes_weights:
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
+    if not algorithm.preserves_function:
+        step.invalidate_outputs()  # outputs the hooks may have kept are not those of the layer as it is now
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
     fed = _fed_amax(step, feed, calibrate_all_experts) if feed is not None else {}
+    fed.update({id(q): (q, (amax, elements)) for q, amax, elements in algorithm.derived_amax(step)})
     activation = [q for q in activation if id(q) not in fed]
     for q, _ in fed.values():
         q.mode = QuantMode.DISABLED  # its amax comes from the report: it does not observe
@@ -215,11 +218,10 @@ def _calibrate_layer_once(
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
     routing = RoutingCounts(step.layer, step.name)
-    # Weight-only under "qdq": nothing to observe, and layer_steps recomputes the next inputs anyway: skip the
-    # pass (the SQNR batches' full-precision outputs suffice). Under "fp" the pass's outputs are the next inputs.
-    passes = max(num_passes(activation), 1) if activation or propagate != "qdq" else 0
+    kept = step.outputs is not None
+    passes = _observing_passes(step, activation, propagate, kept)
     if passes == 0 and reference is None:
-        fp_outputs = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
+        fp_outputs = step.outputs if kept else {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):
         begin_pass_all(activation, p)
         counting = routing if p == 0 else contextlib.nullcontext()
@@ -255,6 +257,19 @@ def _calibrate_layer_once(
         algorithm=algorithm.layer_report(step),
         from_activation_report=list(feed.used) if feed is not None else [],
     )
+
+
+def _observing_passes(step: LayerStep, activation: list[TensorQuantizer], propagate: str, kept: bool) -> int:
+    """Passes over the data the layer needs. With nothing to observe (weight-only, dynamic inputs, or every amax
+    derived) under "qdq", layer_steps recomputes the next inputs anyway: no pass (the SQNR batches' full-precision
+    outputs suffice); under "fp" the pass's outputs are the next inputs, unless the algorithm's hooks ``kept`` them.
+    An MoE layer runs a pass whenever it has activation quantizers or propagates "fp": it counts the routing."""
+    observing = num_passes(activation)
+    if moe_blocks(step.layer):
+        return max(observing, 1) if activation or propagate != "qdq" else 0
+    if observing or not (propagate == "qdq" or kept):
+        return max(observing, 1)
+    return 0
 
 
 def _fed_amax(

@@ -10,7 +10,10 @@ inserted:
    (GPTQ's error-compensating updates).
 
 The runner takes care of the rest: algorithms that set ``changes_weights`` have the gathered weights written
-back into the FSDP2 shards after the hooks, and included in calibration checkpoints. Statistics an algorithm
+back into the FSDP2 shards after the hooks, and included in calibration checkpoints. An algorithm whose statistics
+already give some activation quantizers' amax (:meth:`LayerAlgorithm.derived_amax`) spares the runner observing
+them; when none is left to observe and the hooks kept the layer's full-precision outputs (``step.outputs``, valid
+for a ``preserves_function`` algorithm), the runner runs no observing pass at all. Statistics an algorithm
 collects across ranks must be merged with collectives every rank takes (``group`` may be None in a single
 process).
 
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
+
+import torch
 
 from ..params import Schema, check_params
 from ..steps import LayerStep
@@ -36,6 +41,10 @@ class LayerAlgorithm:
     schema: ClassVar[Schema] = {}
     #: Whether the hooks modify the layer's parameters (written back to shards and checkpointed).
     changes_weights: ClassVar[bool] = False
+    #: Whether the hooks change only the layer's parametrisation, not the function it computes in full precision
+    #: (SmoothQuant's folds): the layer's SQNR is then measured against the layer after them, and outputs the hooks
+    #: kept (``step.outputs``) stay valid.
+    preserves_function: ClassVar[bool] = False
     #: The propagation ``calibrate`` uses when neither its caller nor a ``propagate`` parameter chooses one.
     default_propagate: ClassVar[str] = "fp"
 
@@ -65,6 +74,12 @@ class LayerAlgorithm:
 
     def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
         """Called after weight quantizers are calibrated (in ``disabled`` mode), before activation calibration."""
+
+    def derived_amax(self, step: LayerStep) -> list[tuple[Any, torch.Tensor, int]]:
+        """Activation quantizers of the layer whose calibrated amax the algorithm's own statistics give — exactly
+        what their observers would record over the same tokens, merged over ranks — as ``(quantizer, amax, elements
+        observed)``; called after :meth:`after_weight_calibration`. The runner sets them instead of observing."""
+        return []
 
     def layer_report(self, step: LayerStep) -> dict[str, Any]:
         """What the algorithm reports about the layer it just ran on (JSON-able, the same on every rank)."""

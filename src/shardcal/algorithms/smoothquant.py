@@ -19,6 +19,13 @@ smoothing, ``max_j act_max_j / s_j``), give the least squared output error on ``
 tokens of every batch. Each batch's loss is added to an exact accumulator and merged across ranks (one all-reduce
 SUM), so every rank picks the same alpha at every world size.
 
+The folds leave the layer's full-precision function as it was, so the statistics pass keeps the layer's outputs
+(the next layer's inputs under ``propagate="fp"``), and a consumer's static per-tensor ``max`` input quantizer
+(symmetric, outside MoE experts) needs no observing pass: smoothing divides input channel ``j`` by ``s_j``, so the
+max observer would record ``max_j act_max_j / s_j`` (:meth:`SmoothQuant.derived_amax`; equal up to float
+rounding, which the folded layer's own computation of the smoothed input differs by). A layer whose activation
+quantizers all follow this way (W8A8 with every Linear smoothed) is calibrated in one pass over the data.
+
 Recipe: ``[algorithm] name = "smoothquant"``, ``alpha`` (0.5), ``alpha_grid`` ([]: off), ``sample_tokens`` (128),
 ``mappings`` (which pairs; all four by default), ``propagate`` (``"fp"``: what ``calibrate`` uses when the caller
 does not choose).
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..moe import moe_blocks
 from ..options import PROPAGATE_MODES
 from ..params import integer, number, number_list, one_of, subset_of
 from ..quant.formats import fake_quantize
@@ -74,6 +82,7 @@ class SmoothQuant(LayerAlgorithm):
         "propagate": ("fp", one_of(*PROPAGATE_MODES)),
     }
     changes_weights = True
+    preserves_function = True
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
@@ -85,6 +94,9 @@ class SmoothQuant(LayerAlgorithm):
         #: Per layer name: ``{smoothing key: alpha}`` chosen (with ``alpha_grid``).
         self.alphas: dict[str, dict[str, float]] = {}
         self._warned: set[str] = set()
+        #: The last layer smoothed from its own statistics pass: its name, and per pair the per-channel maxima,
+        #: the scales folded and the tokens seen (for :meth:`derived_amax`).
+        self._smoothed: tuple[str, list[tuple[Smoothing, torch.Tensor, torch.Tensor, int]]] | None = None
 
     def takes_collected_max(self) -> bool:
         return not self.grid  # the grid needs token samples, which a report does not hold
@@ -99,12 +111,14 @@ class SmoothQuant(LayerAlgorithm):
         smoothings = self.smoothings(step)
         if not smoothings:  # the same on every rank (same layer, same recipe): no collective is skipped unevenly
             return
+        self._smoothed = None
         collected = self._collected(step, smoothings)
+        stats = None
         if collected is None:
             kinds = {"max", "samples"} if self.grid else {"max"}
             stats = (
                 InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"])
-                .collect(step)
+                .collect(step, keep_outputs=True)  # the folds keep the function: these stay the FP outputs
                 .merge(group)
             )
             collected = [stats[m.key].max for m in smoothings]
@@ -125,15 +139,37 @@ class SmoothQuant(LayerAlgorithm):
             merge_exact([losses], group)
             best = torch.argmin(losses.value(), dim=1).tolist()  # the first (smallest listed) alpha on a tie
             alphas = [self.grid[b] for b in best]
-        applied = {}
+        applied, smoothed = {}, []
         for m, act, w, alpha in zip(smoothings, maxima, w_maxima, alphas):
             s = smoothing_scales(act, w, alpha)
             m.fold(s)
             applied[m.key] = s.cpu()
+            if stats is not None:
+                smoothed.append((m, act, s, stats[m.key].tokens))
         self.scales[step.name] = applied
         if self.grid:
             self.alphas[step.name] = {m.key: a for m, a in zip(smoothings, alphas)}
-        step.invalidate_outputs()
+        if stats is not None:
+            self._smoothed = (step.name, smoothed)
+
+    def derived_amax(self, step: Any) -> list[tuple[Any, torch.Tensor, int]]:
+        """The smoothed consumers' static per-tensor max input quantizers: ``max_j act_max_j / s_j`` (see the module
+        docstring). Not for MoE experts (each observes its routed tokens only)."""
+        if self._smoothed is None or self._smoothed[0] != step.name:
+            return []
+        in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
+        out = []
+        for m, act, s, tokens in self._smoothed[1]:
+            top = (act / s.to(act.device)).max()
+            for c in m.quantized("input"):
+                q = c.input_quantizer
+                spec = q.spec
+                if id(c) in in_experts or spec.dynamic or spec.observer != "max" or not spec.symmetric:
+                    continue
+                if q.layout.num_slots != 1:
+                    continue
+                out.append((q, top.reshape(q.layout.amax_shape).float(), tokens * c.in_features))
+        return out
 
     def _collected(self, step: Any, smoothings: list[Smoothing]) -> list[torch.Tensor] | None:
         """The capture points' maxima from a collected activation report (see ``collected_max``), or None. Names: the

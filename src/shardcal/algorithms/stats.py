@@ -189,9 +189,12 @@ class InputStats:
                 entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly over batches
             s.gram.add(entry[2])
 
-    def collect(self, step: Any) -> InputStats:
-        """Run ``step.layer`` over this rank's cached batches (quantizers disabled) and record the statistics."""
+    def collect(self, step: Any, keep_outputs: bool = False) -> InputStats:
+        """Run ``step.layer`` over this rank's cached batches (quantizers disabled) and record the statistics; with
+        ``keep_outputs`` the layer's outputs are kept as ``step.outputs`` (its full-precision outputs, the next
+        layer's inputs under ``propagate="fp"`` unless the caller changes the layer's function)."""
         self._init(step.device)
+        outputs = []
         with ExitStack() as stack:
             stack.enter_context(quantizer_mode(step.layer, "disabled"))
             stack.enter_context(ExpertTokenMasks(step.layer))
@@ -202,8 +205,12 @@ class InputStats:
                     hook = module.register_forward_hook(lambda m, args, out, key=key: self._record(key, out))
                 stack.callback(hook.remove)
             for i in range(len(step.inputs)):
-                step.forward(i)  # declares the batch's token mask (shardcal.quant.tokens)
+                out = step.forward(i)  # declares the batch's token mask (shardcal.quant.tokens)
                 self._cache = {}
+                if keep_outputs:
+                    outputs.append(out.to(step.cache_device))
+        if keep_outputs:
+            step.outputs = outputs
         return self
 
     def merge(self, group: Any) -> InputStats:
