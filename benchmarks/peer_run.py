@@ -1,12 +1,13 @@
 """One peer PTQ tool (llm-compressor or NVIDIA modelopt) on one scheme, on CPU: calibration time and perplexity.
 
     .venv-peers/bin/python benchmarks/peer_run.py --tool llmcompressor --scheme fp8 --model-dir DIR \\
-        --calib calib.safetensors --eval eval.safetensors --out result.json
+        --calib calib.safetensors --eval eval.safetensors --out result.json [--variant NAME]
 
 Runs in the peers' own venv (``make bench-peers`` creates ``.venv-peers``); it never imports shardcal.
 ``benchmarks/vs_peers.py`` writes the inputs (an HF-format SmolLM2 directory, ``input_ids`` int64 [N, L] token
 files) and calls this script once per tool and scheme. Each scheme uses the tool's documented recipe for it
-(:data:`RECIPES` says which; ``None`` where the tool documents none):
+(:data:`RECIPES` says which; ``None`` where the tool documents none), or with ``--variant`` one of
+:data:`VARIANTS`, changed to match shardcal's recipe more closely (e.g. the same SmoothQuant alpha):
 
 * calibration: the tool's own entry point on the calibration blocks in batches of 8 (llm-compressor: ``oneshot``
   with a ``datasets.Dataset``; modelopt: ``mtq.quantize`` with a forward loop); ``calib_seconds`` times that call;
@@ -72,6 +73,24 @@ RECIPES: dict[str, dict[str, str | None]] = {
         "modelopt": "mtq.INT4_AWQ_CFG, block 64 (awq_lite; int4 symmetric)",
     },
 }
+#: (scheme, tool) -> variant -> what it changes: closer to shardcal's recipe than the tool's documented one
+#: (``--variant``; ``vs_peers.py`` runs each after the documented recipe).
+VARIANTS: dict[tuple[str, str], dict[str, str]] = {
+    ("w8a8-int8-sq", "llmcompressor"): {
+        "sq-0.8-static": "SmoothQuantModifier(smoothing_strength=0.8) + QuantizationModifier: int8 per-channel weights, "
+        "int8 static per-tensor inputs (static_minmax observer), round to nearest",
+    },
+    ("w8a8-int8-sq", "modelopt"): {
+        "alpha-0.8": "mtq.INT8_SMOOTHQUANT_CFG with algorithm {'method': 'smoothquant', 'alpha': 0.8}",
+    },
+    ("w4a16-gptq-g64", "llmcompressor"): {
+        "mse": "GPTQModifier, int4 symmetric group 64, weight observer 'mse' (block 128, dampening 0.01, actorder "
+        "static)",
+    },
+    ("w4a16-awq-g64", "modelopt"): {
+        "awq-full": "mtq.INT4_AWQ_CFG, block 64, algorithm 'awq_full' (awq_lite + clip search)",
+    },
+}
 
 
 def load_ids(path: str) -> torch.Tensor:
@@ -110,14 +129,28 @@ def _w4_group(symmetric: bool) -> dict:
     return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
 
 
-def llmcompressor_recipe(scheme: str) -> list:
-    from compressed_tensors.quantization import QuantizationArgs
+def llmcompressor_recipe(scheme: str, variant: str = "default") -> list:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
     ignore = ["lm_head"]
+    if (scheme, variant) == ("w8a8-int8-sq", "sq-0.8-static"):
+        int8 = dict(num_bits=8, type="int", symmetric=True)
+        groups = {
+            "group_0": QuantizationScheme(
+                targets=["Linear"],
+                weights=QuantizationArgs(**int8, strategy="channel"),
+                input_activations=QuantizationArgs(**int8, strategy="tensor", dynamic=False, observer="static_minmax"),
+            )
+        }
+        return [SmoothQuantModifier(smoothing_strength=0.8), QuantizationModifier(config_groups=groups, ignore=ignore)]
+    if (scheme, variant) == ("w4a16-gptq-g64", "mse"):
+        groups = _w4_group(True)
+        groups["group_0"].weights.observer = "mse"
+        return [GPTQModifier(targets="Linear", config_groups=groups, ignore=ignore)]
     if scheme == "fp8":
         return [QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore)]
     if scheme == "fp8-dynamic":
@@ -152,11 +185,13 @@ def patch_cpu_pin() -> str:
     return "IntermediatesCache._pin_intermediate is a no-op without an accelerator (CPU-only host)"
 
 
-def run_llmcompressor(model: torch.nn.Module, calib: torch.Tensor, scheme: str) -> tuple[torch.nn.Module, float, str]:
+def run_llmcompressor(
+    model: torch.nn.Module, calib: torch.Tensor, scheme: str, variant: str = "default"
+) -> tuple[torch.nn.Module, float, str]:
     from datasets import Dataset
     from llmcompressor import oneshot
 
-    recipe = llmcompressor_recipe(scheme)
+    recipe = llmcompressor_recipe(scheme, variant)
     data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     start = time.perf_counter()
     model = oneshot(
@@ -185,8 +220,17 @@ def _block(cfg: dict, size: int) -> dict:
     return cfg
 
 
-def modelopt_config(scheme: str) -> dict:
+def modelopt_config(scheme: str, variant: str = "default") -> dict:
     import modelopt.torch.quantization as mtq
+
+    if (scheme, variant) == ("w8a8-int8-sq", "alpha-0.8"):
+        cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
+        cfg["algorithm"] = {"method": "smoothquant", "alpha": 0.8}
+        return cfg
+    if (scheme, variant) == ("w4a16-awq-g64", "awq-full"):
+        cfg = _block(copy.deepcopy(mtq.INT4_AWQ_CFG), GROUP)
+        cfg["algorithm"] = {"method": "awq_full"}
+        return cfg
 
     if scheme == "fp8":
         return copy.deepcopy(mtq.FP8_DEFAULT_CFG)
@@ -207,11 +251,13 @@ def modelopt_config(scheme: str) -> dict:
     raise ValueError(f"modelopt documents no recipe for {scheme!r}")
 
 
-def run_modelopt(model: torch.nn.Module, calib: torch.Tensor, scheme: str) -> tuple[torch.nn.Module, float, str]:
+def run_modelopt(
+    model: torch.nn.Module, calib: torch.Tensor, scheme: str, variant: str = "default"
+) -> tuple[torch.nn.Module, float, str]:
     import modelopt.torch.quantization as mtq
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    cfg = modelopt_config(scheme)
+    cfg = modelopt_config(scheme, variant)
 
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():
@@ -237,10 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib", required=True)
     parser.add_argument("--eval", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", default="default", help="'default' (the documented recipe) or one of VARIANTS")
     parser.add_argument("--cpu-pin-patch", action="store_true", help="llmcompressor: no-op activation pinning on CPU")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    result: dict = {"tool": args.tool, "scheme": args.scheme, "recipe": RECIPES[args.scheme][args.tool]}
+    variants = VARIANTS.get((args.scheme, args.tool), {})
+    if args.variant != "default" and args.variant not in variants:
+        parser.error(f"--variant {args.variant!r}: {args.tool} on {args.scheme} has {sorted(variants) or 'none'}")
+    recipe = RECIPES[args.scheme][args.tool] if args.variant == "default" else variants[args.variant]
+    result: dict = {"tool": args.tool, "scheme": args.scheme, "variant": args.variant, "recipe": recipe}
     try:
         if result["recipe"] is None:
             raise ValueError(f"{args.tool} documents no recipe for {args.scheme}")
@@ -254,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_pin_patch and args.tool == "llmcompressor":
             result["patched"] = patch_cpu_pin()
         runner = run_llmcompressor if args.tool == "llmcompressor" else run_modelopt
-        model, seconds, check = runner(model, calib, args.scheme)
+        model, seconds, check = runner(model, calib, args.scheme, args.variant)
         result.update(calib_seconds=seconds, check=check, ppl=perplexity(model, held_out))
         status = 0
     except Exception as exc:  # recorded, so that the table says what failed

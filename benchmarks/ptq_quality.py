@@ -1,9 +1,11 @@
 """PTQ quality per recipe on the embedded SmolLM2-135M: perplexity and calibration time, measured in one run.
 
-    python benchmarks/ptq_quality.py [--samples 32] [--seq-len 256] [--eval-samples 8] [--recipes fp8 w4a16-gptq ...]
+    python benchmarks/ptq_quality.py [--samples 32] [--seq-len 256] [--eval-samples 8] [--eval-seed 0]
+                                     [--recipes fp8 w4a16-gptq ... | path/to/recipe.toml ...]
 
 Calibration data: ``--samples`` blocks of ``--seq-len`` tokens from the Wikipedia summaries' "calib" split;
-perplexity on ``--eval-samples`` held-out blocks of the "eval" split. One process, a fresh model per recipe,
+perplexity on ``--eval-samples`` held-out blocks of the "eval" split (its articles shuffled with ``--eval-seed``;
+another seed draws the blocks from another order of articles). One process, a fresh model per recipe,
 ``calibrate`` with the recipe's default propagation (``qdq`` for GPTQ, else ``fp``). Prints one table: perplexity,
 its ratio to FP32, calibration seconds.
 
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-samples", type=int, default=8)
+    parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--recipes", nargs="*", default=DEFAULT_RECIPES)
     args = parser.parse_args(argv)
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = embedded_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     calib = token_blocks(tokenizer, args.samples, args.seq_len, split="calib")
-    held_out = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
+    held_out = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval", seed=args.eval_seed)
     print(
         f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} tokens, eval {args.eval_samples} x {args.seq_len}, "
         f"{torch.get_num_threads()} threads",

@@ -9,7 +9,8 @@ Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-form
 in memory. shardcal's recipes run here, in this process, one after the other (``calibrate`` timed); each peer run is
 ``benchmarks/peer_run.py`` in the peers' own venv (``make bench-peers`` creates ``.venv-peers``), one at a time,
 timing only the tool's calibration call. The peers use their documented recipe for each scheme (see
-``peer_run.RECIPES``); shardcal's rows are named below. W4A16 is group 64 for every tool (SmolLM2's 576 is no
+``peer_run.RECIPES``), then each variant matched to shardcal's recipe (``peer_run.VARIANTS``: e.g. modelopt's
+SmoothQuant at shardcal's alpha); shardcal's rows are named below. W4A16 is group 64 for every tool (SmolLM2's 576 is no
 multiple of 128). Prints one markdown table; ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs
 whose JSON is there; ``--only`` runs one side). Without the peers' venv the peer rows are skipped with a message.
 """
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from peer_run import VARIANTS  # this folder: peer_run.py imports nothing of shardcal nor of the peers at the top
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
@@ -136,15 +138,19 @@ def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, n
     }
 
 
-def run_peer(python: Path, tool: str, scheme: str, model_dir: Path, work: Path, reuse: bool) -> dict:
-    out = work / f"{tool}-{scheme}.json"
+def run_peer(
+    python: Path, tool: str, scheme: str, model_dir: Path, work: Path, reuse: bool, variant: str = "default"
+) -> dict:
+    stem = f"{tool}-{scheme}" + ("" if variant == "default" else f"-{variant}")
+    out = work / f"{stem}.json"
     if reuse and out.is_file() and "error" not in (cached := json.loads(out.read_text())):
         return cached
     cmd = [str(python), str(HERE / "peer_run.py"), "--tool", tool, "--scheme", scheme, "--model-dir", str(model_dir)]
     cmd += ["--calib", str(work / "calib.safetensors"), "--eval", str(work / "eval.safetensors"), "--out", str(out)]
+    cmd += ["--variant", variant]
     if tool == "llmcompressor" and scheme.startswith("w4a16-awq"):
         cmd.append("--cpu-pin-patch")
-    log = work / f"{tool}-{scheme}.log"
+    log = work / f"{stem}.log"
     with open(log, "w") as f:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work)
     if not out.is_file():
@@ -187,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
             rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
         for tool in PEERS if peers else ():
-            result = run_peer(args.peers_python, tool, scheme, model_dir, work, args.reuse)
-            print(f"{scheme} {tool}: {json.dumps(result)}", flush=True)
-            if "documents no recipe" not in result.get("error", ""):
-                rows.append(_row(scheme, f"{tool} {result.get('version', '')}".strip(), result, fp32))
+            for variant in ("default", *VARIANTS.get((scheme, tool), {})):
+                result = run_peer(args.peers_python, tool, scheme, model_dir, work, args.reuse, variant)
+                print(f"{scheme} {tool} {variant}: {json.dumps(result)}", flush=True)
+                if "documents no recipe" not in result.get("error", ""):
+                    label = f"{tool} {result.get('version', '')}".strip()
+                    rows.append(_row(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
     print(f"\nSmolLM2-135M, FP32 perplexity {fp32:.3f} (8 x 256 held-out tokens); calibration 32 x 256 tokens\n")
     print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
     print("|---|---|---:|---:|---:|---|")

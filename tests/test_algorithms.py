@@ -163,6 +163,43 @@ def test_smoothquant_input_amax_is_the_smoothed_inputs_max_in_one_pass(alpha_gri
         assert got == pytest.approx(want, rel=1e-5), name
 
 
+def test_smoothquant_kept_outputs_are_dropped_before_an_observing_pass(monkeypatch):
+    """A percentile input observer still needs the observing passes: the outputs SmoothQuant's statistics pass kept
+    are freed before them (never two sets of a layer's outputs alive)."""
+    import weakref
+
+    from shardcal.algorithms.stats import InputStats
+    from shardcal.quant import QuantMode
+
+    kept: list[list[weakref.ref]] = []
+    alive_while_observing: list[int] = []
+    collect = InputStats.collect
+
+    def spy(self, step, keep_outputs=False):
+        out = collect(self, step, keep_outputs)
+        if keep_outputs:
+            kept.append([weakref.ref(t) for t in step.outputs])
+        return out
+
+    def check(module, args):
+        if module.input_quantizer.mode is QuantMode.COLLECT and kept:
+            alive_while_observing.append(sum(r() is not None for r in kept[-1]))
+
+    monkeypatch.setattr(InputStats, "collect", spy)
+    model = _model(outliers=True)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.register_forward_pre_hook(check)
+    recipe = parse_recipe(
+        'name = "t"\n[weight]\nformat = "int8"\ngranularity = "channel"\naxis = 0\n'
+        '[input]\nformat = "int8"\nobserver = { name = "percentile", percentile = 99.0 }\n'
+        '[algorithm]\nname = "smoothquant"\n',
+        "t.toml",
+    )
+    calibrate(model, _data(n=8), recipe, batch_size=4, progress=False)
+    assert len(kept) == LLAMA["num_hidden_layers"]
+    assert alive_while_observing and set(alive_while_observing) == {0}, alive_while_observing
+
+
 # ------------------------------------------------------------------------------------ GPTQ
 
 

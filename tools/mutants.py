@@ -400,6 +400,21 @@ CATALOGUE: list[Mutant] = [
         "mse: the smallest candidate (max_shrink) is never tried",
     ),
     Mutant(
+        "sq-derived-amax-unsmoothed",
+        "algorithms/smoothquant.py",
+        "            top = (act / s.to(act.device)).max()",
+        "            top = act.max()",
+        "SmoothQuant's derived input amax ignores the smoothing scales",
+    ),
+    Mutant(
+        "runner-kept-outputs-ignored",
+        "runner.py",
+        '    if observing or not (propagate == "qdq" or kept):',
+        '    if observing or propagate != "qdq":',
+        "the observing pass runs although the algorithm kept the layer's outputs",
+        tests=("tests/test_algorithms.py",),
+    ),
+    Mutant(
         "obs-mse-argmax",
         "quant/observers.py",
         "        best = self.errors.min(dim=0).indices",

@@ -105,6 +105,7 @@ TESTS: dict[str, list[str]] = {
         "tests/test_calibrate.py",
     ],
     "calib_checkpoint.py": ["tests/test_fingerprint_options.py", "tests/test_calibrate.py"],
+    "algorithms/smoothquant.py": ["tests/test_algorithms.py"],
     "export/plan.py": ["tests/test_export_claims.py", "tests/test_export.py", "tests/test_export_families.py"],
     "export/ct_tensors.py": ["tests/test_export.py"],
     "export/ct_config.py": ["tests/test_export.py"],

@@ -220,6 +220,8 @@ def _calibrate_layer_once(
     routing = RoutingCounts(step.layer, step.name)
     kept = step.outputs is not None
     passes = _observing_passes(step, activation, propagate, kept)
+    if passes:
+        step.invalidate_outputs()  # the pass computes them again: never two sets of outputs alive
     if passes == 0 and reference is None:
         fp_outputs = step.outputs if kept else {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     for p in range(passes):

@@ -108,10 +108,10 @@ class SmoothQuant(LayerAlgorithm):
         return [m for m in found if m.quantized("input")]
 
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        self._smoothed = None
         smoothings = self.smoothings(step)
         if not smoothings:  # the same on every rank (same layer, same recipe): no collective is skipped unevenly
             return
-        self._smoothed = None
         collected = self._collected(step, smoothings)
         stats = None
         if collected is None:
