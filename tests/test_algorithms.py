@@ -459,10 +459,12 @@ def test_two_ranks_equal_one_rank_bit_exact():
             assert want["sqnr"] == got["sqnr"], case
 
 
-def _gptq_resume_run(directory: str, interrupt: int | None, params: dict | None = None) -> dict:
-    model = _model(dict(LLAMA, num_hidden_layers=4))
+def _gptq_resume_run(
+    directory: str, interrupt: int | None, params: dict | None = None, algorithm: str = "gptq"
+) -> dict:
+    model = _model(dict(LLAMA, num_hidden_layers=4), outliers=algorithm == "smoothquant")
     fsdp2_wrap(model)
-    recipe = _recipe("gptq", **(params or {}))
+    recipe = _recipe(algorithm, weight_only=algorithm != "smoothquant", **(params or {}))
     try:
         with interrupt_after(interrupt):
             calibrate(model, _data(n=6), recipe, batch_size=2, progress=False, checkpoint_dir=directory)
@@ -483,6 +485,19 @@ def test_gptq_resume_is_bit_identical(tmp_path, params):
         assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, params))
         resumed = run_on_ranks(resumed_on, _gptq_resume_run, folder, None, params)
         for got in resumed:
+            for name in full[0]["state"]:
+                assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
+            assert torch.equal(full[0]["logits"], got["logits"])
+
+
+def test_smoothquant_one_pass_resume_is_bit_identical(tmp_path):
+    """SmoothQuant's one pass (kept outputs propagated, derived input amax) resumes bit-identically, on the same world
+    size and on another one."""
+    full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None, None, "smoothquant")
+    for resumed_on in (2, 1):
+        folder = str(tmp_path / f"b{resumed_on}")
+        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, None, "smoothquant"))
+        for got in run_on_ranks(resumed_on, _gptq_resume_run, folder, None, None, "smoothquant"):
             for name in full[0]["state"]:
                 assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
             assert torch.equal(full[0]["logits"], got["logits"])
