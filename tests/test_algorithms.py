@@ -459,9 +459,7 @@ def test_two_ranks_equal_one_rank_bit_exact():
             assert want["sqnr"] == got["sqnr"], case
 
 
-def _gptq_resume_run(
-    directory: str, interrupt: int | None, params: dict | None = None, algorithm: str = "gptq"
-) -> dict:
+def _resume_run(directory: str, interrupt: int | None, params: dict | None = None, algorithm: str = "gptq") -> dict:
     model = _model(dict(LLAMA, num_hidden_layers=4), outliers=algorithm == "smoothquant")
     fsdp2_wrap(model)
     recipe = _recipe(algorithm, weight_only=algorithm != "smoothquant", **(params or {}))
@@ -479,11 +477,11 @@ def _gptq_resume_run(
 def test_gptq_resume_is_bit_identical(tmp_path, params):
     """Changed weights (and refitted scales) are checkpointed: resumed on the same world size, or on another one
     (written by 2 ranks, resumed on 1 — each rank reassembles its new shard from the old ranks' rows)."""
-    full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None, params)
+    full = run_on_ranks(2, _resume_run, str(tmp_path / "a"), None, params)
     for resumed_on in (2, 1):
         folder = str(tmp_path / f"b{resumed_on}")
-        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, params))
-        resumed = run_on_ranks(resumed_on, _gptq_resume_run, folder, None, params)
+        assert all(r["interrupted"] for r in run_on_ranks(2, _resume_run, folder, 2, params))
+        resumed = run_on_ranks(resumed_on, _resume_run, folder, None, params)
         for got in resumed:
             for name in full[0]["state"]:
                 assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
@@ -493,11 +491,11 @@ def test_gptq_resume_is_bit_identical(tmp_path, params):
 def test_smoothquant_one_pass_resume_is_bit_identical(tmp_path):
     """SmoothQuant's one pass (kept outputs propagated, derived input amax) resumes bit-identically, on the same world
     size and on another one."""
-    full = run_on_ranks(2, _gptq_resume_run, str(tmp_path / "a"), None, None, "smoothquant")
+    full = run_on_ranks(2, _resume_run, str(tmp_path / "a"), None, None, "smoothquant")
     for resumed_on in (2, 1):
         folder = str(tmp_path / f"b{resumed_on}")
-        assert all(r["interrupted"] for r in run_on_ranks(2, _gptq_resume_run, folder, 2, None, "smoothquant"))
-        for got in run_on_ranks(resumed_on, _gptq_resume_run, folder, None, None, "smoothquant"):
+        assert all(r["interrupted"] for r in run_on_ranks(2, _resume_run, folder, 2, None, "smoothquant"))
+        for got in run_on_ranks(resumed_on, _resume_run, folder, None, None, "smoothquant"):
             for name in full[0]["state"]:
                 assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
             assert torch.equal(full[0]["logits"], got["logits"])

@@ -402,7 +402,7 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "sq-derived-amax-unsmoothed",
         "algorithms/smoothquant.py",
-        "            top = (act / s.to(act.device)).max()",
+        "            top = (act / scales[m.key].to(act.device)).max()",
         "            top = act.max()",
         "SmoothQuant's derived input amax ignores the smoothing scales",
     ),

@@ -150,7 +150,6 @@ class AWQ(LayerAlgorithm):
                     inv = 1.0 / cols[key]
                     h = h * inv[:, None] * inv[None, :]
                 self._clip_hessians[id(lin)] = (lin, h)
-        step.invalidate_outputs()
 
     def _search(self, m: Smoothing, h: torch.Tensor, x_mean: torch.Tensor) -> tuple[float, torch.Tensor]:
         """``(best exponent r or -1 for no scaling, scales)`` for one pair."""

@@ -296,7 +296,6 @@ class GPTQ(LayerAlgorithm):
                 broadcast_(m.weight_quantizer.amax, k % size, group)  # in-order, searched or refitted scales
                 if m.weight_quantizer.amin is not None:
                     broadcast_(m.weight_quantizer.amin, k % size, group)
-        step.invalidate_outputs()
 
     def _check_asymmetric(self, q: TensorQuantizer, name: str) -> None:
         if not q.spec.symmetric and self.params["refit_scales"]:

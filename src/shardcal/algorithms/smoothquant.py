@@ -94,9 +94,9 @@ class SmoothQuant(LayerAlgorithm):
         #: Per layer name: ``{smoothing key: alpha}`` chosen (with ``alpha_grid``).
         self.alphas: dict[str, dict[str, float]] = {}
         self._warned: set[str] = set()
-        #: The last layer smoothed from its own statistics pass: its name, and per pair the per-channel maxima,
-        #: the scales folded and the tokens seen (for :meth:`derived_amax`).
-        self._smoothed: tuple[str, list[tuple[Smoothing, torch.Tensor, torch.Tensor, int]]] | None = None
+        #: The last layer smoothed from its own statistics pass: its name, and per pair the per-channel maxima and
+        #: the tokens seen (for :meth:`derived_amax`, with the scales in :attr:`scales`).
+        self._smoothed: tuple[str, list[tuple[Smoothing, torch.Tensor, int]]] | None = None
 
     def takes_collected_max(self) -> bool:
         return not self.grid  # the grid needs token samples, which a report does not hold
@@ -145,7 +145,7 @@ class SmoothQuant(LayerAlgorithm):
             m.fold(s)
             applied[m.key] = s.cpu()
             if stats is not None:
-                smoothed.append((m, act, s, stats[m.key].tokens))
+                smoothed.append((m, act, stats[m.key].tokens))
         self.scales[step.name] = applied
         if self.grid:
             self.alphas[step.name] = {m.key: a for m, a in zip(smoothings, alphas)}
@@ -159,8 +159,9 @@ class SmoothQuant(LayerAlgorithm):
             return []
         in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
         out = []
-        for m, act, s, tokens in self._smoothed[1]:
-            top = (act / s.to(act.device)).max()
+        scales = self.scales[step.name]
+        for m, act, tokens in self._smoothed[1]:
+            top = (act / scales[m.key].to(act.device)).max()
             for c in m.quantized("input"):
                 q = c.input_quantizer
                 spec = q.spec
