@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcal.quant import QuantizerSpec, decode, encode, fake_quantize, pack_int4_to_int32, unpack_int4_from_int32
-from shardcal.quant.formats import e2m1_codes, e2m1_values, nvfp4_global_scale, pack_fp4_to_uint8, scales_from_amax
+from shardcal.quant.formats import (
+    e2m1_codes,
+    e2m1_values,
+    nvfp4_global_scale,
+    pack_fp4_to_uint8,
+    round_e2m1,
+    round_e2m1_,
+    scales_from_amax,
+)
 from shardcal.quant.granularity import Layout
 
 INT8 = QuantizerSpec("int8")
@@ -352,3 +360,29 @@ def test_fp8_rounding_by_table_equals_torch_cast():
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(40_000, generator=g) * 100, torch.randn(10_000, generator=g) * 1e-3]).clamp(-448, 448)
     assert torch.equal(round_to_fp8_e4m3(x), x.to(torch.float8_e4m3fn).float())
+
+
+def test_e2m1_rounding_ties_signs_and_nan():
+    # ties go to the even neighbour (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
+    # a small negative keeps its sign (-0.0, code 8, as compressed-tensors' cast_to_fp4 gives), -0.0 and NaN give 0.0
+    x = t(0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.75, -5.0, 0.26, 2.51, -0.1, -0.0, 0.0, float("nan"), 6.0)
+    want = t(0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -2.0, -4.0, 0.5, 3.0, -0.0, 0.0, 0.0, 0.0, 6.0)
+    got = round_e2m1(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit: the sign of zero counts
+    assert torch.equal(x[:2], t(0.25, 0.75))  # the input is left as it was
+    assert e2m1_codes(got[12:14]).tolist() == [8, 0]
+    in_place = x.clone()
+    assert round_e2m1_(in_place) is in_place and torch.equal(in_place.view(torch.int32), want.view(torch.int32))
+
+
+def test_nvfp4_fake_quant_is_the_same_under_autograd():
+    torch.manual_seed(4)
+    w = torch.randn(4, 64) * 2
+    w[0, :3] = torch.tensor([-0.0, -1e-6, 0.0])
+    amax = w.abs().amax().reshape(1)
+    plain = fake_quantize(w, amax, NVFP4)  # in place on its own buffer
+    leaf = w.clone().requires_grad_(True)
+    tracked = fake_quantize(leaf, amax, NVFP4)  # new tensors: autograd refuses out= and in-place sign copies
+    assert torch.equal(plain.view(torch.int32), tracked.detach().view(torch.int32))
+    tracked.sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()

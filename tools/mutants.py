@@ -346,9 +346,16 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-e2m1-tie",
         "quant/formats.py",
-        "    return a.add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)  # torch.sign(NaN) = 0: NaN -> 0.0\n",
-        "    return a.nextafter_(c).add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)\n",
+        "    return x.add_(c).sub_(c).copysign_(c).nan_to_num_(nan=0.0)  # NaN stays NaN through the steps: -> 0.0\n",
+        "    return x.nextafter_(c).add_(c).sub_(c).copysign_(c).nan_to_num_(nan=0.0)\n",
         "E2M1: 0.25 rounds up to 0.5 (not to even, 0)",
+    ),
+    Mutant(
+        "fmt-e2m1-negative-zero",
+        "quant/formats.py",
+        "    x.add_(0.0)\n",
+        "    pass\n",
+        "E2M1: -0.0 keeps its sign (code 8; compressed-tensors gives 0.0)",
     ),
     Mutant(
         "fmt-fp8-scale-eps",

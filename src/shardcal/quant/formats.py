@@ -125,7 +125,10 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_block_scales(xb: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """FP8-representable block scales (float32, ``[..., n_blocks, 1]``) of float32 blocks ``xb`` ``[..., n_blocks, 16]``."""
-    block_amax = xb.abs().amax(dim=-1, keepdim=True)
+    return _block_scales(xb.abs().amax(dim=-1, keepdim=True), global_scale)
+
+
+def _block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     s = global_scale * (block_amax / E2M1_MAX)
     s = round_to_fp8_e4m3(torch.clamp(s, -E4M3_MAX, E4M3_MAX))
     return torch.where(s == 0, torch.full_like(s, _FP8_SCALE_EPS), s)
@@ -135,17 +138,29 @@ def nvfp4_block_scales(xb: torch.Tensor, global_scale: torch.Tensor) -> torch.Te
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round float32 values already clamped to [-6, 6] to the nearest E2M1 value, ties to even.
+    """Round float32 values already clamped to [-6, 6] to the nearest E2M1 value, ties to even (a new tensor).
 
     Same values as compressed-tensors' ``cast_to_fp4`` thresholds and sign handling (a small negative rounds to
     -0.0, -0.0 and NaN give 0.0). The E2M1 step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, i.e. ``2 ** (e - 1)``
     for ``|x|``'s binary exponent ``e`` taken at least 0: adding ``c = step * 2 ** 23`` (whose float32 ulp is
     that step) rounds ``|x|`` to a multiple of its step, ties to even, and subtracting ``c`` again is exact.
+    Differentiable as the identity on ``x`` (autograd sees ``|x| + c - c`` times ``sign(x)``).
     """
     a = x.abs()
     # 2 ** (e + 22) = step * 2 ** 23: the exponent bits in place, at least 127 (2 ** 0: the step is >= 0.5), plus 22
     c = (a.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)
     return a.add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)  # torch.sign(NaN) = 0: NaN -> 0.0
+
+
+def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`round_e2m1` in place on ``x`` (float32; not under autograd): one temporary instead of three. ``c`` carries
+    ``x``'s sign, so ``x + c - c`` rounds the magnitude (round to nearest even is symmetric), and the sign is put
+    back from ``c`` at the end (a result of 0 keeps it: -0.0); ``x + 0.0`` first turns -0.0 into 0.0."""
+    x.add_(0.0)
+    # 2 ** (e + 22) = step * 2 ** 23: the exponent bits in place, at least 127 (2 ** 0: the step is >= 0.5), plus 22
+    c = (x.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)
+    c.copysign_(x)
+    return x.add_(c).sub_(c).copysign_(c).nan_to_num_(nan=0.0)  # NaN stays NaN through the steps: -> 0.0
 
 
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
@@ -245,9 +260,13 @@ def _quantize_arranged(
     if f.kind == "nvfp4":
         gs = nvfp4_global_scale(amax_b)
         xb = _nvfp4_blocks(a)
-        s = nvfp4_block_scales(xb, gs)
+        q = torch.abs(xb)  # |x| for the block amax, then the scaled values, rounded in place: one full-size buffer
+        s = _block_scales(q.amax(dim=-1, keepdim=True), gs)
         eff = (s / gs).expand(xb.shape).contiguous()  # full size: dividing by a 16-wide broadcast is ~8x slower
-        q = round_e2m1(torch.clamp(xb / eff, -E2M1_MAX, E2M1_MAX))
+        if q.requires_grad:  # under autograd: new tensors (autograd refuses out= and needs x for sign's gradient)
+            q = round_e2m1(torch.clamp(xb / eff, -E2M1_MAX, E2M1_MAX))
+        else:
+            round_e2m1_(torch.div(xb, eff, out=q).clamp_(-E2M1_MAX, E2M1_MAX))
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
     scale = scale_from_amax(amax_b, fmt)
     scaled = (a / scale).clamp_(f.qmin, f.qmax)
