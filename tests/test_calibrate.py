@@ -128,6 +128,48 @@ def test_rank_without_batches_and_two_pass_observers():
         assert torch.equal(logits, single[2])
 
 
+ASYMMETRIC_MSE = """
+name = "asym-mse"
+[weight]
+format = "int4"
+granularity = "group"
+group_size = 32
+symmetric = false
+observer = { name = "mse", grid = 40, max_shrink = 0.3 }
+"""
+
+
+def _weight_search_counts(recipe_text: str | None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Calibrate with a counting ``calibrate_from``; return this rank's count and every quantizer's amax / amin."""
+    from shardcal.quant.quantizer import TensorQuantizer
+
+    calls = []
+    original = TensorQuantizer.calibrate_from
+    TensorQuantizer.calibrate_from = lambda self, *a, **k: calls.append(self.name) or original(self, *a, **k)
+    try:
+        model = _model()
+        fsdp2_wrap(model)
+        recipe = parse_recipe(recipe_text, "r.toml") if recipe_text else _recipe("two-pass")
+        calibrate(model, _data(n=4), recipe, batch_size=2, progress=False)
+    finally:
+        TensorQuantizer.calibrate_from = original
+    ranges = {n + ".amax": q.amax.clone() for n, q in iter_quantizers(model) if q.amax is not None}
+    ranges |= {n + ".amin": q.amin.clone() for n, q in iter_quantizers(model) if q.amin is not None}
+    return len(calls), ranges
+
+
+@pytest.mark.parametrize("recipe_text", [None, ASYMMETRIC_MSE], ids=["mse-symmetric", "mse-asymmetric"])
+def test_ranks_share_the_weight_search_and_get_one_ranks_bits(recipe_text):
+    ((alone, want),) = run_on_ranks(1, _weight_search_counts, recipe_text)
+    shared = run_on_ranks(2, _weight_search_counts, recipe_text)
+    assert alone == 4 * 7  # every Linear's weight, once
+    assert sum(n for n, _ in shared) == alone and all(0 < n < alone for n, _ in shared)  # each searched once
+    for _, got in shared:
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
 # ------------------------------------------------------------ one gather per step
 def _count_gathers(propagate: str) -> dict:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg

@@ -351,6 +351,20 @@ CATALOGUE: list[Mutant] = [
         "E2M1: 0.25 rounds up to 0.5 (not to even, 0)",
     ),
     Mutant(
+        "session-weight-search-owner-only",
+        "quant/session.py",
+        "        owners[i] = min(range(ranks), key=lambda r: load[r])\n",
+        "        owners[i] = 0\n",
+        "every searched weight goes to rank 0: the ranks do not share the search",
+    ),
+    Mutant(
+        "session-weight-search-unshared",
+        "quant/session.py",
+        "            quantizer.set_amax(*merged)\n",
+        "            quantizer.set_amax(*[torch.zeros_like(m) for m in merged])\n",
+        "a rank that did not search a weight keeps zeros instead of the owner's ranges",
+    ),
+    Mutant(
         "fmt-e2m1-negative-zero",
         "quant/formats.py",
         "    x.add_(0.0)\n",

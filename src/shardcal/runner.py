@@ -51,6 +51,7 @@ from .quant.linear import QuantLinear, remove_quantizers
 from .quant.quantizer import QuantMode, TensorQuantizer
 from .quant.session import (
     begin_pass_all,
+    calibrate_weights,
     end_pass_all,
     finish_calibration_all,
     iter_quantizers,
@@ -193,9 +194,10 @@ def _calibrate_layer_once(
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             reference = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
     algorithm.before_weight_calibration(step, recipe, group)
-    weights = [m.weight_quantizer for _, m in _weight_quantizers(step.layer, step.name)]
-    for module_weight, q in zip((m.weight for _, m in _weight_quantizers(step.layer, step.name)), weights):
-        q.calibrate_from(module_weight)  # the layer is gathered: the full weight, on every rank
+    pairs = [(m.weight, m.weight_quantizer) for _, m in _weight_quantizers(step.layer, step.name)]
+    calibrate_weights(pairs, group)  # the layer is gathered: the full weights, on every rank (a search: shared)
+    weights = [q for _, q in pairs]
+    for q in weights:
         q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
     fused = [m for m in step.layer.modules() if expert_projections(m)]
     for experts in fused:

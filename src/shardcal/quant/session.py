@@ -19,8 +19,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..distributed import group_rank_size
 from .merge import merge_stats
 from .quantizer import QuantMode, TensorQuantizer
 
@@ -84,6 +86,59 @@ def end_pass_all(quantizers: Sequence[TensorQuantizer], group: Any = None) -> in
 def finish_calibration_all(quantizers: Iterable[TensorQuantizer]) -> None:
     for q in quantizers:
         q.finish_calibration()
+
+
+def calibrate_weights(pairs: Sequence[tuple[torch.Tensor, TensorQuantizer]], group: Any = None) -> None:
+    """``quantizer.calibrate_from(weight)`` for every ``(weight, quantizer)`` pair: full weights, the same on every
+    rank of ``group`` (a gathered layer). A search per slot (an observer with two passes: mse, percentile) is done
+    once, not once per rank: each such weight is calibrated on one rank (the largest first, each to the rank with
+    the least work so far) and the ranges travel in one all-reduce, to which the other ranks add -0.0 (``x + -0.0``
+    is ``x`` for every x, -0.0 and NaN included), so every rank gets the bits one rank alone computes. Collective
+    over ``group`` when it holds such weights: every rank calls it with the same pairs in the same order."""
+    rank, size = group_rank_size(group)
+    searched = [i for i, (w, q) in enumerate(pairs) if q.num_passes > 1 and _local(w)]
+    owners = dict(zip(searched, _owners([pairs[i][0].numel() for i in searched], size))) if size > 1 else {}
+    for i, (weight, quantizer) in enumerate(pairs):
+        if owners.get(i, rank) == rank:
+            quantizer.calibrate_from(weight)
+    if not owners:
+        return
+    ranges = [_ranges(pairs[i][1], mine=owners[i] == rank) for i in searched]
+    flat = torch.cat([r.reshape(-1) for parts in ranges for r in parts])
+    merge_stats([("sum", flat)], group)
+    offset = 0
+    for i, parts in zip(searched, ranges):
+        weight, quantizer = pairs[i]
+        merged = []
+        for r in parts:
+            merged.append(flat[offset : offset + r.numel()].view(r.shape))
+            offset += r.numel()
+        if owners[i] != rank:
+            quantizer.set_amax(*merged)
+            quantizer.num_observed = weight.numel()
+            quantizer.mode = QuantMode.QUANTIZE
+
+
+def _local(weight: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(weight, DTensor)  # a DTensor is gathered inside calibrate_from, on every rank
+
+
+def _owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that calibrates each weight: largest first, each to the least loaded rank (the lowest on a tie)."""
+    load = [0] * ranks
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owners[i] = min(range(ranks), key=lambda r: load[r])
+        load[owners[i]] += sizes[i]
+    return owners
+
+
+def _ranges(quantizer: TensorQuantizer, mine: bool) -> list[torch.Tensor]:
+    """The quantizer's amax (and amin) as calibrated here, or -0.0 of their shapes from a rank that did not."""
+    parts = [quantizer.amax] + ([] if quantizer.amin is None else [quantizer.amin])
+    return [p.detach() if mine else torch.full_like(p, -0.0) for p in parts]
 
 
 class CalibrationSession:
