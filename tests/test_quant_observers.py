@@ -304,3 +304,30 @@ def test_observers_of_one_tensor_share_one_amax_and_never_a_stale_one(monkeypatc
     finish_calibration_all(qs)
     assert len(calls) == 2
     assert qs[0].amax.item() == 99.0 and qs[1].amax.item() == qs[2].amax.item() == _data(9).abs().max().item()
+
+
+def test_a_kept_result_goes_with_its_input_and_no_python_runs_then():
+    import gc
+    import types
+    import weakref
+
+    from shardcal.quant.reuse import LastResult
+
+    kept = LastResult()
+    x, y = torch.ones(4), torch.zeros(4)
+    result = x * 2
+    kept.put(x, ("k", torch.tensor([1.0])), result)
+    assert kept.get(x, ("k", torch.tensor([1.0]))) is result
+    assert kept.get(x, ("k", torch.tensor([2.0]))) is None and kept.get(y, ("k", torch.tensor([1.0]))) is None
+    gone = weakref.ref(result)
+    # freeing x runs C code only (the dict's own pop): a Ctrl-C can never land inside a Python callback there, where
+    # Python prints "Exception ignored" and drops it
+    assert isinstance(kept._ref.__callback__, types.BuiltinMethodType)
+    del result, x
+    gc.collect()
+    assert gone() is None  # the kept result went with its input
+    z = torch.ones(3)
+    kept.put(z, ("k",), z + 1)
+    kept.put(y, ("k",), y + 1)  # replacing the entry drops the previous one (its reference and callback too)
+    del z
+    assert kept.get(y, ("k",)) is not None

@@ -351,6 +351,13 @@ CATALOGUE: list[Mutant] = [
         "E2M1: 0.25 rounds up to 0.5 (not to even, 0)",
     ),
     Mutant(
+        "reuse-python-callback",
+        "quant/reuse.py",
+        "        self._ref = weakref.ref(x, self._kept.pop)\n",
+        "        self._ref = weakref.ref(x, lambda ref: self._kept.pop(ref))\n",
+        "a kept result is dropped by Python code, where a Ctrl-C would be lost with a traceback",
+    ),
+    Mutant(
         "session-weight-search-owner-only",
         "quant/session.py",
         "        owners[i] = min(range(ranks), key=lambda r: load[r])\n",

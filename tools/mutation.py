@@ -80,6 +80,7 @@ TESTS: dict[str, list[str]] = {
         "tests/test_calibrate.py",
     ],
     "quant/merge.py": ["tests/test_quant_observers.py", "tests/test_calibrate.py"],
+    "quant/reuse.py": ["tests/test_quant_observers.py", "tests/test_quant_linear.py"],
     "quant/session.py": ["tests/test_quant_references.py", "tests/test_quant_observers.py", "tests/test_calibrate.py"],
     "quant/experts.py": ["tests/test_moe_reference.py", "tests/test_foreign_models.py"],
     "moe.py": ["tests/test_moe_reference.py", "tests/test_calibrate.py"],

@@ -3,7 +3,8 @@ decoder layer read one input tensor, and their input quantizers, with one spec a
 fake quantization (and their observers the same amax) three times over. A :class:`LastResult` keeps the last
 result with a weak reference to its input and the key it was computed under; the same tensor, unchanged since
 (its ``_version``), under an equal key gets the kept result back, as long as nobody changed that result in place.
-The entry goes when its input is freed.
+The entry goes when its input is freed: the weak reference's callback is the keeping dict's own ``pop`` (C code), so
+no Python code runs then and a Ctrl-C cannot land inside a callback, where Python would drop it with a traceback.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class LastResult:
         self._ref: weakref.ref | None = None
         self._version = 0
         self._key: tuple[Any, ...] = ()
-        self._result: torch.Tensor | None = None
+        self._kept: dict[weakref.ref, torch.Tensor] = {}  # at most one entry: the result for ``self._ref``
         self._result_version = 0
 
     def get(self, x: torch.Tensor, key: Sequence[Any]) -> torch.Tensor | None:
         """The kept result for ``x`` under ``key``, or None."""
-        result = self._result
-        if result is None or self._ref is None or self._ref() is not x or x._version != self._version:
+        ref = self._ref
+        result = self._kept.get(ref) if ref is not None else None
+        if result is None or ref() is not x or x._version != self._version:
             return None
         if result._version != self._result_version or len(key) != len(self._key):
             return None
@@ -43,14 +45,14 @@ class LastResult:
 
     def put(self, x: torch.Tensor, key: Sequence[Any], result: torch.Tensor) -> None:
         """Keep ``result`` as computed from ``x`` under ``key`` (replacing the previous entry)."""
-        self._ref = weakref.ref(x, self._forget)
+        self._kept.clear()
+        # the previous reference goes with its entry (so its callback can no longer fire); this one's callback
+        # removes this entry when x is freed
+        self._ref = weakref.ref(x, self._kept.pop)
+        self._kept[self._ref] = result
         self._version = x._version
         self._key = tuple(k.detach().clone() if isinstance(k, torch.Tensor) else k for k in key)
-        self._result, self._result_version = result, result._version
-
-    def _forget(self, ref: weakref.ref) -> None:
-        if ref is self._ref:  # not a newer entry's input
-            self._ref, self._result, self._key = None, None, ()
+        self._result_version = result._version
 
 
 def reusable(x: torch.Tensor) -> bool:
