@@ -147,8 +147,7 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     Differentiable as the identity on ``x`` (autograd sees ``|x| + c - c`` times ``sign(x)``).
     """
     a = x.abs()
-    # 2 ** (e + 22) = step * 2 ** 23: the exponent bits in place, at least 127 (2 ** 0: the step is >= 0.5), plus 22
-    c = (a.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)
+    c = _e2m1_rounding_constant(a)
     return a.add_(c).sub_(c).mul_(torch.sign(x)).nan_to_num_(nan=0.0)  # torch.sign(NaN) = 0: NaN -> 0.0
 
 
@@ -157,10 +156,14 @@ def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
     ``x``'s sign, so ``x + c - c`` rounds the magnitude (round to nearest even is symmetric), and the sign is put
     back from ``c`` at the end (a result of 0 keeps it: -0.0); ``x + 0.0`` first turns -0.0 into 0.0."""
     x.add_(0.0)
-    # 2 ** (e + 22) = step * 2 ** 23: the exponent bits in place, at least 127 (2 ** 0: the step is >= 0.5), plus 22
-    c = (x.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)
-    c.copysign_(x)
+    c = _e2m1_rounding_constant(x).copysign_(x)
     return x.add_(c).sub_(c).copysign_(c).nan_to_num_(nan=0.0)  # NaN stays NaN through the steps: -> 0.0
+
+
+def _e2m1_rounding_constant(x: torch.Tensor) -> torch.Tensor:
+    """``c = step * 2 ** 23`` for each element of float32 ``x`` (a new tensor, positive; ``x``'s sign is ignored):
+    ``2 ** (e + 22)``, the exponent bits of ``|x|`` in place, at least 127 (2 ** 0: the step is >= 0.5), plus 22."""
+    return (x.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)
 
 
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
