@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 IDS = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(4))
-BASE = dict(propagate="fp", batch_size=2, calibrate_all_experts=True, sqnr_batches=1, progress=False)
+BASE = dict(propagate="fp", batch_size=2, calibrate_all_experts=True, sqnr_tokens=12, progress=False)
 
 
 def _model() -> CausalLM:
@@ -57,7 +57,7 @@ def _copy(folder, tmp_path):
 
 
 FINGERPRINTED = [f.name for f in dataclasses.fields(CalibrationOptions) if f.metadata.get("fingerprint")]
-CHANGED = {"propagate": "qdq", "batch_size": 3, "calibrate_all_experts": False, "sqnr_batches": 2}
+CHANGED = {"propagate": "qdq", "batch_size": 3, "calibrate_all_experts": False, "sqnr_tokens": 24}
 
 
 def test_every_fingerprinted_option_is_tried():

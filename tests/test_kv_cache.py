@@ -5,6 +5,7 @@ export with compressed-tensors' kv_cache_scheme; exact reload; transformers + co
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -82,6 +83,24 @@ def test_scales_are_the_amax_of_the_cached_keys_and_values(tmp_path, model_type)
     torch.testing.assert_close(_kv_amax(ours), want, rtol=1e-6, atol=0)
     calibrate(hf, _batches(), _recipe(), batch_size=2, progress=False)  # transformers' layers take cache=...
     assert torch.equal(_kv_amax(hf), want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_sqnr_of_a_padded_sequence_run_alone_with_the_kv_cache(tmp_path, model_type):
+    """The SQNR sample is the first (padded) sequence, part of a batch of 2: run on its own, with the arguments the
+    model gives it alone (transformers' own mask and rotary tables) and its own KV cache, its SQNR equals that of a
+    run whose batches hold one sequence each (where the sample is the whole first batch)."""
+    transformers = pytest.importorskip("transformers")
+    path = make_tiny_checkpoint(tmp_path, model_type, num_hidden_layers=2)
+    data = [_batches()[i] for i in (1, 0, 2, 3)]  # row 1 first: 8 real tokens, 4 of padding
+    for model in (from_pretrained(path), transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)):
+        sqnr = [
+            [e.sqnr_db for e in calibrate(model.eval(), data, _recipe(W8A8_KV), batch_size=b, progress=False,
+                                          sqnr_tokens=1).layers]
+            for b in (2, 1)
+        ]  # fmt: skip
+        assert all(s is not None and math.isfinite(s) for s in sqnr[0])
+        assert sqnr[0] == pytest.approx(sqnr[1], rel=1e-6)
 
 
 def _cfg() -> dict:

@@ -17,7 +17,7 @@ def test_fingerprint_holds_exactly_the_result_changing_options():
         "propagate": "qdq",
         "batch_size": 4,
         "calibrate_all_experts": True,
-        "sqnr_batches": 1,
+        "sqnr_tokens": 1024,
     }
 
 
@@ -27,7 +27,7 @@ def test_fingerprint_holds_exactly_the_result_changing_options():
         ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
         ({"batch_size": True}, "batch_size must be an integer >= 1"),
         ({"checkpoint_every": 0}, "checkpoint_every must be an integer >= 1"),
-        ({"sqnr_batches": -1}, "sqnr_batches must be an integer >= 0"),
+        ({"sqnr_tokens": -1}, "sqnr_tokens must be an integer >= 0"),
         ({"propagate": "int8"}, "propagate must be one of fp, qdq or None, got 'int8'"),
         ({"progress": "yes"}, "progress must be True or False"),
         ({"batchsize": 4}, "unknown calibration option 'batchsize' (known: "),

@@ -51,7 +51,9 @@ def config_dir(tmp_path: Path, raw: dict, name: str = "cfg") -> Path:
 
 
 def settings(world: int, **kw) -> PlanSettings:
-    return PlanSettings(world_size=world, num_samples=8, seq_len=16, options=CalibrationOptions(batch_size=2), **kw)
+    return PlanSettings(
+        world_size=world, num_samples=8, seq_len=16, options=CalibrationOptions(batch_size=2, sqnr_tokens=32), **kw
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the tensor list
@@ -80,7 +82,8 @@ def test_tensor_list_is_the_models(raw):
 
 
 def test_dense_parts_by_hand(tmp_path):
-    """Tiny Llama, fp32, 2 ranks, 8 x 16 tokens in batches of 2 (rank 0: batches 0-1), w8a8-int8, CPU."""
+    """Tiny Llama, fp32, 2 ranks, 8 x 16 tokens in batches of 2 (rank 0: batches 0-1), w8a8-int8, CPU, the SQNR on
+    the first 32 tokens (batch 0)."""
     plan = plan_calibration(config_dir(tmp_path, LLAMA), "w8a8-int8", settings(2))
     # elements: embed 256*64 = 16384; layer: q 64*64, k 32*64, v 32*64, o 64*64, norms 2*64, gate/up/down 3*128*64
     layer = 4096 + 2048 + 2048 + 4096 + 128 + 3 * 8192  # 36992

@@ -1,9 +1,9 @@
-"""The runner's options against what they promise: sqnr_batches, checkpoint_every, offload_activations, and the
+"""The runner's options against what they promise: sqnr_tokens, checkpoint_every, offload_activations, and the
 activation memory bound ("at most two layers' worth of activations are alive").
 
-* ``sqnr_batches``: each layer's reported SQNR equals ``10 log10(sum x^2 / sum (x - x_hat)^2)`` computed here, over
-  the first ``sqnr_batches`` global batches, from the calibrated layer run with its quantizers off and on (also on
-  two ranks, where those batches are split over both);
+* ``sqnr_tokens``: each layer's reported SQNR equals ``10 log10(sum x^2 / sum (x - x_hat)^2)`` computed here, over
+  the first sequences that hold ``sqnr_tokens`` tokens (run on their own), from the calibrated layer run with its
+  quantizers off and on (also on two ranks, where those sequences are split over both, one batch in part);
 * ``checkpoint_every``: commits happen after exactly every that many layers, and a run interrupted at one resumes
   to the uninterrupted result;
 * ``offload_activations``: the cache lives on the CPU when asked, and the result does not depend on it;
@@ -48,58 +48,71 @@ def _amax(model) -> dict[str, torch.Tensor]:
     return {n: q.amax.clone() for n, q in iter_quantizers(model) if q.amax is not None}
 
 
-# ------------------------------------------------------------------------------------------------ sqnr_batches
-def _hand_sqnr(model: CausalLM, batches: int) -> list[float | None]:
-    """Per layer, SQNR of the calibrated layer (quantizers on vs off) on the fp inputs of the first batches."""
-    if batches == 0:
+# ------------------------------------------------------------------------------------------------ sqnr_tokens
+def _hand_sqnr(model: CausalLM, sequences: int) -> list[float | None]:
+    """Per layer, SQNR of the calibrated layer (quantizers on vs off) on the fp inputs of the first sequences, run
+    on their own (one batch of them)."""
+    if sequences == 0:
         return [None] * len(model.model.layers)
     out = []
     with torch.no_grad():
-        inputs = [model.model.embed(IDS[s : s + BATCH]) for s in range(0, BATCH * batches, BATCH)]
-        hidden = [x.hidden_states for x in inputs]
+        x = model.model.embed(IDS[:sequences])
+        kwargs = dict(position_embeddings=x.position_embeddings, attention_mask=x.attention_mask)
+        hidden = x.hidden_states
         for layer in model.model.layers:
-            signal = noise = 0.0
-            nxt = []
-            for h, x in zip(hidden, inputs):
-                kwargs = dict(position_embeddings=x.position_embeddings, attention_mask=x.attention_mask)
-                with quantizer_mode(layer, "disabled"):
-                    ref = layer(h, **kwargs)
-                quantized = layer(h, **kwargs)
-                signal += float(ref.double().pow(2).sum())
-                noise += float((quantized.double() - ref.double()).pow(2).sum())
-                nxt.append(ref)
+            with quantizer_mode(layer, "disabled"):
+                ref = layer(hidden, **kwargs)
+            quantized = layer(hidden, **kwargs)
+            signal = float(ref.double().pow(2).sum())
+            noise = float((quantized.double() - ref.double()).pow(2).sum())
             out.append(10.0 * math.log10(signal / noise))
-            hidden = nxt
+            hidden = ref
     return out
 
 
-def _sqnr_run(sqnr_batches: int, wrap: bool) -> list[float | None]:
+def _sqnr_run(sqnr_tokens: int, wrap: bool) -> list[float | None]:
     model = _model()
     if wrap:
         fsdp2_wrap(model)
-    report = calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False, sqnr_batches=sqnr_batches)
+    report = calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False, sqnr_tokens=sqnr_tokens)
     return [entry.sqnr_db for entry in report.layers]
 
 
-@pytest.mark.parametrize("sqnr_batches", [0, 1, 3])
-def test_sqnr_is_measured_on_the_first_sqnr_batches(sqnr_batches):
+# tokens -> sequences of 12 tokens: none; the first (part of batch 0); exactly 3 (batch 0, part of 1); all 8
+@pytest.mark.parametrize("sqnr_tokens, sequences", [(0, 0), (1, 1), (36, 3), (10**6, 8)])
+def test_sqnr_is_measured_on_the_first_sequences_holding_sqnr_tokens(sqnr_tokens, sequences):
     model = _model()
-    report = calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False, sqnr_batches=sqnr_batches)
-    want = _hand_sqnr(model, sqnr_batches)
+    report = calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False, sqnr_tokens=sqnr_tokens)
+    want = _hand_sqnr(model, sequences)
     got = [entry.sqnr_db for entry in report.layers]
-    if not sqnr_batches:
+    if not sequences:
         assert got == want == [None] * 3
         return
     assert got == pytest.approx(want, rel=1e-9)
-    other = _hand_sqnr(model, 3 if sqnr_batches == 1 else 1)  # the number of batches matters: one is not three
+    other = _hand_sqnr(model, sequences + 1 if sequences < 8 else 1)  # the number of sequences matters
     assert all(abs(a - b) > 1e-6 * abs(b) for a, b in zip(want, other))
 
 
-def test_sqnr_batches_split_over_two_ranks():
+def test_the_sqnr_pass_runs_the_sample_alone():
+    """With the first sequence as the sample (of batches of 2), each layer runs on 2 rows per batch (the observing
+    pass) and once on 1 row (the SQNR pass) — not on the whole first batch again."""
+    model = _model()
+    rows: dict[int, list[int]] = {i: [] for i in range(3)}
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, k, i=i: rows[i].append(a[0].shape[0]), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False, sqnr_tokens=1)
+    for h in hooks:
+        h.remove()
+    assert all(sorted(r) == [1, 2, 2, 2, 2] for r in rows.values()), rows
+
+
+def test_sqnr_sequences_split_over_two_ranks():
     model = _model()
     calibrate(model, IDS, "w8a8-int8", batch_size=BATCH, progress=False)
-    want = _hand_sqnr(model, 3)  # batches 0, 1 on rank 0, batch 2 on rank 1
-    for got in run_on_ranks(2, _sqnr_run, 3, True):
+    want = _hand_sqnr(model, 5)  # 60 tokens: batches 0, 1 on rank 0, the first row of batch 2 on rank 1
+    for got in run_on_ranks(2, _sqnr_run, 60, True):
         assert got == pytest.approx(want, rel=1e-9)
 
 

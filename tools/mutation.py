@@ -50,6 +50,7 @@ TESTS: dict[str, list[str]] = {
         "tests/test_foreign_models.py::test_load_pretrained_shards_any_module_each_rank_reading_its_rows",
     ],
     "batches.py": [
+        "tests/test_runner_options.py",
         "tests/test_padding_reference.py",
         "tests/test_fingerprint_options.py",
         "tests/test_calibrate.py",
@@ -93,6 +94,7 @@ TESTS: dict[str, list[str]] = {
     "steps.py": [
         "tests/test_layer_steps.py",
         "tests/test_runner_options.py",
+        "tests/test_kv_cache.py",
         "tests/test_qdq_reference.py",
         "tests/test_padding_reference.py",
         "tests/test_calibrate.py",

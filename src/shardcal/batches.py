@@ -129,6 +129,27 @@ def rank_batch_indices(num_batches: int, rank: int, world_size: int) -> list[int
     return list(range(start, start + base + (1 if rank < extra else 0)))
 
 
+def leading_rows(batches: Sequence[Batch], tokens: int) -> dict[int, int]:
+    """The first sequences of the data, in global order, that hold at least ``tokens`` real tokens (whole sequences;
+    all of them when the data hold fewer): ``{batch index: rows from its start}``, empty when ``tokens`` is 0."""
+    out: dict[int, int] = {}
+    held = 0
+    for b, batch in enumerate(batches):
+        if held >= tokens:
+            break
+        per_row = (
+            batch.attention_mask.sum(dim=1).tolist()
+            if batch.attention_mask is not None
+            else [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
+        )
+        rows = 0
+        while rows < len(per_row) and held < tokens:
+            held += int(per_row[rows])
+            rows += 1
+        out[b] = rows
+    return out
+
+
 def warn_idle_ranks(num_batches: int, batch_size: int, world_size: int, stacklevel: int = 1) -> None:
     """One warning when some ranks get no batch (they only take part in the gathers); ``stacklevel`` as
     ``warnings.warn``'s, counted from the caller."""

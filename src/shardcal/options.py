@@ -29,7 +29,8 @@ class CalibrationOptions:
       ``"qdq"``, its outputs with its quantizers on; None: the recipe's algorithm's choice (``"qdq"`` for GPTQ).
     - ``batch_size``: rows per batch; batches are dealt to ranks whole, so results do not depend on the world size.
     - ``calibrate_all_experts``: every MoE expert observes every token (outputs unchanged), not only its routed ones.
-    - ``sqnr_batches``: global batches on which each layer's output SQNR is measured (0: none).
+    - ``sqnr_tokens``: each layer's output SQNR is measured on the first sequences of the data that hold this many
+      real tokens (whole sequences, at least one; 0: no SQNR).
     - ``offload_activations``: keep the activation cache in host memory (None: when the model is on an accelerator).
     - ``checkpoint_dir`` / ``checkpoint_every``: commit after every that many layers; a rerun resumes there.
     - ``progress``: a progress bar on rank 0. ``report_path``: write the JSON report there (rank 0).
@@ -38,7 +39,7 @@ class CalibrationOptions:
     propagate: str | None = _fingerprinted(None)
     batch_size: int = _fingerprinted(8)
     calibrate_all_experts: bool = _fingerprinted(True)
-    sqnr_batches: int = _fingerprinted(1)
+    sqnr_tokens: int = _fingerprinted(1024)
     offload_activations: bool | None = None
     checkpoint_dir: str | Path | None = None
     checkpoint_every: int = 1
@@ -48,7 +49,7 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         if self.propagate is not None and self.propagate not in PROPAGATE_MODES:
             raise UsageError(f"propagate must be one of {', '.join(PROPAGATE_MODES)} or None, got {self.propagate!r}")
-        for name, low in (("batch_size", 1), ("checkpoint_every", 1), ("sqnr_batches", 0)):
+        for name, low in (("batch_size", 1), ("checkpoint_every", 1), ("sqnr_tokens", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")

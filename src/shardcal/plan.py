@@ -696,6 +696,17 @@ def gathered_bytes(params: list[Param], world: int) -> int:
     return sum(world * _rows(p, world) * p.row_numel * p.dtype.itemsize for p in params if p.sharded)
 
 
+def _sqnr_batches(rows: list[int], seq_len: int, tokens: int) -> int:
+    """How many leading batches the SQNR sequences touch, counting every sequence as ``seq_len`` real tokens (a
+    partial batch counted whole)."""
+    sequences = min(sum(rows), -(-tokens // max(1, seq_len)))
+    touched, seen = 0, 0
+    while seen < sequences:
+        seen += rows[touched]
+        touched += 1
+    return touched
+
+
 def batch_rows(num_samples: int, batch_size: int) -> list[int]:
     """Rows of each global batch (the last may be smaller)."""
     return [min(batch_size, num_samples - s) for s in range(0, num_samples, batch_size)]
@@ -881,7 +892,7 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     mine = rank_batch_indices(len(m.rows), rank, world)
     my_rows = [m.rows[b] for b in mine]
     biggest = max(my_rows, default=0)
-    sqnr_rows = [m.rows[b] for b in mine if b < s.options.sqnr_batches]
+    sqnr_rows = [m.rows[b] for b in mine if b < _sqnr_batches(m.rows, seq, s.options.sqnr_tokens)]
     hidden_cache = sum(r * seq * hidden * e for r in my_rows)
     rotary = sum(2 * r * seq * cfg.head_dim * e for r in my_rows)
     has_reference = m.changes_weights or (not m.activations and m.propagate == "qdq")

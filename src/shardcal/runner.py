@@ -24,7 +24,7 @@ from torch import nn
 from .activation_feed import ActivationFeed
 from .activation_report import ActivationReport
 from .algorithms import LayerAlgorithm, make_algorithm
-from .batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
+from .batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
 from .calib_checkpoint import (
     CalibrationCheckpoint,
     local_weight_pieces,
@@ -98,7 +98,7 @@ def _pass_kv_cache(step: LayerStep, recipe: Recipe) -> list[TensorQuantizer]:
     keyword = cache_argument(step.layer) or cache_argument(_kv_attention(step.layer, name, step.name))
     if keyword is None:
         raise ModelLayoutError(f"{step.name}: the decoder layer takes no cache argument (cache / past_key_values)")
-    step.call_extras = lambda i: {keyword: kv.for_batch(step.inputs[i].token_mask)}
+    step.call_extras = lambda x: {keyword: kv.for_batch(x.token_mask)}
     return [kv.k_quantizer, kv.v_quantizer]
 
 
@@ -115,13 +115,14 @@ def _check_kv_observed(quantizers: list[TensorQuantizer]) -> None:
             )
 
 
-def _layer_sqnr(step: LayerStep, fp_outputs: list[torch.Tensor], local_sqnr: list[int], group: Any) -> float | None:
-    """SQNR (dB) of the layer output, quantizers on vs off, over the designated batches (summed over ranks)."""
+def _layer_sqnr(step: LayerStep, fp_outputs: Any, local_sqnr: dict[int, int], group: Any) -> float | None:
+    """SQNR (dB) of the layer output, quantizers on vs off, over the SQNR sequences (summed over ranks):
+    ``local_sqnr`` maps a batch index to its first rows in the sample, ``fp_outputs`` holds at least those rows."""
     sums = torch.zeros(2, dtype=torch.float64)
-    for i in local_sqnr:
-        quantized = step.forward(i).to(fp_outputs[i].device).double()
-        reference = fp_outputs[i].double()
-        real = step.inputs[i].token_mask
+    for i, rows in local_sqnr.items():
+        quantized = step.forward(i, rows).to(fp_outputs[i].device).double()
+        reference = fp_outputs[i][:rows].double()
+        real = None if step.inputs[i].token_mask is None else step.inputs[i].token_mask[:rows]
         if real is not None:  # padded positions are not part of the signal
             quantized, reference = (
                 quantized[real.bool().to(quantized.device)],
@@ -141,7 +142,7 @@ def _calibrate_layer(
     recipe: Recipe,
     group: Any,
     calibrate_all_experts: bool,
-    local_sqnr: list[int],
+    local_sqnr: dict[int, int],
     algorithm: LayerAlgorithm,
     propagate: str = "fp",
     feed: ActivationFeed | None = None,
@@ -179,7 +180,7 @@ def _calibrate_layer_once(
     recipe: Recipe,
     group: Any,
     calibrate_all_experts: bool,
-    local_sqnr: list[int],
+    local_sqnr: dict[int, int],
     algorithm: LayerAlgorithm,
     propagate: str = "fp",
     feed: ActivationFeed | None = None,
@@ -192,7 +193,7 @@ def _calibrate_layer_once(
     reference: dict[int, torch.Tensor] | None = None
     if algorithm.changes_weights and not algorithm.preserves_function:  # SQNR against the layer as it was
         with quantizer_mode(step.layer, QuantMode.DISABLED):
-            reference = {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
+            reference = {i: step.forward(i, rows).to(step.cache_device) for i, rows in local_sqnr.items()}
     algorithm.before_weight_calibration(step, recipe, group)
     pairs = [(m.weight, m.weight_quantizer) for _, m in _weight_quantizers(step.layer, step.name)]
     calibrate_weights(pairs, group)  # the layer is gathered: the full weights, on every rank (a search: shared)
@@ -225,7 +226,9 @@ def _calibrate_layer_once(
     if passes:
         step.invalidate_outputs()  # the pass computes them again: never two sets of outputs alive
     if passes == 0 and reference is None:
-        fp_outputs = step.outputs if kept else {i: step.forward(i).to(step.cache_device) for i in local_sqnr}
+        fp_outputs = (
+            step.outputs if kept else {i: step.forward(i, r).to(step.cache_device) for i, r in local_sqnr.items()}
+        )
     for p in range(passes):
         begin_pass_all(activation, p)
         counting = routing if p == 0 else contextlib.nullcontext()
@@ -364,7 +367,10 @@ def _calibrate(
     group = dp_group()
     mine = rank_batch_indices(len(batches), rank, world_size)
     local_batches = [batches[i] for i in mine]
-    local_sqnr = [j for j, i in enumerate(mine) if i < options.sqnr_batches]
+    sample = leading_rows(batches, options.sqnr_tokens)  # the SQNR sequences: {global batch: its first rows}
+    local_sqnr = {j: sample[i] for j, i in enumerate(mine) if i in sample}
+    partial = any(rows < batches[i].input_ids.shape[0] for i, rows in sample.items())  # the same on every rank
+    head_rows = {j: rows for j, rows in local_sqnr.items() if rows < local_batches[j].input_ids.shape[0]}
     prefix = decoder_layer_prefix(model, layers)
     names = [f"{prefix}.{i}" for i in range(len(layers))]
 
@@ -412,6 +418,7 @@ def _calibrate(
         start=start,
         initial_inputs=initial,
         batch_numbers=mine,
+        head_rows=head_rows if partial else None,
     )
     report_phase("calibrate: embedding")
     try:

@@ -56,17 +56,23 @@ class LayerStep:
     device: torch.device
     cache_device: torch.device
     outputs: list[torch.Tensor] | None = field(default=None, repr=False)
-    #: Keyword arguments added to every call of the layer in this step, per batch index (e.g. the KV-cache
+    #: Keyword arguments added to every call of the layer in this step, given the batch's inputs (e.g. the KV-cache
     #: quantizer passed as the layer's cache); None: the model's arguments only.
-    call_extras: Callable[[int], dict[str, Any]] | None = field(default=None, repr=False)
+    call_extras: Callable[[CachedInputs], dict[str, Any]] | None = field(default=None, repr=False)
+    #: Per batch index, the model's arguments for the batch's first rows alone (see :meth:`forward`).
+    heads: dict[int, CachedInputs] = field(default_factory=dict, repr=False)
 
-    def forward(self, i: int) -> torch.Tensor:
-        """Run the layer on cached batch ``i`` (with the arguments the model gives this layer, plus
-        :attr:`call_extras`); the output (the hidden states) is on the compute device."""
+    def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
+        """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
+        gives those alone (:attr:`heads`) — with the arguments the model gives this layer, plus
+        :attr:`call_extras`; the output (the hidden states) is on the compute device."""
         x = self.inputs[i]
+        if rows is not None and rows < x.hidden_states.shape[0]:
+            head = self.heads[i]
+            x = head.with_hidden(x.hidden_states[:rows])
         call = x.call_of(self.index).to(self.device)
         if self.call_extras is not None:
-            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(i)}, call.hidden_keyword)
+            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(x)}, call.hidden_keyword)
         with torch.no_grad(), real_tokens_of(x.token_mask):
             return call_layer(self.layer, self.name, x.hidden_states.to(self.device), call)
 
@@ -97,6 +103,7 @@ def layer_steps(
     initial_inputs: list[CachedInputs] | None = None,
     device: torch.device | None = None,
     batch_numbers: Sequence[int] | None = None,
+    head_rows: dict[int, int] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -108,7 +115,11 @@ def layer_steps(
     ``start``/``initial_inputs`` resume at a layer with inputs restored from a checkpoint. At most two layers'
     worth of activations (inputs and outputs of the current layer) are alive at once. ``batch_numbers``: the
     global numbers of ``batches`` (default ``0, 1, ...``), named when a layer's output holds NaN or inf — which
-    stops every rank with a :class:`~shardcal.errors.NumericsError`.
+    stops every rank with a :class:`~shardcal.errors.NumericsError`. ``head_rows``: ``{batch index: rows}`` for
+    which each step can run the layer on the batch's first rows alone (``step.forward(i, rows)``: the model's
+    arguments for those rows are computed once, here); embedding them is collective, so every rank passes a dict
+    (possibly empty) or every rank None when resuming (``initial_inputs``); otherwise they are embedded with the
+    batches.
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
@@ -121,11 +132,19 @@ def layer_steps(
     cache_device = torch.device("cpu") if offload_activations else device
     prefix = decoder_layer_prefix(model, layers)
     numbers = list(batch_numbers) if batch_numbers is not None else list(range(len(batches)))
-    inputs = initial_inputs if initial_inputs is not None else embed_batches(model, batches, device, cache_device)
+    wanted = sorted(head_rows or {})
+    first_rows = [_first_rows(batches[i], head_rows[i]) for i in wanted] if head_rows else []
+    if initial_inputs is None:  # one call: a model whose layers' arguments are recorded groups them once
+        embedded = embed_batches(model, [*batches, *first_rows], device, cache_device)
+        inputs, embedded = embedded[: len(batches)], embedded[len(batches) :]
+    else:
+        inputs = initial_inputs
+        embedded = embed_batches(model, first_rows, device, cache_device) if head_rows is not None else []
+    heads = {i: x.with_hidden(torch.empty(0)) for i, x in zip(wanted, embedded)}  # calls only: hidden are views
     for index in range(start, len(layers)):
         layer = layers[index]
         with layer_unsharded(layer):
-            step = LayerStep(index, f"{prefix}.{index}", layer, inputs, device, cache_device)
+            step = LayerStep(index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads)
             yield step
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
@@ -133,6 +152,12 @@ def layer_steps(
             _check_finite(step.name, outputs, numbers)
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
+
+
+def _first_rows(batch: Batch, rows: int) -> Batch:
+    """The batch's first ``rows`` sequences, padded as in the batch (its mask kept even where they need none)."""
+    mask = None if batch.attention_mask is None else batch.attention_mask[:rows]
+    return Batch(batch.input_ids[:rows], mask)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
