@@ -153,3 +153,24 @@ def test_finite_check_is_not_fooled_by_an_overflowing_sum():
         assert not _all_finite(x)
     mixed = torch.tensor([float("inf"), float("-inf")])  # sums to NaN, still caught
     assert not _all_finite(mixed)
+
+
+def test_a_batchs_first_rows_run_alone():
+    """``step.forward(i, rows)`` with ``head_rows``: each layer's output on the first row of a batch is the model's
+    own forward of that row alone; rows not embedded on their own are a UsageError naming them."""
+    from shardcal.errors import UsageError
+
+    alone = _model()
+    want: list[torch.Tensor] = []
+    for layer in alone.model.layers:
+        layer.register_forward_hook(lambda m, args, out: want.append(out))
+    alone(IDS[2:3])  # batch 1's first row
+    batches = make_batches(IDS, batch_size=BATCH)
+    got = []
+    for step in layer_steps(_model(), batches, propagate="fp", head_rows={1: 1}):
+        got.append(step.forward(1, 1))
+        assert torch.equal(step.forward(1, 2), step.forward(1))  # all its rows: the batch itself
+        with pytest.raises(UsageError, match=r"model\.layers\.\d: the first 1 rows of batch 0 were not embedded"):
+            step.forward(0, 1)
+        step.forward_all()
+    assert len(got) == 3 and all(torch.equal(g, w) for g, w in zip(got, want))

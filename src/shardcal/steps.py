@@ -26,7 +26,7 @@ from torch import nn
 
 from .batches import Batch
 from .distributed import all_gather_floats
-from .errors import ModelLayoutError, NumericsError
+from .errors import ModelLayoutError, NumericsError, UsageError
 from .fsdp2_utils import layer_unsharded
 from .layer_inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
@@ -59,8 +59,8 @@ class LayerStep:
     #: Keyword arguments added to every call of the layer in this step, given the batch's inputs (e.g. the KV-cache
     #: quantizer passed as the layer's cache); None: the model's arguments only.
     call_extras: Callable[[CachedInputs], dict[str, Any]] | None = field(default=None, repr=False)
-    #: Per batch index, the model's arguments for the batch's first rows alone (see :meth:`forward`).
-    heads: dict[int, CachedInputs] = field(default_factory=dict, repr=False)
+    #: Per (batch index, rows), the model's arguments for the batch's first rows alone (see :meth:`forward`).
+    heads: dict[tuple[int, int], CachedInputs] = field(default_factory=dict, repr=False)
 
     def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
         """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
@@ -68,7 +68,10 @@ class LayerStep:
         :attr:`call_extras`; the output (the hidden states) is on the compute device."""
         x = self.inputs[i]
         if rows is not None and rows < x.hidden_states.shape[0]:
-            head = self.heads[i]
+            head = self.heads.get((i, rows))
+            if head is None:
+                raise UsageError(f"{self.name}: the first {rows} rows of batch {i} were not embedded on their own "
+                                 f"(layer_steps(head_rows={{{i}: {rows}}}))")  # fmt: skip
             x = head.with_hidden(x.hidden_states[:rows])
         call = x.call_of(self.index).to(self.device)
         if self.call_extras is not None:
@@ -140,7 +143,7 @@ def layer_steps(
     else:
         inputs = initial_inputs
         embedded = embed_batches(model, first_rows, device, cache_device) if head_rows is not None else []
-    heads = {i: x.with_hidden(torch.empty(0)) for i, x in zip(wanted, embedded)}  # calls only: hidden are views
+    heads = {(i, head_rows[i]): x.with_hidden(torch.empty(0)) for i, x in zip(wanted, embedded)}  # calls only
     for index in range(start, len(layers)):
         layer = layers[index]
         with layer_unsharded(layer):
