@@ -8,6 +8,7 @@ computed here); 2 ranks are compared with 1; exports are loaded by transformers 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -391,7 +392,7 @@ def test_padded_batches_use_the_models_own_masks(family):
     assert want and all(torch.equal(got[f"{n}.input_quantizer"], a) for n, a in want.items())
 
 
-def _count_gathers(family: str) -> int:
+def _count_gathers(family: str, sqnr_tokens: int = 1024) -> int:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
     model = hf_model(family)
@@ -405,17 +406,34 @@ def _count_gathers(family: str) -> int:
 
     fpg.foreach_all_gather = counting
     try:
-        calibrate(model, _data(n=8), "w8a8-int8", batch_size=2, progress=False)
+        calibrate(model, _data(n=8), "w8a8-int8", batch_size=2, progress=False, sqnr_tokens=sqnr_tokens)
     finally:
         fpg.foreach_all_gather = original
     return len(calls)
 
 
-def test_gathers_root_once_each_layer_once_plus_the_first_batch_pass():
+@pytest.mark.parametrize("sqnr_tokens", [1024, 1], ids=["sqnr-on-all-data", "sqnr-on-a-batchs-first-row"])
+def test_gathers_root_once_each_layer_once_plus_the_first_batch_pass(sqnr_tokens):
     """One gather of the root, one per step, and layers 0..L-2 once more on the first batch (to learn which layers
-    share arguments); the first layer is never gathered just to be skipped."""
-    for count in run_on_ranks(2, _count_gathers, "llama"):
+    share arguments); the first layer is never gathered just to be skipped. The arguments of a batch's first row
+    alone (the SQNR sample) are recorded with the batches: no gather more."""
+    for count in run_on_ranks(2, _count_gathers, "llama", sqnr_tokens):
         assert count == 1 + 3 + 2, count
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_sqnr_of_a_batchs_first_row_uses_the_models_arguments_for_it(family):
+    """The SQNR sample is the first row of a batch of 2: run alone with the arguments transformers gives it (Gemma 3:
+    sliding and full layers, two argument groups; Qwen3-MoE: routed experts), its SQNR equals that of batches of
+    one row, where the sample is the whole first batch."""
+    data = _data(n=4)
+    sqnr = [
+        [e.sqnr_db for e in calibrate(hf_model(family), data, "w8a8-int8", batch_size=b, progress=False,
+                                      sqnr_tokens=1).layers]
+        for b in (2, 1)
+    ]  # fmt: skip
+    assert all(v is not None and math.isfinite(v) for v in sqnr[0])
+    assert sqnr[0] == pytest.approx(sqnr[1], rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- sharded loading
