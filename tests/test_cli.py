@@ -21,6 +21,8 @@ from test_gguf_tokenizer import (
 
 from shardcal import cli
 from shardcal.errors import ConfigError
+from shardcal.models import from_pretrained
+from shardcal.runner import calibrate as api_calibrate
 
 
 def tiny_config() -> dict:
@@ -544,3 +546,25 @@ def test_calibrate_refuses_a_fallback_scheme_that_does_not_fit_before_reading_da
         f"error: {recipe}: recipe 'fb:fallback' does not fit module 'model.layers.0.self_attn.q_proj'"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_sqnr_tokens(capsys, tiny_dir, tmp_path, monkeypatch):
+    """--sqnr-tokens reaches the run (0: the report and the summary hold no SQNR; 16: the first of 6 sequences of 16
+    tokens, as the API measures it); a negative count is one line, before the data is read."""
+    np.save(tmp_path / "ids.npy", np.arange(6 * 16).reshape(6, 16) % 300)
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "none", "--sqnr-tokens", 0)
+    assert status == 0, err
+    assert "mean layer SQNR n/a" in out
+    layers = json.loads((tmp_path / "none" / "calibration_report.json").read_text())["layers"]
+    assert [entry["sqnr_db"] for entry in layers] == [None, None]
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "one", "--sqnr-tokens", 16)
+    assert status == 0, err
+    got = [e["sqnr_db"] for e in json.loads((tmp_path / "one" / "calibration_report.json").read_text())["layers"]]
+    want = [e.sqnr_db for e in api_calibrate(from_pretrained(tiny_dir), torch.from_numpy(np.load(tmp_path / "ids.npy")),
+                                             "fp8", batch_size=2, sqnr_tokens=16, progress=False).layers]  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-12) and all(v is not None for v in got)
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "bad", "--sqnr-tokens", -1)
+    assert status == 2 and err == "error: --sqnr-tokens must be >= 0, got -1\n" and touched == []

@@ -170,6 +170,14 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         help="inputs of layer i+1: full-precision or quantized outputs of layer i (default: the recipe's algorithm's choice, else fp)",
     )
     parser.add_argument(
+        "--sqnr-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="measure each layer's output SQNR on the first sequences holding N real tokens (0: none; default "
+        "%(default)s)",
+    )
+    parser.add_argument(
         "--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated"
     )
     parser.add_argument(
@@ -222,7 +230,7 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
     input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
     the recipe against every decoder layer (:mod:`shardcal.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
-    from .errors import CalibrationCheckpointError, ExportError
+    from .errors import CalibrationCheckpointError, ExportError, UsageError
     from .export import check_destination
     from .fsutil import check_apart
     from .loading.foreign import choose_impl, raw_config, text_field
@@ -231,6 +239,8 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     from .recipes import load_recipe
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    if args.sqnr_tokens < 0:
+        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
     recipe = load_recipe(args.recipe)
     protected = {"the model directory": model_dir, "the data file": args.data}
     check_apart(out_dir, "--out", protected, ExportError)
@@ -286,14 +296,20 @@ def calibrate_job(options: dict) -> dict:
         from .plan import check_before_loading, plannable
 
         if plannable(model_dir):  # a model type only transformers' class runs is not planned
-            plan_options = CalibrationOptions(propagate=args.propagate, batch_size=args.batch_size)
+            plan_options = CalibrationOptions(
+                propagate=args.propagate, batch_size=args.batch_size, sqnr_tokens=args.sqnr_tokens
+            )
             check_before_loading(model_dir, recipe, tuple(ids.shape), plan_options, cpu_offload=args.cpu_offload,
                                  shard_root=not args.no_shard_root)  # fmt: skip
     start = time.perf_counter()
     load = load_pretrained if impl == "shardcal" else load_transformers_sharded
     model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
     options = CalibrationOptions(
-        propagate=args.propagate, batch_size=args.batch_size, checkpoint_dir=args.checkpoint_dir, progress=rank == 0
+        propagate=args.propagate,
+        batch_size=args.batch_size,
+        sqnr_tokens=args.sqnr_tokens,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=rank == 0,
     )
     report = calibrate(model, ids, recipe, options)
     seconds = time.perf_counter() - start
@@ -524,6 +540,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--propagate", choices=["fp", "qdq"], default=None, help="as calibrate (default: the recipe's algorithm's)"
     )
+    parser.add_argument("--sqnr-tokens", type=int, default=1024, metavar="N", help="as calibrate (default %(default)s)")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
     )
@@ -540,6 +557,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
+    from .errors import UsageError
     from .options import CalibrationOptions
     from .plan import PlanSettings
 
@@ -548,7 +566,9 @@ def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # no
         local = args.ranks_per_node or (min(world, 8) if device == "cuda" else world)
     else:
         local = args.ranks_per_node or world
-    options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate)
+    if args.sqnr_tokens < 0:
+        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
+    options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate, sqnr_tokens=args.sqnr_tokens)
     return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
                         seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,
                         shard_root=not args.no_shard_root, options=options)  # fmt: skip
