@@ -8,7 +8,8 @@
 2. The same at 2 ranks (gloo; the model loaded sharded with load_pretrained; each rank half of the data).
 3. t(2L) / t(L): calibration time of random models with L and 2L layers, the fastest of 3 each (target <= 2.1:
    O(L) layer calls).
-4. Peak RSS growth per rank during calibration at 1 vs 2 ranks (model loaded with load_pretrained).
+4. Peak RSS growth per rank during calibration at 1 vs 2 ranks (model loaded with load_pretrained); also split by
+   phase: the embedding (the root's parameters gathered) and the layer steps.
 5. Every shipped recipe (or ``--recipes``; ``--observer-only``: those with no weight-changing algorithm), one
    process, warm: calibration time / one plain FP forward over the same data, both measured in this process, a
    forward timed just before each calibration (``--repeat N``: N such pairs per recipe, the fastest calibration
@@ -38,21 +39,32 @@ def _current_rss_mb() -> float:
 
 
 class PeakRSS:
-    """The highest resident set size (MB) seen while the block runs, sampled every 10 ms by a thread."""
+    """The highest resident set size (MB) seen while the block runs, sampled every 10 ms by a thread; also per
+    calibration phase (``by_phase``: "embedding" — the root gathered — and "layers", from what the rank reports)."""
 
     def __enter__(self) -> PeakRSS:
         import threading
 
         self.peak, self._stop = 0.0, threading.Event()
+        self.by_phase: dict[str, float] = {}
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
+        from shardcal.health import current_phase
+
         page = os.sysconf("SC_PAGE_SIZE")
         while not self._stop.is_set():
             with open("/proc/self/statm") as f:
-                self.peak = max(self.peak, int(f.read().split()[1]) * page / 2**20)
+                now = int(f.read().split()[1]) * page / 2**20
+            self.peak = max(self.peak, now)
+            phase = current_phase()
+            kind = (
+                "embedding" if phase == "calibrate: embedding" else "layers" if phase.startswith("calibrate ") else None
+            )
+            if kind is not None:
+                self.by_phase[kind] = max(self.by_phase.get(kind, 0.0), now)
             self._stop.wait(0.01)
 
     def __exit__(self, *exc: object) -> None:
@@ -92,7 +104,8 @@ def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> N
     with PeakRSS() as peak:
         calibrate(model, data, "w8a8-int8", batch_size=batch_size, progress=False)
     t_cal = time.perf_counter() - start
-    times = torch.tensor([t_fp, t_cal, load_rss, peak.peak - before], dtype=torch.float64)
+    phases = [peak.by_phase.get(k, before) - before for k in ("embedding", "layers")]
+    times = torch.tensor([t_fp, t_cal, load_rss, peak.peak - before, *phases], dtype=torch.float64)
     gathered = all_gather_tensors(times)
     if world()[0] == 0:
         Path(out).write_text(json.dumps([t.tolist() for t in gathered]))
@@ -245,6 +258,11 @@ def main() -> None:
     print(f"{'measurement':58} {'values':>22} {'ratio':>7}  target")
     for name, values, ratio, target in rows:
         print(f"{name:58} {values:>22} {ratio:7.2f}  {target}")
+    print(
+        "peak RSS growth per rank by phase, 2 ranks / 1 rank: embedding (the root gathered) "
+        f"{max(r[4] for r in two):.0f} / {one[0][4]:.0f} MB, the layer steps {max(r[5] for r in two):.0f} / "
+        f"{one[0][5]:.0f} MB"
+    )
     print(
         f"RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB "
         "(includes torch itself and the memory-mapped checkpoint pages; see load_memory.py for the load alone)"
