@@ -132,16 +132,24 @@ def rank_batch_indices(num_batches: int, rank: int, world_size: int) -> list[int
 def leading_rows(batches: Sequence[Batch], tokens: int) -> dict[int, int]:
     """The first sequences of the data, in global order, that hold at least ``tokens`` real tokens (whole sequences;
     all of them when the data hold fewer): ``{batch index: rows from its start}``, empty when ``tokens`` is 0."""
-    out: dict[int, int] = {}
-    held = 0
-    for b, batch in enumerate(batches):
-        if held >= tokens:
-            break
-        per_row = (
+    return leading_rows_of(
+        (  # lazily: the batches after the sample are never counted
             batch.attention_mask.sum(dim=1).tolist()
             if batch.attention_mask is not None
             else [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
-        )
+            for batch in batches
+        ),
+        tokens,
+    )
+
+
+def leading_rows_of(row_tokens: Iterable[Sequence[int]], tokens: int) -> dict[int, int]:
+    """:func:`leading_rows` from the real tokens of each row of each batch, in order (``row_tokens[b][r]``)."""
+    out: dict[int, int] = {}
+    held = 0
+    for b, per_row in enumerate(row_tokens):
+        if held >= tokens:
+            break
         rows = 0
         while rows < len(per_row) and held < tokens:
             held += int(per_row[rows])

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import DataError, ShardcalError
+from .errors import DataError, ShardcalError, UsageError
+from .options import DEFAULT_SQNR_TOKENS
 
 EXIT_USER_ERROR = 2
 DEMO_PROMPT = "The capital of France is"
@@ -172,7 +173,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sqnr-tokens",
         type=int,
-        default=1024,
+        default=DEFAULT_SQNR_TOKENS,
         metavar="N",
         help="measure each layer's output SQNR on the first sequences holding N real tokens (0: none; default "
         "%(default)s)",
@@ -230,7 +231,7 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
     input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
     the recipe against every decoder layer (:mod:`shardcal.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
-    from .errors import CalibrationCheckpointError, ExportError, UsageError
+    from .errors import CalibrationCheckpointError, ExportError
     from .export import check_destination
     from .fsutil import check_apart
     from .loading.foreign import choose_impl, raw_config, text_field
@@ -239,8 +240,7 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
     from .recipes import load_recipe
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
-    if args.sqnr_tokens < 0:
-        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
+    _check_sqnr_tokens(args)
     recipe = load_recipe(args.recipe)
     protected = {"the model directory": model_dir, "the data file": args.data}
     check_apart(out_dir, "--out", protected, ExportError)
@@ -257,6 +257,12 @@ def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
         check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
     check_destination(out_dir, args.overwrite, flag="--overwrite")
     return recipe, impl, vocab_size
+
+
+def _check_sqnr_tokens(args: argparse.Namespace) -> None:
+    """``--sqnr-tokens`` (calibrate, plan) as the flag: CalibrationOptions would name its field."""
+    if args.sqnr_tokens < 0:
+        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
 
 
 def cli_warnings(rank: int) -> None:
@@ -540,7 +546,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--propagate", choices=["fp", "qdq"], default=None, help="as calibrate (default: the recipe's algorithm's)"
     )
-    parser.add_argument("--sqnr-tokens", type=int, default=1024, metavar="N", help="as calibrate (default %(default)s)")
+    parser.add_argument(
+        "--sqnr-tokens", type=int, default=DEFAULT_SQNR_TOKENS, metavar="N", help="as calibrate (default %(default)s)"
+    )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
     )
@@ -557,7 +565,6 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
-    from .errors import UsageError
     from .options import CalibrationOptions
     from .plan import PlanSettings
 
@@ -566,8 +573,7 @@ def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # no
         local = args.ranks_per_node or (min(world, 8) if device == "cuda" else world)
     else:
         local = args.ranks_per_node or world
-    if args.sqnr_tokens < 0:
-        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
+    _check_sqnr_tokens(args)
     options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate, sqnr_tokens=args.sqnr_tokens)
     return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
                         seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,

@@ -15,6 +15,8 @@ from typing import Any
 from .errors import UsageError
 
 PROPAGATE_MODES = ("fp", "qdq")
+#: Real tokens of the sequences each layer's output SQNR is measured on, by default.
+DEFAULT_SQNR_TOKENS = 1024
 
 
 def _fingerprinted(default: Any) -> Any:
@@ -39,7 +41,7 @@ class CalibrationOptions:
     propagate: str | None = _fingerprinted(None)
     batch_size: int = _fingerprinted(8)
     calibrate_all_experts: bool = _fingerprinted(True)
-    sqnr_tokens: int = _fingerprinted(1024)
+    sqnr_tokens: int = _fingerprinted(DEFAULT_SQNR_TOKENS)
     offload_activations: bool | None = None
     checkpoint_dir: str | Path | None = None
     checkpoint_every: int = 1

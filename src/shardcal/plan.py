@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .algorithms import make_algorithm
-from .batches import rank_batch_indices
+from .batches import leading_rows_of, rank_batch_indices
 from .errors import CheckpointError, ConfigError, RecipeError, UsageError
 from .export.ct_config import infer_format, tensor_layout
 from .export.export import DEFAULT_MAX_SHARD_BYTES
@@ -696,17 +696,6 @@ def gathered_bytes(params: list[Param], world: int) -> int:
     return sum(world * _rows(p, world) * p.row_numel * p.dtype.itemsize for p in params if p.sharded)
 
 
-def _sqnr_batches(rows: list[int], seq_len: int, tokens: int) -> int:
-    """How many leading batches the SQNR sequences touch, counting every sequence as ``seq_len`` real tokens (a
-    partial batch counted whole)."""
-    sequences = min(sum(rows), -(-tokens // max(1, seq_len)))
-    touched, seen = 0, 0
-    while seen < sequences:
-        seen += rows[touched]
-        touched += 1
-    return touched
-
-
 def batch_rows(num_samples: int, batch_size: int) -> list[int]:
     """Rows of each global batch (the last may be smaller)."""
     return [min(batch_size, num_samples - s) for s in range(0, num_samples, batch_size)]
@@ -892,7 +881,9 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     mine = rank_batch_indices(len(m.rows), rank, world)
     my_rows = [m.rows[b] for b in mine]
     biggest = max(my_rows, default=0)
-    sqnr_rows = [m.rows[b] for b in mine if b < _sqnr_batches(m.rows, seq, s.options.sqnr_tokens)]
+    # the batches the SQNR sequences touch (every sequence counted as seq real tokens), each counted whole
+    sampled = leading_rows_of([[seq] * r for r in m.rows], s.options.sqnr_tokens)
+    sqnr_rows = [m.rows[b] for b in mine if b in sampled]
     hidden_cache = sum(r * seq * hidden * e for r in my_rows)
     rotary = sum(2 * r * seq * cfg.head_dim * e for r in my_rows)
     has_reference = m.changes_weights or (not m.activations and m.propagate == "qdq")
