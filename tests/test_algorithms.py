@@ -20,6 +20,8 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
+pytestmark = pytest.mark.numerics
+
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 
 

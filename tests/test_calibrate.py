@@ -20,7 +20,10 @@ from shardcal.recipes import load_recipe, parse_recipe, quantize_modules
 from shardcal.runner import calibrate
 
 from _dist import run_on_ranks
+from _numerics import FLOAT_RTOL, ROUNDING_RTOL, assert_close_but_for_rounding_flips
 from _tiny_models import TINY_CONFIGS, randomize_, starve_experts_2_and_3
+
+pytestmark = pytest.mark.numerics
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
 
@@ -467,6 +470,8 @@ def _padded(pad_id: int) -> list[dict]:
     return out
 
 
+#: The recipes that change weights, with the largest code of their weight format (one quantization step).
+ALGORITHM_RECIPES = {"smoothquant+gptq": 127, "awq": 7}
 PAD_RECIPES = {
     "max": "w8a8-int8",
     "percentile": '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\nobserver = "percentile"\n',
@@ -493,7 +498,19 @@ def test_padding_never_counts(recipe, all_experts):
         state.update({n: p.detach().clone() for n, p in model.named_parameters()})
         results.append((state, model))
     (a, model), (b, _) = results
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    quantized_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Not bit-identical: the pad positions route to other experts, so the experts' matmuls run on other row counts,
+    # and the real tokens' float32 results may differ in their last bits (_numerics). GPTQ can then move a weight
+    # on a rounding tie by one code. A counted pad position would move an amax by the pad token's 300x.
+    for key in a:
+        if recipe in ALGORITHM_RECIPES:
+            if key in quantized_weights:
+                assert_close_but_for_rounding_flips(a[key], b[key], qmax=ALGORITHM_RECIPES[recipe], msg=key)
+            else:
+                torch.testing.assert_close(a[key], b[key], rtol=ROUNDING_RTOL, atol=0, msg=key)
+        else:
+            torch.testing.assert_close(a[key], b[key], rtol=FLOAT_RTOL, atol=0, msg=key)
     if recipe == "max":
         q = model.model.layers[0].self_attn.q_proj.input_quantizer
         assert q.num_observed == sum(r.numel() for r in PAD_ROWS) * 64  # real tokens x hidden, not 2 x 3 x 12 x 64

@@ -27,7 +27,7 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 MOE = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)

@@ -13,6 +13,8 @@ from shardcal.runner import calibrate
 
 from _tiny_models import TINY_CONFIGS, randomize_
 
+pytestmark = pytest.mark.numerics
+
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=2)
 
 

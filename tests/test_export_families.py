@@ -20,7 +20,7 @@ from shardcal.runner import calibrate
 
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")

@@ -26,7 +26,7 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 BATCH = 3
 

@@ -24,6 +24,8 @@ from shardcal.models.decoder import CausalLM
 
 from _dist import run_on_ranks
 
+pytestmark = pytest.mark.numerics
+
 LLAMA = dict(
     model_type="llama",
     vocab_size=256,

@@ -17,6 +17,8 @@ from shardcal.runner import calibrate
 
 from _tiny_models import TINY_CONFIGS, randomize_
 
+pytestmark = pytest.mark.numerics
+
 # SmolLM2-135M's widths: hidden 576 (9 heads of 64, 3 kv heads), intermediate 1536
 CFG = dict(
     TINY_CONFIGS["llama"],

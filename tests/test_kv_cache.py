@@ -23,6 +23,8 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, make_tiny_checkpoint, randomize_
 
+pytestmark = pytest.mark.numerics
+
 KV = '[kv_cache]\nformat = "fp8_e4m3"\n'
 FP8_KV = '[weight]\nformat = "fp8_e4m3"\ngranularity = "channel"\n' + KV  # weight-only + KV cache
 W8A8_KV = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n' + KV

@@ -20,7 +20,7 @@ from shardcal.models import CausalLM, ModelConfig
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 IDS = torch.randint(0, 256, (6, 10), generator=torch.Generator().manual_seed(8))

@@ -32,7 +32,7 @@ VOCAB = TINY_CONFIGS["llama"]["vocab_size"]
 # --- helpers ------------------------------------------------------------------------------------------------
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 def hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:

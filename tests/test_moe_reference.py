@@ -24,6 +24,8 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_, starve_experts_2_and_3
 
+pytestmark = pytest.mark.numerics
+
 CFG = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 4, 2
 LENGTHS = (16, 9, 13, 16, 6, 12, 16, 8)

@@ -28,9 +28,10 @@ from shardcal.quant import iter_quantizers
 from shardcal.recipes import parse_recipe
 from shardcal.runner import calibrate
 
+from _numerics import FLOAT_RTOL, ROUNDING_RTOL, assert_close_but_for_rounding_flips
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=2)
 LENGTHS = (12, 7, 10, 12, 5, 9)
@@ -122,8 +123,10 @@ PERCENTILE = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nforma
     ids=["smoothquant+gptq", "awq", "percentile"],
 )
 def test_padded_calibration_equals_unpadded(recipe, sqnr_tokens):
-    """Weights, amax and SQNR of padded batches equal those of the rows calibrated alone (up to float rounding:
-    the batches differ, so float32 sums are taken in another order)."""
+    """Weights, amax and SQNR of padded batches equal those of the rows calibrated alone, up to float rounding:
+    the batches differ, so float32 sums are taken in another order (_numerics). GPTQ may then move a weight on a
+    rounding tie by one code, and everything after it by up to ROUNDING_RTOL; a padded position that counted would
+    move the amax by the pad token's 300x."""
     spec = parse_recipe(recipe, "recipe.toml")
     runs = []
     for data, batch_size in ((_ragged(), 3), (_unpadded(), 1)):
@@ -132,9 +135,15 @@ def test_padded_calibration_equals_unpadded(recipe, sqnr_tokens):
         runs.append((_state(model), [entry.sqnr_db for entry in report.layers]))
     (padded, sqnr_padded), (alone, sqnr_alone) = runs
     assert padded.keys() == alone.keys()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    rounds = "gptq" in recipe
     for key in padded:
-        torch.testing.assert_close(padded[key], alone[key], rtol=1e-5, atol=1e-6, msg=key)
-    assert sqnr_padded == pytest.approx(sqnr_alone, rel=1e-4)
+        if rounds and key in linears:
+            assert_close_but_for_rounding_flips(padded[key], alone[key], qmax=127, msg=key)
+        else:
+            rtol = ROUNDING_RTOL if rounds else FLOAT_RTOL
+            torch.testing.assert_close(padded[key], alone[key], rtol=rtol, atol=1e-6, msg=key)
+    assert sqnr_padded == pytest.approx(sqnr_alone, rel=ROUNDING_RTOL if rounds else 1e-4)
 
 
 def test_algorithm_input_statistics_are_the_real_tokens_statistics():

@@ -28,7 +28,7 @@ def t(*values):
     return torch.tensor(values, dtype=torch.float32)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 # ------------------------------------------------------------------------------------------ hand-computed
 

@@ -60,7 +60,7 @@ def _calibrate(q: TensorQuantizer, batches, group=None) -> torch.Tensor:
     return q.amax.clone()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 # ------------------------------------------------------------------------------------------ one process
 

@@ -21,7 +21,7 @@ from shardcal.runner import calibrate
 
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 def _int8_qdq(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 IDS = torch.randint(0, 256, (8, 12), generator=torch.Generator().manual_seed(6))

@@ -3,10 +3,13 @@ plain torch's lstsq, and GPTQ's new scale options beating round to nearest."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardcal.algorithms.scales import clip_search_amax, refit_scales
 from shardcal.quant import QuantizerSpec, TensorQuantizer
+
+pytestmark = pytest.mark.numerics
 
 
 def _inputs(n: int = 2048, dim: int = 64, seed: int = 0) -> torch.Tensor:

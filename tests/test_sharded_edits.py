@@ -21,7 +21,7 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=2)
 IDS = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(13))

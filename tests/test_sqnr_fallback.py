@@ -22,6 +22,8 @@ from shardcal.runner import calibrate
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
+pytestmark = pytest.mark.numerics
+
 CFG = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
 W8A8 = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
 INT8_WEIGHT_ONLY = (
