@@ -44,7 +44,7 @@ from .tokenizer_decoders import Decoder
 from .tokenizer_normalizers import parse_normalizer
 from .tokenizer_post import parse_post_processor
 from .tokenizer_pretokenizers import GPT2_PATTERN, PreTokenizer, bytes_to_unicode
-from .tokenizer_spec import WHITESPACE, Spec
+from .tokenizer_spec import Spec
 from .tokenizer_unigram import Unigram
 
 __all__ = ["GPT2_PATTERN", "Tokenizer", "bytes_to_unicode", "check_tokenizer_file"]
@@ -70,9 +70,8 @@ class Tokenizer:
             spec.fail(f"expected a JSON object, got {type(data).__name__}")
         self._model = _parse_model(spec, data.get("model"))
         self.vocab: dict[str, int] = self._model.vocab
-        normalization = parse_normalizer(spec, data.get("normalizer"))
-        self._normalize = normalization.apply
-        self._drops_leading = normalization.drops_leading
+        self._normalization = parse_normalizer(spec, data.get("normalizer"))
+        self._normalize = self._normalization.apply
         self._added = AddedVocabulary(spec, data.get("added_tokens", []), self._normalize)
         self.added_tokens: dict[str, int] = self._added.by_content
         self.id_to_token: dict[int, str] = {index: token for token, index in self.vocab.items()}
@@ -159,7 +158,7 @@ class Tokenizer:
     def _encode_chunk(self, text: str, at_start: bool, out: list[int]) -> None:
         """Text between raw-matched added tokens: normalize, find the normalized added tokens, encode the rest."""
         if self._normalize is not None:
-            if at_start and self._drops_leading and text[:1] and text[0] in WHITESPACE:
+            if at_start and self._normalization.drops_start(text):
                 at_start = False  # the first character left does not start the original text
             text = self._normalize(text)
             if not text:

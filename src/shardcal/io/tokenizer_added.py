@@ -73,7 +73,9 @@ class Matcher:
 
 
 class AddedVocabulary:
-    """The added tokens: the two matchers, ids, and which are special."""
+    """The added tokens: the two matchers, ids, and which are special. ``by_id`` gives the string decoding sees:
+    the content, or for a ``normalized`` token its normalized form (``Hello`` -> ``▁Hello`` under Llama 2's
+    normalizer)."""
 
     def __init__(self, spec: Spec, added: Any, normalize: Callable[[str], str] | None):
         if not isinstance(added, list):
@@ -87,6 +89,7 @@ class AddedVocabulary:
         for token in entries:
             if token.normalized:
                 key = normalize(token.content) if normalize is not None else token.content
+                self.by_id[token.id] = key or token.content  # decoding sees the normalized form, as in tokenizers
                 if key:
                     normalized.setdefault(key, token)
         self.raw = Matcher(spec, raw)

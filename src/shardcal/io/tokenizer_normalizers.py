@@ -18,11 +18,17 @@ SUPPORTED = ["NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents",
 
 
 class Normalization:
-    """A parsed normalizer: ``apply(text)``, and whether it may drop leading characters (Strip)."""
+    """A parsed normalizer: ``apply(text)``, and ``drops_start(text)``: whether normalizing ``text`` removes its
+    first character, so that the normalized text no longer begins at the original's start (which Metaspace's
+    ``prepend_scheme: first`` sees, as in ``tokenizers``)."""
 
-    def __init__(self, apply: Normalizer | None, drops_leading: bool = False):
+    def __init__(self, apply: Normalizer | None, drops: Callable[[str], bool] | None = None):
         self.apply = apply
-        self.drops_leading = drops_leading
+        self._drops = drops
+
+    def drops_start(self, text: str) -> bool:
+        """Whether normalizing ``text`` removes its first character (Strip, StripAccents, Replace with nothing)."""
+        return self._drops is not None and bool(text) and self._drops(text)
 
 
 def parse_normalizer(spec: Spec, value: Any, where: str = "normalizer") -> Normalization:
@@ -31,23 +37,28 @@ def parse_normalizer(spec: Spec, value: Any, where: str = "normalizer") -> Norma
         return Normalization(None)
     kind = spec.kind(value, where)
     if kind == "Sequence":
-        parts = [
-            parse_normalizer(spec, p, f"{where}.normalizers[{i}]")
-            for i, p in enumerate(spec.items(value, "normalizers", where))
-        ]
-        steps = [p.apply for p in parts if p.apply is not None]
-        drops = any(p.drops_leading for p in parts)
-        if not steps:
-            return Normalization(None, drops)
-        if len(steps) == 1:
-            return Normalization(steps[0], drops)
+        items = spec.items(value, "normalizers", where)
+        parts = [parse_normalizer(spec, p, f"{where}.normalizers[{i}]") for i, p in enumerate(items)]
+        parts = [p for p in parts if p.apply is not None]
+        steps = [p.apply for p in parts]
 
         def run(text: str) -> str:
             for step in steps:
                 text = step(text)
             return text
 
-        return Normalization(run, drops)
+        def drops(text: str) -> bool:
+            for part in parts:
+                if part.drops_start(text):
+                    return True
+                text = part.apply(text)  # type: ignore[misc]
+                if not text:
+                    return False
+            return False
+
+        if not steps:
+            return Normalization(None)
+        return Normalization(steps[0] if len(steps) == 1 else run, drops if any(p._drops for p in parts) else None)
     if kind in ("NFC", "NFD", "NFKC", "NFKD"):
         return Normalization(lambda text, form=kind: unicodedata.normalize(form, text))
     if kind == "Lowercase":
@@ -55,15 +66,18 @@ def parse_normalizer(spec: Spec, value: Any, where: str = "normalizer") -> Norma
     if kind == "Strip":
         left = spec.flag(value, "strip_left", where, True)
         right = spec.flag(value, "strip_right", where, True)
+        leading = (lambda text: text[0] in WHITESPACE) if left else None
         if left and right:
-            return Normalization(lambda text: text.strip(WHITESPACE), True)
+            return Normalization(lambda text: text.strip(WHITESPACE), leading)
         if left:
-            return Normalization(lambda text: text.lstrip(WHITESPACE), True)
+            return Normalization(lambda text: text.lstrip(WHITESPACE), leading)
         return Normalization(lambda text: text.rstrip(WHITESPACE) if right else text)
     if kind == "StripAccents":
-        return Normalization(lambda text: "".join(c for c in text if not unicodedata.category(c).startswith("M")))
+        return Normalization(lambda text: "".join(c for c in text if not _is_mark(c)), lambda text: _is_mark(text[0]))
     if kind == "Replace":
-        return Normalization(replacer(spec, value, where))
+        replace = replacer(spec, value, where)
+        pattern, content = spec.pattern(value, where), value["content"]
+        return Normalization(replace, None if content else lambda text: _starts_with_match(pattern, text))
     if kind == "Prepend":
         prefix = spec.text(value, "prepend", where)
         return Normalization(lambda text: prefix + text if text else text)
@@ -73,6 +87,15 @@ def parse_normalizer(spec: Spec, value: Any, where: str = "normalizer") -> Norma
             f"(supported: {', '.join(SUPPORTED)})"
         )
     spec.unsupported(where, "normalizer", kind, SUPPORTED)
+
+
+def _is_mark(char: str) -> bool:
+    return unicodedata.category(char).startswith("M")
+
+
+def _starts_with_match(pattern: Any, text: str) -> bool:
+    match = pattern.match(text)
+    return match is not None and match.end() > 0
 
 
 def replacer(spec: Spec, value: dict[str, Any], where: str) -> Normalizer:

@@ -16,7 +16,7 @@ WHITESPACE = (
     "\u2028\u2029\u202f\u205f\u3000"
 )
 #: :data:`WHITESPACE` as a regex character class body.
-WHITESPACE_CLASS = "".join(f"\\x{{{ord(c):x}}}" for c in WHITESPACE)
+WHITESPACE_CLASS = "".join(f"\\u{ord(c):04x}" for c in WHITESPACE)
 
 
 def regex_module() -> Any:
