@@ -543,6 +543,13 @@ COMPONENT_TYPES = [
     "TemplateProcessing",
     "Metaspace",
     "Strip",
+    "Unigram",
+    "Replace",
+    "Prepend",
+    "ByteFallback",
+    "Fuse",
+    "Whitespace",
+    "Punctuation",
 ]
 COMPONENTS = st.fixed_dictionaries(
     {"type": st.sampled_from(COMPONENT_TYPES)},
@@ -564,6 +571,15 @@ COMPONENTS = st.fixed_dictionaries(
             "special_tokens",
             "vocab",
             "merges",
+            "replacement",
+            "prepend_scheme",
+            "split",
+            "content",
+            "prepend",
+            "unk_id",
+            "byte_fallback",
+            "start",
+            "stop",
         )
     },
 )
