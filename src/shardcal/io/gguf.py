@@ -436,7 +436,11 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
     }
     if arch == "llama":
         cfg["mlp_bias"] = False
-    else:  # llama.cpp has no sliding window for Qwen2/Qwen3 (nor does the HF config enable one)
+    elif arch == "qwen2":  # Qwen2's config has neither: q/k/v always have biases, head_dim is hidden / heads
+        del cfg["attention_bias"]
+        if head_dim == hidden // heads:
+            del cfg["head_dim"]
+    if arch != "llama":  # llama.cpp has no sliding window for Qwen2/Qwen3 (nor does the HF config enable one)
         cfg.update({"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0})
     cfg["torch_dtype"] = "float32"
     return _special_ids(meta, cfg)
@@ -541,7 +545,8 @@ def _weights(file: GGUFFile, cfg: dict[str, Any], arch: str) -> dict[str, np.nda
 
 
 def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], arch: str, path: Path) -> None:
-    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim", h // cfg["num_attention_heads"])
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     expected = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg["tie_word_embeddings"]:
