@@ -178,7 +178,7 @@ def write_family_gguf(
     writer.add_rope_freq_base(500000.0 if arch == "llama" else 1000000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "llama":
-        writer.add_vocab_size(TINY["vocab"])
+        writer.add_vocab_size(TINY["vocab"] if tokenizer == "gpt2" else len(sentencepiece_vocab()[0]))
         writer.add_rope_dimension_count(head_dim)
     if head_dim != hidden // heads or arch == "qwen3":
         writer.add_key_length(head_dim)
@@ -382,9 +382,7 @@ def _rewrite(path: Path, out: Path, change) -> Path:
         else:
             writer.add_key_value(key, value, kind[0])
     for tensor in reader.tensors:
-        writer.add_tensor(
-            tensor.name, tensor.data, raw_shape=list(reversed(tensor.shape.tolist())), raw_dtype=tensor.tensor_type
-        )
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
