@@ -258,14 +258,14 @@ def load_pair(gguf_file: Path, out: Path):
     return reference.eval(), ours.eval()
 
 
-def compare_models(reference, ours, vocab: int, length: int = 64) -> tuple[int, float]:
+def compare_models(reference, ours, vocab: int, length: int = 64, batch: int = 2) -> tuple[int, float]:
     """Every weight torch.equal and the logits on random ids; returns (weights compared, max abs logits diff)."""
     assert type(reference) is type(ours)
     a, b = reference.state_dict(), ours.state_dict()
     assert set(a) == set(b)
     unequal = [k for k in a if a[k].dtype != torch.float32 or not torch.equal(a[k], b[k])]
     assert not unequal, f"{len(unequal)} weights differ, first: {unequal[:3]}"
-    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (reference(ids).logits - ours(ids).logits).abs().max().item()
     assert diff <= 1e-5, diff
@@ -338,6 +338,7 @@ _DEQUANTIZABLE = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random bytes: some values NaN or inf
 @pytest.mark.parametrize("qtype", _DEQUANTIZABLE, ids=lambda t: t.name)
 def test_every_block_format_gguf_can_dequantize_imports(tmp_path, qtype):
     """Random blocks of each format: our weight is gguf.quants.dequantize of the stored bytes (q/k un-permuted)."""
@@ -407,7 +408,11 @@ def _rename_arch(values: dict, new: str) -> None:
 @pytest.mark.parametrize(
     "change, error, phrase",
     [
-        (lambda v: _rename_arch(v, "phi3"), CheckpointError, "architecture 'phi3' is not supported"),
+        (
+            lambda v: _rename_arch(v, "phi3"),
+            CheckpointError,
+            "'phi3' is not supported (metadata 'general.architecture'",
+        ),
         (lambda v: v.update({"tokenizer.ggml.model": "bert"}), TokenizerError, "'tokenizer.ggml.model' = 'bert'"),
         (lambda v: v.update({"tokenizer.ggml.pre": "mystery"}), TokenizerError, "pre-tokenizer 'mystery'"),
         (lambda v: v.update({"qwen3.rope.scaling.type": "longrope"}), CheckpointError, "'longrope' is not supported"),
@@ -501,7 +506,7 @@ def test_gemma3_weights_and_logits_equal_transformers_gguf_loader(gemma_gguf, ge
     from shardcal.io.gguf import read_gguf
 
     reference, ours = gemma_models
-    count, diff = compare_models(reference, ours, 262144, length=600)  # past the 512-token sliding window
+    count, diff = compare_models(reference, ours, 262144, length=520, batch=1)  # past the 512-token window
     assert count == 237  # 236 tensors and the tied lm_head
     print(f"gemma3-270m: {count} weights torch.equal, max abs logits diff {diff}")
     stored = {t.name: t for t in read_gguf(gemma_gguf).tensors}

