@@ -607,6 +607,8 @@ def tokenizer_json(meta: _Metadata) -> dict[str, Any]:
         raise TokenizerError(f"{path}: 'tokenizer.ggml.tokens' must be a non-empty array of strings")
     if len(types) != len(tokens):
         raise TokenizerError(f"{path}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens")
+    if not all(isinstance(kind, int) and not isinstance(kind, bool) for kind in types):
+        raise TokenizerError(f"{path}: 'tokenizer.ggml.token_type' must be an array of integers")
     if model == "llama":
         return _sentencepiece_json(meta, tokens, types)
     return _byte_level_json(meta, tokens, types)
