@@ -37,7 +37,7 @@ test-avx2: $(STAMP)
 
 # The long forms of the repeated-fault tests (4 SIGKILLs in a row, Ctrl-C 10 times, 20 consecutive runs).
 soak: $(STAMP)
-	SHARDCAL_SOAK=1 $(PY) -m pytest -q tests/test_rank_failures.py
+	SHARDCAL_SOAK=1 $(PY) -m pytest -q tests/runtime/test_rank_failures.py
 
 # Style: ruff's lint rules and formatter, as configured in pyproject.toml.
 lint: $(STAMP)

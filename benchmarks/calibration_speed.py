@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from shardcal.distributed import all_gather_tensors, barrier, world
+from shardcal.runtime.distributed import all_gather_tensors, barrier, world
 
 
 def _current_rss_mb() -> float:
@@ -52,7 +52,7 @@ class PeakRSS:
         return self
 
     def _sample(self) -> None:
-        from shardcal.health import current_phase
+        from shardcal.runtime.health import current_phase
 
         page = os.sysconf("SC_PAGE_SIZE")
         while not self._stop.is_set():
@@ -82,7 +82,7 @@ def _fp_forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: 
 
 
 def _rank_slice(data: torch.Tensor, batch_size: int) -> torch.Tensor:
-    from shardcal.batches import rank_batch_indices
+    from shardcal.layerwise.batches import rank_batch_indices
 
     rank, size = world()
     idx = rank_batch_indices((data.shape[0] + batch_size - 1) // batch_size, rank, size)
@@ -91,7 +91,7 @@ def _rank_slice(data: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 
 def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> None:
-    """One rank's part of the sharded measurement (runs under shardcal.launcher.launch or alone)."""
+    """One rank's part of the sharded measurement (runs under shardcal.runtime.launcher.launch or alone)."""
     from shardcal import calibrate
     from shardcal.models import load_pretrained
 
@@ -112,7 +112,7 @@ def _measure(model_dir: str, data: torch.Tensor, batch_size: int, out: str) -> N
 
 
 def _sharded(model_dir: str, data: torch.Tensor, batch_size: int, nproc: int) -> list[list[float]]:
-    from shardcal.launcher import launch
+    from shardcal.runtime.launcher import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -193,14 +193,14 @@ def main() -> None:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
 
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 
     model_dir = embedded_model_dir()
     data = token_blocks(Tokenizer.from_dir(model_dir), args.samples, args.seq_len, split="calib")
     torch.set_num_threads(os.cpu_count() or 1)
-    from shardcal.recipes import shipped_recipes
+    from shardcal.calib.recipes import shipped_recipes
 
     names = args.recipes or shipped_recipes()
     if args.observer_only:

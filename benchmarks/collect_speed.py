@@ -37,7 +37,7 @@ def _forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int
 
 
 def _collect_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int, save_dir: Path | None) -> float:
-    from shardcal.collect import collect_activations
+    from shardcal.collect.runner import collect_activations
 
     start = time.perf_counter()
     collect_activations(model, data, TARGETS, batch_size=batch_size, save_dir=save_dir, progress=False)
@@ -51,8 +51,8 @@ def _write_throughput(saved: Path, scratch: Path, batches: list, rounds: int) ->
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardcal.activation_store import ActivationWriter
-    from shardcal.fsutil import fsync_path
+    from shardcal.collect.store import ActivationWriter
+    from shardcal.runtime.fsutil import fsync_path
 
     files = {}
     for path in sorted(saved.glob("L*-B*.safetensors")):
@@ -87,10 +87,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from shardcal.batches import make_batches
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
+    from shardcal.layerwise.batches import make_batches
     from shardcal.loading.plain import from_pretrained
 
     model_dir = embedded_model_dir()

@@ -29,8 +29,8 @@ def _forward_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int
 
 
 def _calibrate_seconds(model: torch.nn.Module, data: torch.Tensor, batch_size: int, recipe: str) -> tuple[float, dict]:
+    from shardcal.calib.runner import calibrate
     from shardcal.quant.session import iter_quantizers
-    from shardcal.runner import calibrate
 
     start = time.perf_counter()
     calibrate(model, data, recipe, batch_size=batch_size, progress=False, propagate="fp")
@@ -49,7 +49,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import transformers
 
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.loading.plain import from_pretrained

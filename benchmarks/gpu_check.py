@@ -11,7 +11,7 @@ Everything is built from seeds (nothing is downloaded; no checkpoint travels wit
 2. **Llama-3-8B widths**: a random checkpoint with Llama-3-8B's shapes and ``--layers`` decoder layers, in
    bfloat16, loaded with ``load_pretrained`` (the default group: ``cpu:gloo,cuda:nccl``; world size 1), calibrated
    with fp8 with the activation cache offloaded to host memory: calibration time / one plain forward over the same
-   data, peak device memory (``torch.cuda.max_memory_allocated``) beside what ``shardcal.plan`` predicted for the
+   data, peak device memory (``torch.cuda.max_memory_allocated``) beside what ``shardcal.plan.planner`` predicted for the
    same run from the config and headers, then the export, its size, and the reloaded export's logits against the
    fake-quant model's.
 
@@ -75,7 +75,7 @@ def _amax(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_devices(device: str, data: torch.Tensor) -> dict:
     """Section 1: the same seed and tokens calibrated on ``device`` and on the CPU."""
-    from shardcal.runner import calibrate
+    from shardcal.calib.runner import calibrate
 
     results = {}
     for where in ("cpu", device):
@@ -119,8 +119,8 @@ def _peak_mb(device: str) -> float | None:
 
 def _predicted_peak(model_dir: Path, data: torch.Tensor, batch_size: int, device: str) -> int:
     """The planner's device peak for the calibration alone (embedding and layers; one rank, activations offloaded)."""
-    from shardcal.options import CalibrationOptions
-    from shardcal.plan import PlanSettings, plan_calibration
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, plan_calibration
 
     options = CalibrationOptions(batch_size=batch_size, offload_activations=True)
     settings = PlanSettings(
@@ -132,10 +132,10 @@ def _predicted_peak(model_dir: Path, data: torch.Tensor, batch_size: int, device
 
 def check_wide(device: str, cfg: dict, data: torch.Tensor, batch_size: int, workdir: Path) -> dict:
     """Section 2: Llama-3-8B widths, bf16, sharded load, fp8 with offloaded activations, export and reload."""
+    from shardcal.calib.runner import calibrate
     from shardcal.export import export_checkpoint
     from shardcal.loading.plain import from_pretrained
     from shardcal.loading.sharded import load_pretrained
-    from shardcal.runner import calibrate
 
     start = time.perf_counter()
     model_dir = _write_checkpoint(cfg, workdir / "wide")
@@ -193,7 +193,7 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU (use --device cpu for the code path)", file=sys.stderr)
         return 2
-    from shardcal.distributed import backend_name, init_distributed
+    from shardcal.runtime.distributed import backend_name, init_distributed
 
     init_distributed()
     samples, seq_len = (4, 32) if args.smoke else (args.samples, args.seq_len)

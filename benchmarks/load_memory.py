@@ -23,8 +23,8 @@ def _peak_mb() -> float:
 def _rank(model_dir: str, out: str, sharded: bool) -> None:
     import torch
 
-    from shardcal.distributed import all_gather_tensors, world
     from shardcal.models import from_pretrained, load_pretrained
+    from shardcal.runtime.distributed import all_gather_tensors, world
 
     base = _peak_mb()
     model = load_pretrained(model_dir) if sharded else from_pretrained(model_dir)
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     from shardcal.io.gguf import embedded_model_dir
-    from shardcal.launcher import launch
+    from shardcal.runtime.launcher import launch
 
     model_dir = str(embedded_model_dir())
     print(f"SmolLM2-135M (float32) from {model_dir}")

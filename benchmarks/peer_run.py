@@ -12,7 +12,7 @@ files) and calls this script once per tool and scheme. Each scheme uses the tool
 * calibration: the tool's own entry point on the calibration blocks in batches of 8 (llm-compressor: ``oneshot``
   with a ``datasets.Dataset``; modelopt: ``mtq.quantize`` with a forward loop); ``calib_seconds`` times that call;
 * perplexity: ``exp(mean cross-entropy)`` of every next-token prediction of the evaluation blocks, the tool's
-  fake-quantized model in memory, float32 — the definition ``shardcal.evaluate.perplexity`` uses.
+  fake-quantized model in memory, float32 — the definition ``shardcal.data.perplexity.perplexity`` uses.
 
 llm-compressor 0.14's AWQ pins every cached activation (``IntermediatesCache`` -> ``tensor.pin_memory()``), which
 raises "Cannot access accelerator device when none is available" on a CPU-only host; ``--cpu-pin-patch`` (which

@@ -2,11 +2,11 @@
 
     python benchmarks/plan_accuracy.py [--only memory|time] [--skip-wide] [--json FILE]
 
-**Memory.** Each case runs the real pipeline in N processes (``shardcal.launcher.launch``, gloo on CPU): in every
+**Memory.** Each case runs the real pipeline in N processes (``shardcal.runtime.launcher.launch``, gloo on CPU): in every
 rank ``load_pretrained`` -> ``calibrate`` -> ``export_checkpoint``, as ``shardcal calibrate`` does after reading its
 data. A rank measures its resident memory with the kernel's high-water mark (``VmHWM``, restarted between phases
 through ``/proc/self/clear_refs``: exact, no sampling), as growth over its resident size after imports and the
-process group (the baseline). The prediction is ``shardcal.plan`` for the same model directory, recipe, data shape
+process group (the baseline). The prediction is ``shardcal.plan.planner`` for the same model directory, recipe, data shape
 and world size. Cases: SmolLM2-135M (float32) at N = 1 and 2, and a model with Llama-3-8B's widths and 2 decoder
 layers (bfloat16, random weights written by this script) at N = 2 — plus two informative rows (GPTQ's state; an
 activation-dominated run). Bound: measured / predicted - 1 within -20 % / +25 % for the whole process's peak.
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from gpu_check import LLAMA3_8B
 
-from shardcal.hostmem import peak_rss_bytes, reset_peak_rss, rss_bytes
+from shardcal.runtime.hostmem import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 MiB = 2**20
 LOW, HIGH = -0.20, 0.25  # the memory bound: measured / predicted - 1
@@ -49,7 +49,7 @@ def wide_checkpoint(folder: Path, cfg: dict = LLAMA3_8B_WIDTHS) -> Path:
     from safetensors.torch import save_file
 
     from shardcal.models.config import ModelConfig
-    from shardcal.plan import model_tensors
+    from shardcal.plan.planner import model_tensors
 
     if (folder / "model.safetensors").is_file():
         return folder
@@ -69,10 +69,10 @@ def wide_checkpoint(folder: Path, cfg: dict = LLAMA3_8B_WIDTHS) -> Path:
 
 def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_dir: str, result: str) -> None:
     """One rank: the pipeline, each phase's exact peak resident growth over the rank's baseline, and its times."""
-    from shardcal.distributed import all_gather_strings, barrier, world
+    from shardcal.calib.runner import calibrate
     from shardcal.export import export_checkpoint
     from shardcal.loading.sharded import load_pretrained
-    from shardcal.runner import calibrate
+    from shardcal.runtime.distributed import all_gather_strings, barrier, world
 
     barrier()
     base = rss_bytes()
@@ -105,7 +105,7 @@ def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_di
 def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, nproc: int) -> tuple[list[dict], int]:
     """Every rank's measured phases, and the export's size on disk."""
     from shardcal.errors import DistributedError
-    from shardcal.launcher import launch
+    from shardcal.runtime.launcher import launch
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         out, result = Path(tmp) / "out", Path(tmp) / "result.json"
@@ -122,8 +122,8 @@ def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, np
 
 
 def predict(model_dir: Path, recipe: str, num_samples: int, seq_len: int, batch_size: int, nproc: int):
-    from shardcal.options import CalibrationOptions
-    from shardcal.plan import PlanSettings, plan_calibration
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, plan_calibration
 
     settings = PlanSettings(world_size=nproc, num_samples=num_samples, seq_len=seq_len,
                             options=CalibrationOptions(batch_size=batch_size))  # fmt: skip
@@ -131,7 +131,7 @@ def predict(model_dir: Path, recipe: str, num_samples: int, seq_len: int, batch_
 
 
 def _smollm2_data(samples: int, seq_len: int) -> tuple[Path, torch.Tensor]:
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 
@@ -195,10 +195,10 @@ def run_memory(skip_wide: bool, workdir: Path) -> tuple[list[dict], bool]:
 
 
 def run_time() -> tuple[list[dict], bool]:
-    from shardcal.hostmem import pin_mmap_threshold
-    from shardcal.options import CalibrationOptions
-    from shardcal.plan import PlanSettings, read_source
-    from shardcal.probe import estimate_time
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, read_source
+    from shardcal.plan.probe import estimate_time
+    from shardcal.runtime.hostmem import pin_mmap_threshold
 
     pin_mmap_threshold()  # as `shardcal plan --probe` does: the allocator setting of the measured ranks
 

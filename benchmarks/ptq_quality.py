@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from shardcal import calibrate, load_recipe
-    from shardcal.data import token_blocks
-    from shardcal.evaluate import perplexity
+    from shardcal.data.calibration import token_blocks
+    from shardcal.data.perplexity import perplexity
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.models import from_pretrained

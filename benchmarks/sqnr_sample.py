@@ -22,7 +22,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardcal import calibrate, load_recipe
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.models import from_pretrained

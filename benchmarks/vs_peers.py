@@ -4,7 +4,7 @@
                                   [--reuse] [--only shardcal|peers]
 
 Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
-256 calibration tokens and the same 8 x 256 held-out tokens (``shardcal.data.token_blocks``, splits "calib" and
+256 calibration tokens and the same 8 x 256 held-out tokens (``shardcal.data.calibration.token_blocks``, splits "calib" and
 "eval"), and perplexity is ``exp(mean cross-entropy)`` of every next-token prediction, float32, fake-quantized model
 in memory. shardcal's recipes run here, in this process, one after the other (``calibrate`` timed); each peer run is
 ``benchmarks/peer_run.py`` in the peers' own venv (``make bench-peers`` creates ``.venv-peers``), one at a time,
@@ -94,7 +94,7 @@ def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """The HF directory and the token files every tool reads (shardcal's own copies stay in memory)."""
     from safetensors.torch import save_file
 
-    from shardcal.data import token_blocks
+    from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 
@@ -111,7 +111,7 @@ def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
 def _recipe(name: str, overlay: dict):
     import tomllib
 
-    from shardcal.recipes import recipe_from_dict, shipped_recipe_path
+    from shardcal.calib.recipes import recipe_from_dict, shipped_recipe_path
 
     path = shipped_recipe_path(name)
     data = _merge(tomllib.loads(path.read_text(encoding="utf-8")), overlay)
@@ -119,9 +119,9 @@ def _recipe(name: str, overlay: dict):
 
 
 def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, overlay: dict) -> dict:
-    from shardcal.evaluate import perplexity
+    from shardcal.calib.runner import calibrate
+    from shardcal.data.perplexity import perplexity
     from shardcal.models import from_pretrained
-    from shardcal.runner import calibrate
 
     model = from_pretrained(model_dir).eval()
     recipe = _recipe(name, overlay)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("shardcal", "peers"), default=None, help="run one side only")
     args = parser.parse_args(argv)
 
-    from shardcal.evaluate import perplexity
+    from shardcal.data.perplexity import perplexity
     from shardcal.models import from_pretrained
 
     work = args.work or Path(tempfile.mkdtemp(prefix="shardcal-vs-peers-"))

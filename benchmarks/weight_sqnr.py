@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardcal.calib.recipes import Recipe, load_recipe, shipped_recipes
 from shardcal.errors import ShardcalError
 from shardcal.quant import TensorQuantizer
-from shardcal.recipes import Recipe, load_recipe, shipped_recipes
 
 
 def _model_dir(arg: str | None, cache_dir: str | None) -> Path:

@@ -78,7 +78,7 @@ class RankPool:
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        from shardcal.distributed import host_rendezvous
+        from shardcal.runtime.distributed import host_rendezvous
 
         self.store, env = host_rendezvous()  # binds its own port: no race with other processes for a free one
         self.procs = [

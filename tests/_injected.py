@@ -1,8 +1,8 @@
-"""Failures injected at the package's fault points (``shardcal.faults``), shared by the tests."""
+"""Failures injected at the package's fault points (``shardcal.runtime.faults``), shared by the tests."""
 
 from __future__ import annotations
 
-from shardcal.faults import armed
+from shardcal.runtime.faults import armed
 
 
 class CalibrationInterrupted(RuntimeError):

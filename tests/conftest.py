@@ -1,11 +1,15 @@
 import os
 import sys
 
-# Tests import helpers as top-level modules (``_dist``, ``_tiny_models``); worker processes inherit sys.path.
-sys.path.insert(0, os.path.dirname(__file__))
-
 import pytest
 import torch
+
+# Tests import helpers as top-level modules (``_dist``, ``_tiny_models``) and each other's fixtures across the
+# package folders; worker processes inherit sys.path.
+sys.path.insert(0, os.path.dirname(__file__))
+from _paths import test_dirs
+
+sys.path[:0] = [d for d in test_dirs() if d not in sys.path]
 
 
 @pytest.fixture(scope="module")

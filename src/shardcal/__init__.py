@@ -20,23 +20,23 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
-    "ActivationDataset": "shardcal.activation_store",
-    "ActivationReport": "shardcal.activation_report",
-    "CalibrationOptions": "shardcal.runner",
-    "CalibrationReport": "shardcal.report",
-    "LayerActivationCollector": "shardcal.registry",
-    "LayerStep": "shardcal.steps",
+    "ActivationDataset": "shardcal.collect.store",
+    "ActivationReport": "shardcal.collect.report",
+    "CalibrationOptions": "shardcal.calib.runner",
+    "CalibrationReport": "shardcal.calib.report",
+    "LayerActivationCollector": "shardcal.sharding.registry",
+    "LayerStep": "shardcal.layerwise.steps",
     "ShardcalError": "shardcal.errors",
-    "calibrate": "shardcal.runner",
-    "collect_activations": "shardcal.collect",
+    "calibrate": "shardcal.calib.runner",
+    "collect_activations": "shardcal.collect.runner",
     "export_checkpoint": "shardcal.export.export",
     "from_pretrained": "shardcal.loading.plain",
-    "fsdp2_root_unsharded": "shardcal.fsdp2_utils",
-    "fsdp2_wrap": "shardcal.fsdp2_utils",
-    "layer_steps": "shardcal.steps",
-    "layer_unsharded": "shardcal.fsdp2_utils",
+    "fsdp2_root_unsharded": "shardcal.sharding.fsdp2",
+    "fsdp2_wrap": "shardcal.sharding.fsdp2",
+    "layer_steps": "shardcal.layerwise.steps",
+    "layer_unsharded": "shardcal.sharding.fsdp2",
     "load_pretrained": "shardcal.loading.sharded",
-    "load_recipe": "shardcal.recipes",
+    "load_recipe": "shardcal.calib.recipes",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,8 +1,8 @@
-"""Layer-wise PTQ algorithms that run inside :func:`shardcal.runner`, one decoder layer at a time: the registry.
+"""Layer-wise PTQ algorithms that run inside :func:`shardcal.calib.runner`, one decoder layer at a time: the registry.
 
 Each algorithm is one class (:class:`~.base.LayerAlgorithm` and its subclasses) carrying its recipe name, its
 parameter schema, its validation and its constructor. :data:`ALGORITHMS` lists the built-in classes; recipe
-validation (:mod:`shardcal.recipes`) and the runner both ask it. Nothing registers itself on import; a user's
+validation (:mod:`shardcal.calib.recipes`) and the runner both ask it. Nothing registers itself on import; a user's
 own algorithm is added with an explicit :func:`register_algorithm` call.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import RecipeError
-from ..params import SpecError
+from ..runtime.params import SpecError
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .gptq import GPTQ
@@ -44,7 +44,7 @@ def register_algorithm(cls: type[LayerAlgorithm]) -> type[LayerAlgorithm]:
 def validate_algorithm(table: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe's ``[algorithm]`` table checked and completed: ``{"name": ..., **parameters}``.
 
-    Raises :class:`~shardcal.params.SpecError` naming the key (``name``, or the parameter).
+    Raises :class:`~shardcal.runtime.params.SpecError` naming the key (``name``, or the parameter).
     """
     table = dict(table)
     if "name" not in table:

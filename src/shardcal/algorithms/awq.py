@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..options import PROPAGATE_MODES
-from ..params import boolean, integer, number, one_of, subset_of
+from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import FORMATS, fake_quantize
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
+from ..runtime.params import boolean, integer, number, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .scales import clip_search_amax

@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..params import Schema, check_params
-from ..steps import LayerStep
+from ..layerwise.steps import LayerStep
+from ..runtime.params import Schema, check_params
 
 
 class LayerAlgorithm:
@@ -61,7 +61,7 @@ class LayerAlgorithm:
 
     @classmethod
     def validate(cls, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The parameters completed with defaults; :class:`~shardcal.params.SpecError` naming a bad key."""
+        """The parameters completed with defaults; :class:`~shardcal.runtime.params.SpecError` naming a bad key."""
         return check_params(f"algorithm {cls.name!r}", params, cls.schema)
 
     @property

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from ..distributed import all_gather_strings, broadcast_, group_rank_size
 from ..errors import NumericsError, RecipeError
-from ..options import PROPAGATE_MODES
-from ..params import SpecError, boolean, integer, number, one_of, table_or_none
+from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import FORMATS, qparams, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
+from ..runtime.distributed import all_gather_strings, broadcast_, group_rank_size
+from ..runtime.params import SpecError, boolean, integer, number, one_of, table_or_none
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .scales import clip_search_amax, element_qparams, refine_rounding, refit_scales

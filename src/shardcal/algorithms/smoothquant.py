@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe import moe_blocks
-from ..options import PROPAGATE_MODES
-from ..params import integer, number, number_list, one_of, subset_of
+from ..layerwise.moe import moe_blocks
+from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import fake_quantize
+from ..runtime.params import integer, number, number_list, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .stats import ExactSum, InputStats, merge_exact

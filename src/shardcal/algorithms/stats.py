@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import all_reduce_many_
-from ..moe import ExpertTokenMasks
+from ..layerwise.moe import ExpertTokenMasks
 from ..quant.session import quantizer_mode
 from ..quant.tokens import real_positions
+from ..runtime.distributed import all_reduce_many_
 
 
 @contextmanager

@@ -31,14 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import broadcast_json, broadcast_string, ranks_with_flag, world
+from ..calib.recipes import Recipe, load_recipe
 from ..errors import ExportError
-from ..faults import fault_point
-from ..fsdp2_utils import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from ..fsutil import check_apart, check_creatable, read_json_object, umask
 from ..quant.experts import weight_slice
 from ..quant.quantizer import TensorQuantizer
-from ..recipes import Recipe, load_recipe
+from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
+from ..runtime.faults import fault_point
+from ..runtime.fsutil import check_apart, check_creatable, read_json_object, umask
+from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from .ct_tensors import encode_input, encode_weight
 from .plan import ExportPlan, QuantModule, Unit, build_plan
 from .shards import RankShardWriter, header_bytes
@@ -305,7 +305,7 @@ def export_checkpoint(
     shards
     ``model-0000i-of-0000N.safetensors`` of at most ``max_shard_bytes`` of tensor data each (a larger single tensor
     gets its own), ``model.safetensors.index.json``, the tokenizer / generation files of ``tokenizer_dir`` and, with
-    ``report`` (a :class:`~shardcal.report.CalibrationReport`), ``calibration_report.json``. Tensor names are the
+    ``report`` (a :class:`~shardcal.calib.report.CalibrationReport`), ``calibration_report.json``. Tensor names are the
     module's state-dict names; fused experts (3-D parameters) are stored per expert under the names the original
     checkpoints use (``mlp.experts.{e}.gate_proj.weight`` ...), which is what vLLM loads.
 

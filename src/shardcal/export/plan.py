@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..calib.recipes import Recipe
 from ..errors import ExportError
 from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
 from ..quant.kv_cache import KVCacheQuantizer, kv_cache_quantizers
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
-from ..recipes import Recipe
-from ..registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
 from . import ct_config
 from .ct_config import UnsupportedSpec
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TokenizerError
-from ..fsutil import read_bounded_text
+from ..runtime.fsutil import read_bounded_text
 from .tokenizer_added import AddedVocabulary
 from .tokenizer_bpe import BPE
 from .tokenizer_decoders import Decoder

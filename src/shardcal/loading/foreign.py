@@ -16,8 +16,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..fsutil import read_json_object
 from ..models.config import SUPPORTED_MODEL_TYPES
+from ..runtime.fsutil import read_json_object
 
 MODEL_IMPLS = ("auto", "shardcal", "transformers")
 INSTALL_HINT = "pip install transformers"

@@ -17,11 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from ..distributed import world
 from ..errors import CheckpointError
-from ..fsdp2_utils import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
+from ..runtime.distributed import world
+from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .plain import from_pretrained
 from .sources import NameMap, Source, resolve_sources

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from ..fsutil import read_json_object
+from ..runtime.fsutil import read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

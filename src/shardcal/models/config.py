@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..fsutil import read_json_object
-from ..params import is_finite_number
+from ..runtime.fsutil import read_json_object
+from ..runtime.params import is_finite_number
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_MODEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")

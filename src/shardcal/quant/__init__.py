@@ -11,7 +11,7 @@ insertion and TOML recipes. See docs/quantization.md.
 - :mod:`.session` — the pass protocol over many quantizers (what the layer runner calls).
 - :mod:`.linear` — ``QuantLinear`` (in place; works before or after ``fully_shard``).
 
-Recipes (which modules get which quantizers, and the algorithm) are a layer above: :mod:`shardcal.recipes`.
+Recipes (which modules get which quantizers, and the algorithm) are a layer above: :mod:`shardcal.calib.recipes`.
 """
 
 from .formats import (

@@ -6,7 +6,7 @@ module object, its parameters and their names stay the same: ``...q_proj.weight`
 the state dict only gains the quantizers' ``amax`` buffers (``...q_proj.input_quantizer.amax``), and FSDP2,
 which keeps references to the module objects and re-registers the unsharded parameters on them, keeps working.
 
-Insert before or after ``fully_shard``; after is what the runner does (it calls ``shardcal.recipes.quantize_modules`` on each
+Insert before or after ``fully_shard``; after is what the runner does (it calls ``shardcal.calib.recipes.quantize_modules`` on each
 sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
 local shard's device for a DTensor weight); the weight quantizer's shape is the full (global) weight shape.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import all_reduce_many_
+from ..runtime.distributed import all_reduce_many_
 
 #: A statistic to merge: ("max" | "sum", tensor), merged in place.
 Stat = tuple[str, torch.Tensor]

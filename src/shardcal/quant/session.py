@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import group_rank_size
+from ..runtime.distributed import group_rank_size
 from .merge import merge_stats
 from .quantizer import QuantMode, TensorQuantizer
 

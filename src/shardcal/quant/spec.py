@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..params import Schema, SpecError, check_params, integer, number
+from ..runtime.params import Schema, SpecError, check_params, integer, number
 
 #: Number formats, in the names recipes use.
 FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")

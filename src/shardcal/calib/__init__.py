@@ -1,0 +1,2 @@
+"""Calibration: recipes (:mod:`.recipes`), the runner ``calibrate`` (:mod:`.runner`), its report (:mod:`.report`)
+and its resumable checkpoint (:mod:`.checkpoint`)."""

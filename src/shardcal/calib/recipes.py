@@ -1,0 +1,529 @@
+"""Recipes: which Linear modules to quantize and how, as TOML files (schema in docs/quant-recipes.md).
+
+::
+
+    name = "w8a8-int8"
+    description = "int8 per-channel weights, int8 per-tensor static input activations"
+    group_size_fallback = true   # a group size that does not divide a Linear's in_features: fit it (see below)
+
+    [targets]                    # optional
+    include = ["*"]              # glob on full module names, or "re:<regex>" (full match)
+    exclude = []                 # added to the default excludes
+    default_excludes = true      # lm_head, MoE router gates, vision towers
+
+    [weight]                     # [input] and [output] take the same keys; at least one of the three
+    format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4
+    granularity = "channel"      # tensor | channel | group | token (dynamic activations only)
+    axis = 0                     # channel only (default 0 for weights, -1 for activations)
+    group_size = 128             # group only
+    observer = "max"             # max | percentile | mse, or a table: { name = "mse", max_shrink = 0.3 }
+    symmetric = true             # false: asymmetric (zero points; int weights only, max or mse observer)
+    dynamic = false              # activations only: amax from each tensor at run time
+
+    [algorithm]                  # optional: rtn (default), smoothquant, gptq, awq, with their parameters
+    name = "rtn"
+
+    [kv_cache]                   # optional: per-tensor FP8 scales for every attention's cached keys and values
+    format = "fp8_e4m3"          # the only format (vLLM's FP8 KV cache)
+    observer = "max"             # max | percentile | mse, as for [input]
+
+    [fallback]                   # optional: decoder layers whose output SQNR is under the floor are recalibrated
+    min_layer_sqnr_db = 25.0     # with [fallback.weight] / [fallback.input] (same keys as above) instead,
+    [fallback.weight]            # or kept in full precision with full_precision = true
+    format = "int8"
+    granularity = "channel"
+
+A recipe is the layer above both quantizer specs (:mod:`shardcal.quant`) and algorithms
+(:mod:`shardcal.algorithms`): its ``[algorithm]`` table is checked by the algorithm registry. Shipped recipes live
+in the top-level ``calibration/recipes/`` folder of a source checkout, and in ``shardcal/calibration/recipes/`` of
+an installed wheel; :func:`load_recipe` takes a shipped name or a path. Every problem is a :class:`RecipeError`
+naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from torch import nn
+
+from ..algorithms import validate_algorithm
+from ..errors import RecipeError
+from ..quant.experts import PROJECTIONS, attach_expert_quantizers, iter_projections
+from ..quant.kv_cache import attach_kv_cache_quantizers
+from ..quant.linear import QuantLinear
+from ..quant.spec import QuantizerSpec
+from ..runtime.params import SpecError, is_finite_number
+
+#: Modules never quantized unless ``default_excludes = false``: the LM head, MoE routers, vision towers.
+DEFAULT_EXCLUDES: tuple[str, ...] = (
+    "lm_head",
+    "*.lm_head",
+    "*.mlp.gate",
+    "*.block_sparse_moe.gate",
+    "*.shared_expert_gate",
+    "*.router",
+    "*vision_tower*",
+    "*vision_model*",
+    "visual.*",
+    "*.visual.*",
+    "*multi_modal_projector*",
+)
+
+ROLES: tuple[str, ...] = ("weight", "input", "output")
+_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback", "kv_cache", "fallback") + ROLES
+_FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
+#: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
+#: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
+VLLM_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)
+_TARGET_KEYS = ("include", "exclude", "default_excludes")
+_QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A module-name pattern: ``re:<regex>`` (full match) or a glob (``*`` matches dots too)."""
+    if pattern.startswith("re:"):
+        return re.compile(pattern[3:])
+    return re.compile(fnmatch.translate(pattern))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe. ``matches(name)`` says whether the Linear named ``name`` (full path) is quantized."""
+
+    name: str
+    weight: QuantizerSpec | None = None
+    input: QuantizerSpec | None = None
+    output: QuantizerSpec | None = None
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    default_excludes: bool = True
+    algorithm: Mapping[str, Any] = field(default_factory=lambda: {"name": "rtn"})
+    description: str = ""
+    source: str | None = None
+    group_size_fallback: bool = True
+    #: The ``[kv_cache]`` quantizer of every attention's keys and values (FP8 per tensor), or None.
+    kv_cache: QuantizerSpec | None = None
+    #: ``[fallback]``: decoder layers whose output SQNR (dB) is below ``min_layer_sqnr_db`` are recalibrated with
+    #: ``fallback`` (the same recipe with the fallback's quantizers; none at all for full precision).
+    min_layer_sqnr_db: float | None = None
+    fallback: Recipe | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "_include_re", [compile_pattern(p) for p in self.include])
+        object.__setattr__(self, "_exclude_re", [compile_pattern(p) for p in self.all_excludes])
+
+    def __hash__(self) -> int:
+        return hash(
+            (self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude, self.kv_cache)
+            + (self.min_layer_sqnr_db, self.fallback)
+        )
+
+    @property
+    def quantizes_linears(self) -> bool:
+        """Whether the recipe has any Linear quantizer (a full-precision fallback has none)."""
+        return bool(self.specs)
+
+    @property
+    def all_excludes(self) -> tuple[str, ...]:
+        return self.exclude + (DEFAULT_EXCLUDES if self.default_excludes else ())
+
+    def matches(self, module_name: str) -> bool:
+        """Whether the Linear with this full name is quantized: an include matches and no exclude does."""
+        return any(r.fullmatch(module_name) for r in self._include_re) and not any(
+            r.fullmatch(module_name) for r in self._exclude_re
+        )
+
+    def weight_spec(self, module_name: str, in_features: int) -> QuantizerSpec | None:
+        """The weight spec for the Linear ``module_name`` with ``in_features`` inputs: the recipe's, or — for a
+        grouped weight whose group size does not divide ``in_features`` — the largest group size of
+        :data:`VLLM_GROUP_SIZES` below the recipe's that divides it, else per-channel scales. With
+        ``group_size_fallback = false`` a group size that does not fit is a :class:`RecipeError` naming the Linear."""
+        spec = self.weight
+        if spec is None or spec.granularity != "group" or spec.format == "nvfp4" or in_features % spec.group_size == 0:
+            return spec
+        if not self.group_size_fallback:
+            raise RecipeError(
+                f"{self.source or self.name}: recipe {self.name!r} does not fit module {module_name!r}: group_size "
+                f"{spec.group_size} does not divide in_features {in_features} (group_size_fallback = false)"
+            )
+        for size in VLLM_GROUP_SIZES:
+            if size < spec.group_size and in_features % size == 0:
+                return dataclasses.replace(spec, group_size=size)
+        return dataclasses.replace(spec, granularity="channel", axis=0, group_size=None)
+
+    @property
+    def specs(self) -> dict[str, QuantizerSpec]:
+        """``{"weight": spec, "input": spec, ...}`` for the quantizers the recipe has."""
+        return {role: s for role in ROLES if (s := getattr(self, role)) is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "targets": {
+                "include": list(self.include),
+                "exclude": list(self.exclude),
+                "default_excludes": self.default_excludes,
+            },
+            **{role: spec.to_dict() for role, spec in self.specs.items()},
+            "algorithm": dict(self.algorithm),
+            "group_size_fallback": self.group_size_fallback,
+            **({"kv_cache": self.kv_cache.to_dict()} if self.kv_cache is not None else {}),
+            **({"fallback": self._fallback_dict()} if self.fallback is not None else {}),
+        }
+
+    def _fallback_dict(self) -> dict[str, Any]:
+        specs = {role: spec.to_dict() for role, spec in self.fallback.specs.items()}
+        return {"min_layer_sqnr_db": self.min_layer_sqnr_db, "full_precision": not specs, **specs}
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def shipped_recipes_dir() -> Path:
+    """The folder of shipped recipe TOML files: inside the installed package, or the source checkout's
+    top-level ``calibration/recipes``."""
+    package = Path(__file__).resolve().parents[1]  # src/shardcal (installed: site-packages/shardcal)
+    for candidate in (package / "calibration" / "recipes", package.parents[1] / "calibration" / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    raise RecipeError(
+        f"the shipped recipes are missing (looked in {package / 'calibration' / 'recipes'}); reinstall shardcal"
+    )
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the shipped recipes (``w8a8-int8``, ``fp8``, ...), sorted."""
+    return sorted(p.stem for p in shipped_recipes_dir().glob("*.toml"))
+
+
+def shipped_recipe_path(name: str) -> Path:
+    """The TOML file of shipped recipe ``name`` (with or without ``.toml``); :class:`RecipeError` if unknown."""
+    stem = name[: -len(".toml")] if name.endswith(".toml") else name
+    shipped = shipped_recipes()
+    if stem not in shipped and stem != name:
+        raise RecipeError(
+            f"{name}: no such recipe file, and no shipped recipe is called {stem!r} (shipped: {', '.join(shipped)})"
+        )
+    if stem not in shipped:
+        raise RecipeError(
+            f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
+        )
+    return shipped_recipes_dir() / f"{stem}.toml"
+
+
+def algorithm_summary(recipe: Recipe) -> str:
+    """``gptq``, ``smoothquant + gptq`` (a smoothing pass first), ``rtn``."""
+    name = str(recipe.algorithm.get("name", "rtn"))
+    smooth = recipe.algorithm.get("smooth")
+    return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
+
+
+def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
+    """Name, weight scheme, input scheme (and the KV cache's, with ``[kv_cache]``), algorithm (and the
+    ``[fallback]`` floor, with one), description: one line of ``shardcal recipes``."""
+    weight = recipe.weight.describe() if recipe.weight else "-"
+    inputs = recipe.input.describe() if recipe.input else "- (weight only)"
+    if recipe.kv_cache is not None:
+        inputs += f" + kv cache {recipe.kv_cache.format}, {recipe.kv_cache.observer}"  # always per tensor
+    algorithm = algorithm_summary(recipe)
+    if recipe.fallback is not None:
+        algorithm += f"; fallback under {recipe.min_layer_sqnr_db:g} dB"
+    return recipe.name, weight, inputs, algorithm, recipe.description
+
+
+def recipe_rows() -> list[tuple[str, str, str, str, str]]:
+    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (``shardcal recipes``)."""
+    return [recipe_row(load_recipe(name)) for name in shipped_recipes()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read recipe ({exc})") from None
+
+
+def load_recipe(name_or_path: str | Path | Recipe) -> Recipe:
+    """A shipped recipe by name (``"w8a8-int8"``, also ``"w8a8-int8.toml"``) or a TOML file by path.
+
+    A string with a path separator, or an existing file, is a path; a bare name ending in ``.toml`` that is no file
+    here is looked up among the shipped recipes. Raises :class:`RecipeError` naming the file and key for anything
+    wrong.
+    """
+    if isinstance(name_or_path, Recipe):
+        return name_or_path
+    text = str(name_or_path)
+    path = Path(name_or_path)
+    is_path = isinstance(name_or_path, Path) or "/" in text or "\\" in text
+    if path.is_file():
+        return parse_recipe(_read(path), source=str(path), default_name=path.stem)
+    if is_path:
+        hint = ""
+        if path.stem in shipped_recipes():
+            hint = f"; {path.stem!r} is also the name of a shipped recipe (pass it without a folder)"
+        raise RecipeError(f"{path}: no such recipe file{hint}")
+    shipped = shipped_recipe_path(text)
+    return parse_recipe(_read(shipped), source=str(shipped), default_name=shipped.stem)
+
+
+def parse_recipe(text: str, source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
+    """Parse recipe TOML text; ``source`` names the file in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{source}: not valid TOML ({exc})") from None
+    return recipe_from_dict(data, source, default_name)
+
+
+def _error(source: str, key: str, message: str) -> RecipeError:
+    return RecipeError(f"{source}: key {key!r}: {message}")
+
+
+def _check_keys(table: Mapping[str, Any], known: tuple[str, ...], source: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            raise _error(source, prefix + key, f"unknown key (known here: {', '.join(known)})")
+
+
+def _table(value: Any, source: str, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _error(source, key, f"must be a table, got {type(value).__name__}")
+    return value
+
+
+def _typed(value: Any, types: tuple[type, ...], source: str, key: str, what: str) -> Any:
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise _error(source, key, f"must be {what}, got {value!r}")
+    return value
+
+
+def _patterns(value: Any, source: str, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _error(source, key, f"must be a list of strings, got {value!r}")
+    for i, pattern in enumerate(value):
+        try:
+            compile_pattern(pattern)
+        except (re.error, OverflowError, RecursionError) as exc:  # huge repeat counts, deep nesting
+            raise _error(source, f"{key}[{i}]", f"invalid regular expression {pattern[:80]!r} ({exc})") from None
+    return tuple(value)
+
+
+def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -> QuantizerSpec:
+    """One quantizer table (``[weight]``, ``[input]``, ...); error keys are ``key_prefix + role + "." + key``."""
+    where = key_prefix + role
+    _check_keys(table, _QUANT_KEYS, source, f"{where}.")
+    if "format" not in table:
+        raise _error(source, f"{where}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4)")
+    kwargs: dict[str, Any] = {}
+    for key, types, what in (
+        ("format", (str,), "a string"),
+        ("granularity", (str,), "a string"),
+        ("axis", (int,), "an integer"),
+        ("group_size", (int,), "an integer"),
+        ("symmetric", (bool,), "true or false"),
+        ("dynamic", (bool,), "true or false"),
+    ):
+        if key in table:
+            kwargs[key] = _typed(table[key], types, source, f"{where}.{key}", what)
+    if kwargs.get("granularity") == "channel" and "axis" not in kwargs:
+        kwargs["axis"] = 0 if role == "weight" else -1
+    if role == "weight" and kwargs.get("dynamic"):
+        raise _error(source, f"{where}.dynamic", "weights are quantized statically (dynamic = false)")
+    if role != "weight" and kwargs.get("symmetric") is False:
+        raise _error(source, f"{where}.symmetric", "asymmetric quantization is for weights only ([weight])")
+    if role == "weight" and kwargs.get("granularity") == "token":
+        raise _error(source, f"{where}.granularity", "'token' is for activations ([input] with dynamic = true)")
+    if "observer" in table:
+        obs = table["observer"]
+        if isinstance(obs, dict):
+            obs = dict(obs)
+            if "name" not in obs:
+                raise _error(source, f"{where}.observer.name", "missing (max, percentile or mse)")
+            kwargs["observer"] = _typed(obs.pop("name"), (str,), source, f"{where}.observer.name", "a string")
+            kwargs["observer_params"] = obs
+        else:
+            kwargs["observer"] = _typed(obs, (str,), source, f"{where}.observer", "a string or a table")
+    if kwargs.get("dynamic") and "observer" in table:
+        raise _error(source, f"{where}.observer", "a dynamic quantizer is not calibrated, so it takes no observer")
+    try:
+        return QuantizerSpec(**kwargs)
+    except SpecError as exc:
+        raise _error(source, f"{where}.{exc.key}", str(exc)) from None
+
+
+def _kv_cache_spec(table: dict[str, Any], source: str) -> QuantizerSpec:
+    """The ``[kv_cache]`` table: FP8 E4M3, per tensor, static (what vLLM's FP8 KV cache reads)."""
+    spec = _spec(table, "kv_cache", source)
+    for key, ok, want in (
+        ("format", spec.format == "fp8_e4m3", "'fp8_e4m3' (vLLM's FP8 KV cache)"),
+        ("granularity", spec.granularity == "tensor", "'tensor' (one k_scale / v_scale per attention layer)"),
+        ("dynamic", not spec.dynamic, "false (k_scale / v_scale are calibrated)"),
+    ):
+        if not ok:
+            raise _error(source, f"kv_cache.{key}", f"must be {want}")
+    return spec
+
+
+def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe:
+    """``recipe`` with its ``[fallback]`` (see the module docstring): the floor and the fallback recipe."""
+    _check_keys(table, _FALLBACK_KEYS, source, "fallback.")
+    if "min_layer_sqnr_db" not in table:
+        raise _error(source, "fallback.min_layer_sqnr_db", "missing (the output SQNR floor in dB)")
+    floor = _typed(table["min_layer_sqnr_db"], (int, float), source, "fallback.min_layer_sqnr_db", "a number")
+    if not is_finite_number(floor):
+        raise _error(source, "fallback.min_layer_sqnr_db", f"must be a finite number, got {floor!r}")
+    full = _typed(table.get("full_precision", False), (bool,), source, "fallback.full_precision", "true or false")
+    specs = {
+        role: _spec(_table(table[role], source, f"fallback.{role}"), role, source, "fallback.")
+        for role in ("weight", "input")
+        if role in table
+    }
+    _check_asymmetric_weight_only(specs, source, "fallback.")
+    if full == bool(specs):
+        raise _error(
+            source,
+            "fallback",
+            "give the fallback scheme: [fallback.weight] and/or [fallback.input], or full_precision = true (not both)",
+        )
+    fallback = dataclasses.replace(
+        recipe, name=f"{recipe.name}:fallback", weight=specs.get("weight"), input=specs.get("input"), output=None
+    )
+    return dataclasses.replace(recipe, min_layer_sqnr_db=float(floor), fallback=fallback)
+
+
+def _check_asymmetric_weight_only(specs: Mapping[str, QuantizerSpec], source: str, key_prefix: str) -> None:
+    """Asymmetric weights are for weight-only schemes: vLLM's W4A16 / W8A16 kernels take zero points, its W8A8
+    kernels need symmetric weights."""
+    weight = specs.get("weight")
+    if weight is not None and not weight.symmetric and specs.get("input") is not None:
+        raise _error(
+            source,
+            f"{key_prefix}weight.symmetric",
+            "asymmetric weights are for weight-only recipes (vLLM's W8A8 / FP8 kernels need symmetric weights); "
+            "drop [input] or set symmetric = true",
+        )
+
+
+def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_name: str = "recipe") -> Recipe:
+    """Build a :class:`Recipe` from parsed TOML data (see the module docstring for the schema)."""
+    _check_keys(data, _TOP_KEYS, source, "")
+    name = _typed(data.get("name", default_name), (str,), source, "name", "a string")
+    description = _typed(data.get("description", ""), (str,), source, "description", "a string")
+    targets = _table(data.get("targets", {}), source, "targets")
+    _check_keys(targets, _TARGET_KEYS, source, "targets.")
+    include = _patterns(targets.get("include", ["*"]), source, "targets.include")
+    exclude = _patterns(targets.get("exclude", []), source, "targets.exclude")
+    default_excludes = _typed(
+        targets.get("default_excludes", True), (bool,), source, "targets.default_excludes", "true or false"
+    )
+    fallback = _typed(data.get("group_size_fallback", True), (bool,), source, "group_size_fallback", "true or false")
+    specs = {role: _spec(_table(data[role], source, role), role, source) for role in ROLES if role in data}
+    if not specs:
+        raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
+    _check_asymmetric_weight_only(specs, source, "")
+    kv_cache = _kv_cache_spec(_table(data["kv_cache"], source, "kv_cache"), source) if "kv_cache" in data else None
+    try:
+        algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
+    except SpecError as exc:
+        raise _error(source, f"algorithm.{exc.key}", str(exc)) from None
+    recipe = Recipe(
+        name=name,
+        description=description,
+        include=include,
+        exclude=exclude,
+        default_excludes=default_excludes,
+        algorithm=algorithm,
+        source=source,
+        group_size_fallback=fallback,
+        kv_cache=kv_cache,
+        **specs,
+    )
+    if "fallback" in data:
+        recipe = _with_fallback(recipe, _table(data["fallback"], source, "fallback"), source)
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------- applying
+
+
+def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> list[str]:
+    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets.
+
+    ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
+    that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
+    Returns the full names of the targeted modules. A grouped weight whose group size does not divide a Linear's
+    ``in_features`` gets the size :meth:`Recipe.weight_spec` fits (or, with ``group_size_fallback = false``, a
+    :class:`RecipeError`); any other shape that does not fit the recipe raises :class:`RecipeError` naming the recipe
+    file and the module.
+    """
+    targets = [
+        (name, sub)
+        for name, sub in module.named_modules(prefix=prefix)
+        if isinstance(sub, nn.Linear) and recipe.matches(name) and recipe.quantizes_linears
+    ]
+    for name, sub in targets:
+        if isinstance(sub, QuantLinear):
+            continue
+        weight = recipe.weight_spec(name, sub.in_features)
+        try:
+            QuantLinear.from_linear(sub, weight=weight, input=recipe.input, output=recipe.output, name=name or "<root>")
+        except ValueError as exc:
+            raise RecipeError(
+                f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
+            ) from None
+    if recipe.kv_cache is not None:
+        attach_kv_cache_quantizers(module, recipe.kv_cache, prefix, recipe.matches)
+    if not recipe.quantizes_linears:
+        return []
+    return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
+
+
+def weight_fallbacks(module: nn.Module, recipe: Recipe, prefix: str = "") -> dict[str, int | str]:
+    """Quantized Linears under ``module`` whose weight group size is not the recipe's: name -> the group size
+    used, or ``"channel"`` (per-channel scales); see :meth:`Recipe.weight_spec`."""
+    spec = recipe.weight
+    if spec is None or spec.granularity != "group":
+        return {}
+    out: dict[str, int | str] = {}
+    for name, sub in module.named_modules(prefix=prefix):
+        found = [(name, getattr(sub, "weight_quantizer", None))] if isinstance(sub, QuantLinear) else []
+        found += [(f"{name}.{e}.{p}", q.weight_quantizer) for e, p, q in iter_projections(sub)]  # fused experts
+        for full, used in found:
+            if used is not None and used.spec != spec:
+                out[full] = used.spec.group_size if used.spec.granularity == "group" else used.spec.granularity
+    return out
+
+
+def _quantize_fused_experts(module: nn.Module, recipe: Recipe, prefix: str) -> list[str]:
+    """Per-expert quantizers for fused 3-D experts (no nn.Linear per expert), named like per-expert Linears."""
+    names: list[str] = []
+    for name, sub in module.named_modules(prefix=prefix):
+        if not any(p.dim() == 3 for p in sub.parameters(recurse=False)):
+            continue
+        if not any(recipe.matches(f"{name}.0.{proj}") for proj in PROJECTIONS):
+            continue  # excluded as a whole: an unknown layout there is no error
+        if recipe.output is not None:
+            raise RecipeError(f"{recipe.source or recipe.name}: fused experts {name!r} take no output quantizer")
+        try:
+            names += attach_expert_quantizers(sub, name, recipe.matches, recipe.weight_spec, recipe.input)
+        except ValueError as exc:
+            raise RecipeError(
+                f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit {name!r}: {exc}"
+            ) from None
+    return names

@@ -1,0 +1,502 @@
+"""The calibration runner: ``calibrate(model, data, recipe)`` on a plain or FSDP2-sharded model.
+
+It is :func:`shardcal.layer_steps` plus quantizers: for each decoder layer (gathered once), insert the recipe's
+quantizers, calibrate weight quantizers from the full weights, run the layer over this rank's cached batches
+with activation observers collecting (one pass, or two for percentile / mse), merge the statistics across
+ranks in one collective per reduce op, measure the layer's output SQNR, and move on. Data are split across
+ranks by whole batches, so the result does not depend on the world size. With ``checkpoint_dir`` the run can
+be interrupted and resumed bit-identically (see :mod:`shardcal.calib.checkpoint`). Options: :class:`CalibrationOptions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..algorithms import LayerAlgorithm, make_algorithm
+from ..collect.feed import ActivationFeed
+from ..collect.report import ActivationReport
+from ..errors import CalibrationCheckpointError, ModelLayoutError
+from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
+from ..layerwise.options import CalibrationOptions
+from ..layerwise.steps import LayerStep, compute_device, embed_batches, layer_steps
+from ..quant.experts import (
+    calibrate_expert_weights,
+    detach_expert_quantizers,
+    expert_projections,
+    store_quantized_weights,
+)
+from ..quant.kv_cache import cache_argument, kv_cache_quantizers
+from ..quant.linear import QuantLinear, remove_quantizers
+from ..quant.quantizer import QuantMode, TensorQuantizer
+from ..quant.session import (
+    begin_pass_all,
+    calibrate_weights,
+    end_pass_all,
+    finish_calibration_all,
+    iter_quantizers,
+    num_passes,
+    quantizer_mode,
+    start_calibration_all,
+)
+from ..runtime.distributed import all_reduce_, dp_group, world
+from ..runtime.faults import fault_point
+from ..runtime.health import rank_guard, report_phase
+from ..sharding.fsdp2 import sync_unsharded_to_shards
+from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from .checkpoint import (
+    CalibrationCheckpoint,
+    local_weight_pieces,
+    quantizer_state,
+    restore_quantizers,
+    restore_weights,
+    run_fingerprint,
+)
+from .recipes import Recipe, load_recipe, quantize_modules, weight_fallbacks
+from .report import CalibrationReport, LayerReport, amax_summary
+
+
+def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
+    return [
+        (n, q) for n, q in iter_quantizers(layer, prefix) if not n.endswith(".weight_quantizer") and not q.spec.dynamic
+    ]
+
+
+def _weight_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, QuantLinear]]:
+    return [
+        (n, m)
+        for n, m in layer.named_modules(prefix=prefix)
+        if isinstance(m, QuantLinear) and m.weight_quantizer is not None
+    ]
+
+
+def _pass_kv_cache(step: LayerStep, recipe: Recipe) -> list[TensorQuantizer]:
+    """Pass the layer's KV-cache quantizer as its cache in every call of this step; return its quantizers."""
+    if recipe.kv_cache is None:
+        return []
+    found = kv_cache_quantizers(step.layer, step.name)
+    if not found:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] found no attention in this decoder layer (a module with k_proj / v_proj or "
+            "qkv_proj whose forward takes a cache / past_key_values argument)"
+        )
+    if len(found) > 1:
+        raise ModelLayoutError(
+            f"{step.name}: [kv_cache] needs one attention per decoder layer, found {len(found)}: "
+            + ", ".join(n for n, _ in found)
+        )
+    name, kv = found[0]
+    keyword = cache_argument(step.layer) or cache_argument(_kv_attention(step.layer, name, step.name))
+    if keyword is None:
+        raise ModelLayoutError(f"{step.name}: the decoder layer takes no cache argument (cache / past_key_values)")
+    step.call_extras = lambda x: {keyword: kv.for_batch(x.token_mask)}
+    return [kv.k_quantizer, kv.v_quantizer]
+
+
+def _kv_attention(layer: nn.Module, name: str, prefix: str) -> nn.Module:
+    return layer.get_submodule(name[len(prefix) + 1 :]) if name != prefix else layer
+
+
+def _check_kv_observed(quantizers: list[TensorQuantizer]) -> None:
+    for q in quantizers:
+        if q.num_observed == 0:
+            raise ModelLayoutError(
+                f"{q.name}: saw no keys or values: the attention never called cache.update(key_states, value_states, "
+                "layer_idx) with the cache the decoder layer was given; [kv_cache] needs that protocol"
+            )
+
+
+def _layer_sqnr(step: LayerStep, fp_outputs: Any, local_sqnr: dict[int, int], group: Any) -> float | None:
+    """SQNR (dB) of the layer output, quantizers on vs off, over the SQNR sequences (summed over ranks):
+    ``local_sqnr`` maps a batch index to its first rows in the sample, ``fp_outputs`` holds at least those rows."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    for i, rows in local_sqnr.items():
+        quantized = step.forward(i, rows).to(fp_outputs[i].device).double()
+        reference = fp_outputs[i][:rows].double()
+        real = None if step.inputs[i].token_mask is None else step.inputs[i].token_mask[:rows]
+        if real is not None:  # padded positions are not part of the signal
+            quantized, reference = (
+                quantized[real.bool().to(quantized.device)],
+                reference[real.bool().to(reference.device)],
+            )
+        sums[0] += reference.pow(2).sum().cpu()
+        sums[1] += (quantized - reference).pow(2).sum().cpu()
+    all_reduce_(sums, "sum", group)
+    signal, noise = float(sums[0]), float(sums[1])
+    if signal == 0.0:
+        return None
+    return math.inf if noise == 0.0 else 10.0 * math.log10(signal / noise)
+
+
+def _calibrate_layer(
+    step: LayerStep,
+    recipe: Recipe,
+    group: Any,
+    calibrate_all_experts: bool,
+    local_sqnr: dict[int, int],
+    algorithm: LayerAlgorithm,
+    propagate: str = "fp",
+    feed: ActivationFeed | None = None,
+) -> LayerReport:
+    """Calibrate one layer with ``recipe``; a layer whose SQNR falls under the recipe's ``min_layer_sqnr_db`` is
+    put back as it was (weights and quantizers) and calibrated again with the recipe's fallback."""
+    args = (group, calibrate_all_experts, local_sqnr, algorithm, propagate, feed)
+    if recipe.fallback is None:
+        return _calibrate_layer_once(step, recipe, *args)
+    saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # one more copy of this layer
+    entry = _calibrate_layer_once(step, recipe, *args)
+    if entry.sqnr_db is None or entry.sqnr_db >= recipe.min_layer_sqnr_db:  # the SQNR is merged: every rank agrees
+        return entry
+    _restore_layer(step, saved)
+    fallback = _calibrate_layer_once(step, recipe.fallback, *args)
+    fallback.scheme, fallback.recipe_sqnr_db = "fallback", entry.sqnr_db
+    fallback.seconds += entry.seconds
+    return fallback
+
+
+def _restore_layer(step: LayerStep, saved: dict[str, torch.Tensor]) -> None:
+    """The layer's parameters as saved (written back to the shards too) and its Linear / expert quantizers removed."""
+    with torch.no_grad():
+        for n, p in step.layer.named_parameters():
+            p.copy_(saved[n])
+    sync_unsharded_to_shards(step.layer)
+    remove_quantizers(step.layer)
+    for module in step.layer.modules():
+        detach_expert_quantizers(module)
+    step.invalidate_outputs()
+
+
+def _calibrate_layer_once(
+    step: LayerStep,
+    recipe: Recipe,
+    group: Any,
+    calibrate_all_experts: bool,
+    local_sqnr: dict[int, int],
+    algorithm: LayerAlgorithm,
+    propagate: str = "fp",
+    feed: ActivationFeed | None = None,
+) -> LayerReport:
+    start = time.perf_counter()
+    if feed is not None:
+        feed.used = []
+    quantize_modules(step.layer, recipe, prefix=step.name)
+    kv_quantizers = _pass_kv_cache(step, recipe)
+    reference: dict[int, torch.Tensor] | None = None
+    if algorithm.changes_weights and not algorithm.preserves_function:  # SQNR against the layer as it was
+        with quantizer_mode(step.layer, QuantMode.DISABLED):
+            reference = {i: step.forward(i, rows).to(step.cache_device) for i, rows in local_sqnr.items()}
+    algorithm.before_weight_calibration(step, recipe, group)
+    pairs = [(m.weight, m.weight_quantizer) for _, m in _weight_quantizers(step.layer, step.name)]
+    calibrate_weights(pairs, group)  # the layer is gathered: the full weights, on every rank (a search: shared)
+    weights = [q for _, q in pairs]
+    for q in weights:
+        q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
+    fused = [m for m in step.layer.modules() if expert_projections(m)]
+    for experts in fused:
+        calibrate_expert_weights(experts)  # per expert and projection, from the gathered fused parameters
+    algorithm.after_weight_calibration(step, recipe, group)
+    if algorithm.changes_weights:
+        sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
+    if not algorithm.preserves_function:
+        step.invalidate_outputs()  # outputs the hooks may have kept are not those of the layer as it is now
+    activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
+    fed = _fed_amax(step, feed, calibrate_all_experts) if feed is not None else {}
+    fed.update({id(q): (q, (amax, elements)) for q, amax, elements in algorithm.derived_amax(step)})
+    activation = [q for q in activation if id(q) not in fed]
+    for q, _ in fed.values():
+        q.mode = QuantMode.DISABLED  # its amax comes from the report: it does not observe
+    dynamic = [q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic]
+    for q in dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
+        q.mode = QuantMode.DISABLED
+    start_calibration_all(activation)
+    fp_outputs: Any = None
+    moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
+    routing = RoutingCounts(step.layer, step.name)
+    kept = step.outputs is not None
+    passes = _observing_passes(step, activation, propagate, kept)
+    if passes:
+        step.invalidate_outputs()  # the pass computes them again: never two sets of outputs alive
+    if passes == 0 and reference is None:
+        fp_outputs = (
+            step.outputs if kept else {i: step.forward(i, r).to(step.cache_device) for i, r in local_sqnr.items()}
+        )
+    for p in range(passes):
+        begin_pass_all(activation, p)
+        counting = routing if p == 0 else contextlib.nullcontext()
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
+            outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
+        if p == 0:
+            fp_outputs = outs
+        end_pass_all(activation, group)  # collective, also for a rank with no batches
+    finish_calibration_all(activation)
+    for q, (amax, elements) in fed.values():
+        q.set_amax(amax)
+        q.num_observed = elements  # as if observed: an MoE expert no token reached still gets its siblings' range
+        q.mode = QuantMode.QUANTIZE
+    _check_kv_observed(kv_quantizers)
+    for q in weights + dynamic:
+        q.mode = QuantMode.QUANTIZE
+    if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
+        for experts in fused:
+            store_quantized_weights(experts)
+        sync_unsharded_to_shards(step.layer)
+    fallbacks = fallback_unobserved(step.layer)
+    moe_report = _moe_report(routing.merged(group), fallbacks, calibrate_all_experts)  # collective
+    sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
+    return LayerReport(
+        index=step.index,
+        name=step.name,
+        seconds=time.perf_counter() - start,
+        sqnr_db=sqnr,
+        quantizers={n: amax_summary(q.amax) for n, q in iter_quantizers(step.layer, step.name)},
+        fallbacks=fallbacks,
+        group_sizes=weight_fallbacks(step.layer, recipe, step.name),
+        moe=moe_report,
+        algorithm=algorithm.layer_report(step),
+        from_activation_report=list(feed.used) if feed is not None else [],
+    )
+
+
+def _observing_passes(step: LayerStep, activation: list[TensorQuantizer], propagate: str, kept: bool) -> int:
+    """Passes over the data the layer needs. With nothing to observe (weight-only, dynamic inputs, or every amax
+    derived) under "qdq", layer_steps recomputes the next inputs anyway: no pass (the SQNR batches' full-precision
+    outputs suffice); under "fp" the pass's outputs are the next inputs, unless the algorithm's hooks ``kept`` them.
+    An MoE layer runs a pass whenever it has activation quantizers or propagates "fp": it counts the routing."""
+    observing = num_passes(activation)
+    if moe_blocks(step.layer):
+        return max(observing, 1) if activation or propagate != "qdq" else 0
+    if observing or not (propagate == "qdq" or kept):
+        return max(observing, 1)
+    return 0
+
+
+def _fed_amax(
+    step: LayerStep, feed: ActivationFeed, all_experts: bool
+) -> dict[int, tuple[TensorQuantizer, tuple[torch.Tensor, int]]]:
+    """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode)."""
+    skip = {id(q) for b in moe_blocks(step.layer) for _, q in iter_quantizers(b.experts)} if all_experts else set()
+    out = {}
+    for name, q in _activation_quantizers(step.layer, step.name):
+        found = None if id(q) in skip else feed.amax_for(name, q)
+        if found is not None:
+            out[id(q)] = (q, found)
+    return out
+
+
+#: The expert index of a quantizer name, after its MoE block's name (``.experts.3.`` ours, ``.3.`` fused experts).
+_EXPERT = re.compile(r"^\.(?:experts\.)?(\d+)\.")
+
+
+def _moe_report(routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool) -> dict[str, dict[str, list]]:
+    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from."""
+    out = {}
+    for block, counts in routed.items():
+        fell_back = {
+            int(m.group(1)) for n in fallbacks if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))
+        }
+        sources = [
+            "sibling fallback" if e in fell_back else "all tokens" if all_experts else "routed tokens"
+            for e in range(len(counts))
+        ]
+        out[block] = {"routed_tokens": counts, "scales_from": sources}
+    return out
+
+
+def calibrate(
+    model: nn.Module,
+    data: Any,
+    recipe: str | Path | Recipe,
+    options: CalibrationOptions | None = None,
+    *,
+    activation_report: ActivationReport | str | Path | None = None,
+    **changes: Any,
+) -> CalibrationReport:
+    """Calibrate ``model`` (plain or FSDP2-sharded) layer by layer on ``data`` with ``recipe``; return the report.
+
+    ``options`` (:class:`~shardcal.layerwise.options.CalibrationOptions`) says how; keyword ``changes`` override single
+    fields (``calibrate(model, ids, "fp8", batch_size=4)``). Collective under torch.distributed: every rank calls it
+    with the same data; each rank computes on its own whole batches. ``data``: an int tensor ``[N, L]``, a list of
+    them, or dicts with ``input_ids`` (and ``attention_mask``). Afterwards the model's targeted Linears are
+    fake-quant ``QuantLinear`` modules in quantize mode. If another rank fails, this one raises a
+    :class:`~shardcal.errors.DistributedError` naming that rank and its layer. ``activation_report``: statistics
+    collected by :func:`shardcal.collect_activations` on this model and data (a report or its directory), used
+    instead of observing where they are the same (:mod:`shardcal.collect.feed`).
+    """
+    options = (options or CalibrationOptions()).replace(**changes)
+    with rank_guard():
+        return _calibrate(model, data, recipe, options, activation_report)
+
+
+def _calibrate(
+    model: nn.Module,
+    data: Any,
+    recipe: str | Path | Recipe,
+    options: CalibrationOptions,
+    activation_report: ActivationReport | str | Path | None = None,
+) -> CalibrationReport:
+    t0 = time.perf_counter()
+    report_phase("calibrate: setup")
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    algorithm = make_algorithm(recipe.algorithm)
+    if options.propagate is None:
+        options = options.replace(propagate=algorithm.propagate)
+    propagate = options.propagate
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    if layers is None:
+        raise ModelLayoutError(
+            f"{type(model).__name__}: no decoder layers found; register the layout with "
+            "shardcal.LayerActivationCollector.register_decoder_layer_support"
+        )
+    config = getattr(model, "config", None)
+    batches = make_batches(
+        data,
+        options.batch_size,
+        vocab_size=getattr(config, "vocab_size", None),
+        max_positions=getattr(config, "max_position_embeddings", None),
+    )
+    rank, world_size = world()
+    group = dp_group()
+    mine = rank_batch_indices(len(batches), rank, world_size)
+    local_batches = [batches[i] for i in mine]
+    sample = leading_rows(batches, options.sqnr_tokens)  # the SQNR sequences: {global batch: its first rows}
+    local_sqnr = {j: sample[i] for j, i in enumerate(mine) if i in sample}
+    partial = any(rows < batches[i].input_ids.shape[0] for i, rows in sample.items())  # the same on every rank
+    head_rows = {j: rows for j, rows in local_sqnr.items() if rows < local_batches[j].input_ids.shape[0]}
+    prefix = decoder_layer_prefix(model, layers)
+    names = [f"{prefix}.{i}" for i in range(len(layers))]
+
+    # Weights change during calibration when the algorithm edits them, or when fused experts store quantized values.
+    keep_weights = algorithm.changes_weights or any(p.dim() == 3 for p in model.parameters())
+    feed = None
+    if activation_report is not None:
+        feed = ActivationFeed.for_run(activation_report, model, batches, recipe, algorithm, propagate)
+        if feed.smoothing:
+            algorithm.collected_max = feed.smoothing_maxima
+    checkpoint = None
+    resume = None
+    if options.checkpoint_dir is not None:
+        fingerprinted = options.fingerprint() | ({"activation_report": feed.digest()} if feed is not None else {})
+        fingerprint = run_fingerprint(model, recipe, batches, fingerprinted)
+        checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
+        resume = checkpoint.load(mine)
+    report = CalibrationReport(
+        recipe=recipe.name,
+        propagate=propagate,
+        world_size=world_size,
+        num_batches=len(batches),
+        num_tokens=sum(b.num_tokens for b in batches),
+    )
+    start, initial = 0, None
+    if resume is not None:
+        start = resume.completed_layers
+        report.layers = [LayerReport(**entry) for entry in resume.report]
+        restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
+        restore_weights(model, resume.weights)
+        report.resumed_from_layer = start
+        if start < len(layers):
+            initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
+
+    if rank == 0:
+        warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
+    if resume is not None and options.progress and rank == 0:
+        _announce_resume(resume, options.checkpoint_dir, len(layers))
+    bar = _progress_bar(len(layers), start, options.progress and rank == 0)
+    steps = layer_steps(
+        model,
+        local_batches,
+        propagate=propagate,
+        offload_activations=options.offload_activations,
+        start=start,
+        initial_inputs=initial,
+        batch_numbers=mine,
+        head_rows=head_rows if partial else None,
+    )
+    report_phase("calibrate: embedding")
+    try:
+        for step in steps:
+            report_phase(f"calibrate {step.name}")
+            if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
+                acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                fault_point("calibrate.committed", completed_layers=step.index)
+            entry = _calibrate_layer(
+                step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate, feed
+            )
+            report.layers.append(entry)
+            if bar is not None:
+                bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
+                bar.update(1)
+    finally:
+        if bar is not None:  # closed before any message, so that an error starts on a line of its own
+            bar.close()
+    if checkpoint is not None and start < len(layers):
+        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
+    report.seconds = time.perf_counter() - t0
+    if options.report_path is not None and rank == 0:
+        report.save_json(options.report_path)
+    return report
+
+
+def _commit(
+    checkpoint: CalibrationCheckpoint,
+    model: nn.Module,
+    names: list[str],
+    done: int,
+    acts: dict[int, torch.Tensor],
+    report: CalibrationReport,
+    keep_weights: bool,
+) -> None:
+    checkpoint.commit(
+        done,
+        len(names),
+        acts,
+        quantizer_state(model, names[:done]),
+        [dict(entry.__dict__) for entry in report.layers[:done]],
+        weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
+    )
+
+
+def _restore_inputs(
+    model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None
+) -> list:
+    """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
+    device = compute_device(model)
+    cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
+    if len(activations) != len(local_batches):
+        raise CalibrationCheckpointError(
+            f"calibration checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
+        )
+    inputs = embed_batches(model, local_batches, device, cache_device)  # cheap; also collective like a normal start
+    for x, stored in zip(inputs, activations):
+        x.hidden_states = stored.to(cache_device)
+    return inputs
+
+
+def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
+    print(
+        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
+        file=sys.stderr,
+    )
+
+
+def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    import threading
+
+    from tqdm.auto import tqdm
+
+    # A thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit (launcher), which would leave
+    # that semaphore registered with the resource tracker ("leaked semaphore objects").
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")

