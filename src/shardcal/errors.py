@@ -61,5 +61,10 @@ class CollectionError(ShardcalError):
     the forward never runs, a save directory that holds something else, a collected report that does not fit)."""
 
 
+class PlanError(ShardcalError):
+    """The planner cannot model this calibration: a recipe's algorithm that states no memory model, a model whose
+    decoder layers or tensors it cannot find."""
+
+
 class InsufficientMemoryError(ShardcalError):
     """The plan predicts more memory than the device or host has free (``calibrate`` stops before loading)."""

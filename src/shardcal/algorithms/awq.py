@@ -42,6 +42,7 @@ from ..quant.quantizer import TensorQuantizer
 from ..runtime.params import boolean, integer, number, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .scales import clip_search_amax
 from .stats import InputStats, threads
 
@@ -97,6 +98,42 @@ class AWQ(LayerAlgorithm):
         "propagate": ("fp", one_of(*PROPAGATE_MODES)),
     }
     changes_weights = True
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
+        """The exact-sum Gram matrices (``[d, d]``, mean, count) of the pairs it scales and, with ``clip``, of the
+        Linears no pair covers; a float32 clip Hessian per supported Linear (alive through weight calibration);
+        the scale search's six float32 copies of a pair's consumer weights."""
+        by_name = {lin.name: lin for lin in context.linears}
+        weighted = {n for n, lin in by_name.items() if lin.weight is not None}
+        supported = {n for n in weighted if by_name[n].static_int_or_fp8_weight}
+        pairs = [
+            s
+            for s in context.smoothings_of(tuple(params.get("mappings", ())))
+            if weighted & set(s.consumers) and all(c in supported for c in s.consumers if c in weighted)
+        ]
+        covered = {c for s in pairs for c in s.consumers}
+        clip = bool(params.get("clip", True))
+        dims = [s.dim for s in pairs] + (
+            [by_name[n].in_features for n in supported if n not in covered] if clip else []
+        )
+        if not dims:
+            return AlgorithmMemory(cls.name)
+        grams = sum(EXACT_SUM_BYTES * (d * d + d + 1) for d in dims)
+        clip_hessians = 4 * sum(by_name[n].in_features ** 2 for n in supported) if clip else 0
+        widest = max(dims)
+        search = max(
+            (6 * 4 * sum(by_name[c].in_features * by_name[c].out_features for c in s.consumers if c in supported)
+             for s in pairs),
+            default=0,
+        )  # fmt: skip
+        return AlgorithmMemory(
+            cls.name,
+            collect=grams + GRAM_ADD_BYTES * widest**2,
+            merge=2 * grams if context.world_size > 1 else grams,
+            solve=grams + clip_hessians + 16 * widest**2 + search,
+            held=clip_hessians,
+        )
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)

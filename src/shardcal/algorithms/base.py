@@ -18,7 +18,8 @@ collects across ranks must be merged with collectives every rank takes (``group`
 process).
 
 A class carries everything about its algorithm: its recipe name, its parameter ``schema`` (defaults and checks),
-:meth:`validate`, and its constructor (the factory). :mod:`shardcal.algorithms` lists the classes in one registry.
+:meth:`validate`, its constructor (the factory) and its memory model for the planner (:meth:`planned_memory`, see
+:mod:`.memory`; each class defines its own, and the planner refuses one that does not). :mod:`shardcal.algorithms` lists the classes in one registry.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from ..layerwise.steps import LayerStep
 from ..runtime.params import Schema, check_params
+from .memory import AlgorithmMemory, LayerPlanContext
 
 
 class LayerAlgorithm:
@@ -63,6 +65,13 @@ class LayerAlgorithm:
     def validate(cls, params: Mapping[str, Any]) -> dict[str, Any]:
         """The parameters completed with defaults; :class:`~shardcal.runtime.params.SpecError` naming a bad key."""
         return check_params(f"algorithm {cls.name!r}", params, cls.schema)
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
+        """The memory the algorithm holds on ``context``'s rank while it runs on ``context``'s layer, for the
+        validated recipe table ``params``. Round to nearest holds nothing. A subclass states its own: the planner
+        refuses a class that does not define this method itself."""
+        return AlgorithmMemory(cls.name)
 
     @property
     def propagate(self) -> str:

@@ -45,6 +45,7 @@ from ..runtime.distributed import all_gather_strings, broadcast_, group_rank_siz
 from ..runtime.params import SpecError, boolean, integer, number, one_of, table_or_none
 from .awq import AWQ
 from .base import LayerAlgorithm
+from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .scales import clip_search_amax, element_qparams, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
@@ -53,6 +54,9 @@ from .stats import InputStats, threads
 DEFAULTS: dict[str, Any] = {"block_size": 128, "percdamp": 0.01, "act_order": False, "static_groups": False}
 #: Algorithms GPTQ can run first in the same step (``smooth = { name = ..., <its parameters> }``).
 SMOOTHERS: dict[str, type[LayerAlgorithm]] = {cls.name: cls for cls in (SmoothQuant, AWQ)}
+#: The solve of one Linear (measured): the float64 Hessian value and ~8 float64 copies of ``[in, in]`` (damping, the
+#: reversed Cholesky, the triangular solve), and a float32 copy of the weight (bytes per weight element).
+SOLVE_HESSIAN_COPIES, SOLVE_WEIGHT_BYTES = 9, 4
 
 
 def check_quantizer(q: TensorQuantizer, name: str) -> None:
@@ -202,6 +206,28 @@ def gptq_quantize(
     return q.contiguous().to(weight.dtype)
 
 
+def _gptq_memory(context: LayerPlanContext) -> AlgorithmMemory:
+    """GPTQ's own state on one layer (see :meth:`GPTQ.planned_memory`)."""
+    quantized = [lin for lin in context.linears if lin.weight is not None]
+    if not quantized:
+        return AlgorithmMemory(GPTQ.name)
+    world, rank = context.world_size, context.rank
+    hessians = sum(EXACT_SUM_BYTES * (lin.in_features**2 + 1) for lin in quantized)
+    widest = max(lin.in_features for lin in quantized)
+    mine = [lin for k, lin in enumerate(quantized) if k % world == rank]
+    solve = max(
+        (SOLVE_HESSIAN_COPIES * 8 * lin.in_features**2 + SOLVE_WEIGHT_BYTES * lin.in_features * lin.out_features
+         for lin in mine),
+        default=0,
+    )  # fmt: skip
+    return AlgorithmMemory(
+        GPTQ.name,
+        collect=hessians + GRAM_ADD_BYTES * widest**2,
+        merge=2 * hessians if world > 1 else hessians,
+        solve=hessians + solve,
+    )
+
+
 class GPTQ(LayerAlgorithm):
     """See the module docstring."""
 
@@ -240,6 +266,20 @@ class GPTQ(LayerAlgorithm):
         except SpecError as exc:
             raise SpecError(f"smooth.{exc.key}", str(exc)) from None
         return out
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
+        """One ``[in, in]`` exact sum per quantized Linear of the layer, all at once (twice while all-reduced as one
+        flat buffer, N >= 2), and the float64 solve of the widest Linear this rank owns (Linear k on rank k mod N).
+        With ``smooth``, the smoother runs first in the same step: the larger of the two counts."""
+        state = _gptq_memory(context)
+        smooth = params.get("smooth")
+        if smooth:
+            first = SMOOTHERS[smooth["name"]].planned_memory(context, smooth)
+            if first.peak > state.peak:
+                return AlgorithmMemory(cls.name, first.collect, first.merge, first.solve, first.held)
+            state.held = first.held
+        return state
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)

@@ -45,6 +45,7 @@ from ..quant.formats import fake_quantize
 from ..runtime.params import integer, number, number_list, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
+from .memory import AlgorithmMemory, LayerPlanContext
 from .stats import ExactSum, InputStats, merge_exact
 
 
@@ -83,6 +84,21 @@ class SmoothQuant(LayerAlgorithm):
     }
     changes_weights = True
     preserves_function = True
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
+        """Per-channel maxima (float32, and a count) of the pairs whose consumers quantize their input, all-reduced;
+        with ``alpha_grid``, this rank's token samples of each pair (``sample_tokens`` per batch), twice while the
+        grid is searched."""
+        with_input = {lin.name for lin in context.linears if lin.input is not None}
+        pairs = [s for s in context.smoothings_of(tuple(params.get("mappings", ()))) if with_input & set(s.consumers)]
+        maxima = sum(4 * s.dim + 8 for s in pairs)
+        samples = 0
+        if params.get("alpha_grid"):
+            tokens = context.local_batches * int(params.get("sample_tokens", 128))
+            samples = sum(4 * tokens * s.dim for s in pairs)
+        return AlgorithmMemory(cls.name, collect=maxima + samples, merge=2 * maxima + samples,
+                               solve=maxima + 2 * samples)  # fmt: skip
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)

@@ -42,8 +42,24 @@ from typing import Any
 import torch
 
 from ..algorithms import make_algorithm
+from ..algorithms.gptq import SOLVE_HESSIAN_COPIES, SOLVE_WEIGHT_BYTES
+from ..algorithms.mappings import KINDS
+from ..algorithms.memory import (
+    EXACT_SUM_BYTES as EXACT_SUM_BYTES,  # named here as before
+)
+from ..algorithms.memory import (
+    GRAM_ADD_BYTES as GRAM_ADD_BYTES,
+)
+from ..algorithms.memory import (
+    AlgorithmMemory,
+    LayerPlanContext,
+    MemoryModel,
+    PlannedLinear,
+    PlannedSmoothing,
+    memory_model_of,
+)
 from ..calib.recipes import Recipe, compile_pattern, load_recipe
-from ..errors import CheckpointError, ConfigError, RecipeError, UsageError
+from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.ct_config import infer_format, tensor_layout
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.plan import SHARD_NAME, Entry
@@ -78,13 +94,10 @@ SQNR_BYTES = 32
 OBSERVER_BYTES = {"mse": 22, "percentile": 44}  # "max": one copy in the weight's dtype
 FAKE_QUANT_BYTES = {"int": 9, "fp8": 9, "nvfp4": 25}  # + 4 when the weight is not float32
 ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25}  # + 4 when the weight is not float32
-#: GPTQ's solve of one Linear: the float64 Hessian value and ~8 float64 copies of ``[in, in]`` (damping, the
-#: reversed Cholesky, the triangular solve), and a float32 copy of the weight.
-GPTQ_SOLVE_HESSIAN_COPIES, GPTQ_SOLVE_WEIGHT_BYTES = 9, 4
-#: Accumulating one batch's Gram matrix into an exact sum: the float32 product and two float64 terms.
-GRAM_ADD_BYTES = 20
-#: ExactSum: two float64 limbs per element.
-EXACT_SUM_BYTES = 16
+#: The algorithms' own constants live with their memory models (:mod:`shardcal.algorithms`); named here as before.
+GPTQ_SOLVE_HESSIAN_COPIES, GPTQ_SOLVE_WEIGHT_BYTES = SOLVE_HESSIAN_COPIES, SOLVE_WEIGHT_BYTES
+#: One layer's algorithm memory (the name it had here).
+AlgorithmState = AlgorithmMemory
 
 
 # ------------------------------------------------------------------------------------ the model's tensors
@@ -122,15 +135,6 @@ class Linear:
     in_features: int
     out_features: int
     layer: int | None
-
-
-@dataclass(frozen=True)
-class Smoothing:
-    """A foldable pair (:mod:`shardcal.algorithms.mappings`): the channel count its statistics have, its consumers."""
-
-    kind: str
-    dim: int
-    consumers: tuple[str, ...]
 
 
 def _linear(params: list[tuple[str, tuple[int, ...]]], linears: list[Linear], name: str, out_f: int, in_f: int,
@@ -393,16 +397,16 @@ def encode_bytes(target: QuantTarget, dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------------------------ algorithm state
 
 
-def layer_smoothings(cfg: ModelConfig, layer: int, kinds: tuple[str, ...]) -> list[Smoothing]:
+def layer_smoothings(cfg: ModelConfig, layer: int, kinds: tuple[str, ...]) -> list[PlannedSmoothing]:
     """The foldable pairs of a decoder layer (as :func:`shardcal.algorithms.mappings.layer_smoothings` finds them)."""
     p, hd = f"model.layers.{layer}", cfg.head_dim
     q = cfg.num_attention_heads * hd
     attn = f"{p}.self_attn"
     out = []
     if "attn_in" in kinds:
-        out.append(Smoothing("attn_in", cfg.hidden_size, tuple(f"{attn}.{n}_proj" for n in "qkv")))
+        out.append(PlannedSmoothing("attn_in", cfg.hidden_size, tuple(f"{attn}.{n}_proj" for n in "qkv")))
     if "v_o" in kinds:
-        out.append(Smoothing("v_o", q, (f"{attn}.o_proj",)))
+        out.append(PlannedSmoothing("v_o", q, (f"{attn}.o_proj",)))
     if cfg.layer_is_sparse(layer):
         ff = f"{p}.block_sparse_moe" if cfg.model_type == "mixtral" else f"{p}.mlp"
         gate_up_down = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -418,122 +422,33 @@ def layer_smoothings(cfg: ModelConfig, layer: int, kinds: tuple[str, ...]) -> li
         experts, gates = [(f"{p}.mlp", cfg.intermediate_size)], ()
     if "mlp_in" in kinds:
         consumers = tuple(f"{m}.{n}" for m, _ in experts for n in gate_up_down[:2]) + gates
-        out.append(Smoothing("mlp_in", cfg.hidden_size, consumers))
+        out.append(PlannedSmoothing("mlp_in", cfg.hidden_size, consumers))
     if "up_down" in kinds:
-        out += [Smoothing("up_down", inter, (f"{m}.{gate_up_down[2]}",)) for m, inter in experts]
+        out += [PlannedSmoothing("up_down", inter, (f"{m}.{gate_up_down[2]}",)) for m, inter in experts]
     return out
 
 
-def _supported(layout: Layout | None) -> bool:
-    return layout is not None and _kind(layout.spec) in ("int", "fp8") and not layout.spec.dynamic
+def planned_linear(target: QuantTarget) -> PlannedLinear:
+    """A quantized Linear as an algorithm's memory model sees it (:mod:`shardcal.algorithms.memory`)."""
+    lin = target.linear
+    spec = lambda layout: None if layout is None else layout.spec
+    return PlannedLinear(lin.name, lin.in_features, lin.out_features, spec(target.weight), spec(target.input))
 
 
-@dataclass
-class AlgorithmState:
-    """One layer's algorithm memory on one rank: the peak while statistics are collected (``collect``, beside one
-    batch's forward), merged across ranks (``merge``: one flat buffer beside them), and used (``solve``)."""
-
-    name: str
-    collect: int = 0
-    merge: int = 0
-    solve: int = 0
-    held: int = 0  # still alive while the weight scales are calibrated (AWQ's clip Hessians)
-
-    @property
-    def peak(self) -> int:
-        return max(self.collect, self.merge, self.solve)
-
-
-def _gptq_state(targets: list[QuantTarget], world: int, rank: int) -> AlgorithmState:
-    quantized = [t for t in targets if t.weight is not None]
-    if not quantized:
-        return AlgorithmState("gptq")
-    hessians = sum(EXACT_SUM_BYTES * (t.linear.in_features**2 + 1) for t in quantized)
-    widest = max(t.linear.in_features for t in quantized)
-    mine = [t for k, t in enumerate(quantized) if k % world == rank]
-    solve = max(
-        (GPTQ_SOLVE_HESSIAN_COPIES * 8 * t.linear.in_features**2
-         + GPTQ_SOLVE_WEIGHT_BYTES * t.linear.in_features * t.linear.out_features for t in mine),
-        default=0,
-    )  # fmt: skip
-    return AlgorithmState(
-        "gptq",
-        collect=hessians + GRAM_ADD_BYTES * widest**2,
-        merge=2 * hessians if world > 1 else hessians,
-        solve=hessians + solve,
-    )
-
-
-def _awq_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], params: Mapping[str, Any],
-               world: int) -> AlgorithmState:  # fmt: skip
-    by_name = {t.linear.name: t for t in targets}
-    weighted = {n for n, t in by_name.items() if t.weight is not None}
-    supported = {n for n in weighted if _supported(by_name[n].weight)}
-    pairs = [
-        s
-        for s in layer_smoothings(cfg, layer, tuple(params.get("mappings", ())))
-        if weighted & set(s.consumers) and all(c in supported for c in s.consumers if c in weighted)
-    ]
-    covered = {c for s in pairs for c in s.consumers}
-    clip = bool(params.get("clip", True))
-    dims = [s.dim for s in pairs] + (
-        [by_name[n].linear.in_features for n in supported if n not in covered] if clip else []
-    )
-    if not dims:
-        return AlgorithmState("awq")
-    grams = sum(EXACT_SUM_BYTES * (d * d + d + 1) for d in dims)
-    clip_hessians = 4 * sum(by_name[n].linear.in_features ** 2 for n in supported) if clip else 0
-    widest = max(dims)
-    search = max(
-        (6 * 4 * sum(by_name[c].linear.in_features * by_name[c].linear.out_features for c in s.consumers
-                     if c in supported) for s in pairs),
-        default=0,
-    )  # fmt: skip
-    return AlgorithmState(
-        "awq",
-        collect=grams + GRAM_ADD_BYTES * widest**2,
-        merge=2 * grams if world > 1 else grams,
-        solve=grams + clip_hessians + 16 * widest**2 + search,
-        held=clip_hessians,
-    )
-
-
-def _smoothquant_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], params: Mapping[str, Any],
-                       local_batches: int) -> AlgorithmState:  # fmt: skip
-    with_input = {t.linear.name for t in targets if t.input is not None}
-    pairs = [
-        s for s in layer_smoothings(cfg, layer, tuple(params.get("mappings", ()))) if with_input & set(s.consumers)
-    ]
-    maxima = sum(4 * s.dim + 8 for s in pairs)
-    samples = 0
-    if params.get("alpha_grid"):
-        tokens = local_batches * int(params.get("sample_tokens", 128))
-        samples = sum(4 * tokens * s.dim for s in pairs)
-    return AlgorithmState("smoothquant", collect=maxima + samples, merge=2 * maxima + samples,
-                          solve=maxima + 2 * samples)  # fmt: skip
-
-
-def algorithm_state(cfg: ModelConfig, layer: int, targets: list[QuantTarget], algorithm: Mapping[str, Any],
-                    world: int, rank: int, local_batches: int) -> AlgorithmState:  # fmt: skip
-    """The memory one layer's algorithm needs on ``rank`` (GPTQ, AWQ, SmoothQuant; nothing for round to nearest).
-
-    GPTQ with ``smooth`` runs the smoother first, in the same step; the larger of the two counts.
-    """
-    name = algorithm.get("name", "rtn")
-    if name == "gptq":
-        state = _gptq_state(targets, world, rank)
-        smooth = algorithm.get("smooth")
-        if smooth:
-            first = algorithm_state(cfg, layer, targets, smooth, world, rank, local_batches)
-            if first.peak > state.peak:
-                return AlgorithmState("gptq", first.collect, first.merge, first.solve, first.held)
-            state.held = first.held
-        return state
-    if name == "awq":
-        return _awq_state(cfg, layer, targets, algorithm, world)
-    if name == "smoothquant":
-        return _smoothquant_state(cfg, layer, targets, algorithm, local_batches)
-    return AlgorithmState(name)
+def algorithm_memory_model(recipe: Recipe) -> MemoryModel:
+    """The memory model of ``recipe``'s algorithm (its class's ``planned_memory``); :class:`PlanError` naming the
+    algorithm when its class does not define one itself (it would be planned at zero)."""
+    cls = type(make_algorithm(recipe.algorithm))
+    model = memory_model_of(cls)
+    if model is None:
+        raise PlanError(
+            f"{recipe.source or recipe.name}: algorithm {cls.name!r} ({cls.__module__}.{cls.__qualname__}) has no memory "
+            "model, so the planner cannot say what it holds; define the classmethod "
+            "planned_memory(context: LayerPlanContext, params) -> AlgorithmMemory on the class "
+            "(shardcal.algorithms.memory; return AlgorithmMemory(name) if it holds nothing), or pass --force to "
+            "calibrate without a plan"
+        )
+    return model
 
 
 # ------------------------------------------------------------------------------------ the plan
@@ -717,6 +632,7 @@ class PreparedModel:
         self.dtype = next(p.dtype for p in params if p.name == "model.embed_tokens.weight")
         self.e = self.dtype.itemsize
         algorithm = make_algorithm(recipe.algorithm)
+        self.memory_model = algorithm_memory_model(recipe)
         self.algorithm = dict(recipe.algorithm)
         self.changes_weights = algorithm.changes_weights
         self.default_propagate = algorithm.propagate
@@ -850,12 +766,16 @@ class _Model:
         return self._memo(("wobs", self.kind_of[i]), lambda: max(
             (weight_observer_bytes(t, self.dtype) for t in self.targets_of[i]), default=0))  # fmt: skip
 
-    def algorithm_state(self, i: int, rank: int, local_batches: int) -> AlgorithmState:
-        def compute() -> AlgorithmState:
+    def algorithm_state(self, i: int, rank: int, local_batches: int) -> AlgorithmMemory:
+        """The memory layer ``i``'s algorithm holds on ``rank`` (computed once per layer structure)."""
+
+        def compute() -> AlgorithmMemory:
             j = self.example[self.kind_of[i]]
-            return algorithm_state(
-                self.cfg, j, self.targets_of[j], self.algorithm, self.s.world_size, rank, local_batches
-            )
+            context = LayerPlanContext(
+                j, tuple(planned_linear(t) for t in self.targets_of[j]), tuple(layer_smoothings(self.cfg, j, KINDS)),
+                self.s.world_size, rank, local_batches,
+            )  # fmt: skip
+            return self.memory_model(context, self.algorithm)
 
         return self._memo(("algo", self.kind_of[i], rank % self.s.world_size, local_batches), compute)
 

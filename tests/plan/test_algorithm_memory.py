@@ -1,0 +1,68 @@
+"""Each algorithm class owns its memory model: a registered algorithm that states none is refused by the planner
+(never planned at zero), and one that states its own is planned with its numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardcal.algorithms import ALGORITHMS, GPTQ, LayerAlgorithm, SmoothQuant
+from shardcal.algorithms.awq import AWQ
+from shardcal.algorithms.memory import AlgorithmMemory, LayerPlanContext, memory_model_of
+from shardcal.calib.recipes import recipe_from_dict
+from shardcal.errors import PlanError
+from shardcal.layerwise.options import CalibrationOptions
+from shardcal.plan.planner import PlanSettings, plan_calibration
+
+from _tiny_models import TINY_CONFIGS
+
+
+class NoModel(LayerAlgorithm):
+    """A user's algorithm that says nothing about its memory."""
+
+    name = "no-model"
+
+
+class OwnModel(LayerAlgorithm):
+    """A user's algorithm holding 1000 bytes per quantized Linear while it collects."""
+
+    name = "own-model"
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params) -> AlgorithmMemory:
+        return AlgorithmMemory(cls.name, collect=1000 * len(context.linears))
+
+
+def _recipe(name: str):
+    return recipe_from_dict({"name": f"int8-{name}", "weight": {"format": "int8"}, "algorithm": {"name": name}})
+
+
+def _plan(tmp_path: Path, recipe):
+    folder = tmp_path / "cfg"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**TINY_CONFIGS["llama"], "torch_dtype": "float32"}))
+    settings = PlanSettings(num_samples=4, seq_len=8, options=CalibrationOptions(batch_size=2))
+    return plan_calibration(folder, recipe, settings)
+
+
+def test_the_built_in_classes_state_their_own_models():
+    for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ):
+        assert memory_model_of(cls) is not None, cls
+    assert memory_model_of(NoModel) is None  # inheriting round to nearest's zero is not stating a model
+
+
+def test_an_algorithm_without_a_memory_model_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setitem(ALGORITHMS, NoModel.name, NoModel)
+    with pytest.raises(
+        PlanError, match=r"algorithm 'no-model' .*has no memory model.*define the classmethod planned_memory"
+    ):
+        _plan(tmp_path, _recipe(NoModel.name))
+
+
+def test_an_algorithm_with_its_own_model_is_planned_with_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(ALGORITHMS, OwnModel.name, OwnModel)
+    plan = _plan(tmp_path, _recipe(OwnModel.name))
+    assert plan.ranks[0].parts["algorithm_state"] == 1000 * 7  # q, k, v, o, gate, up, down
+    assert _plan(tmp_path, _recipe("rtn")).ranks[0].parts["algorithm_state"] == 0
