@@ -43,7 +43,6 @@ import torch
 
 from ..algorithms import make_algorithm
 from ..algorithms.gptq import SOLVE_HESSIAN_COPIES, SOLVE_WEIGHT_BYTES
-from ..algorithms.mappings import KINDS
 from ..algorithms.memory import (
     EXACT_SUM_BYTES as EXACT_SUM_BYTES,  # named here as before
 )
@@ -55,7 +54,6 @@ from ..algorithms.memory import (
     LayerPlanContext,
     MemoryModel,
     PlannedLinear,
-    PlannedSmoothing,
     memory_model_of,
 )
 from ..calib.recipes import Recipe, compile_pattern, load_recipe
@@ -66,13 +64,16 @@ from ..export.plan import SHARD_NAME, Entry
 from ..export.shards import header_bytes
 from ..layerwise.batches import leading_rows_of, rank_batch_indices
 from ..layerwise.options import CalibrationOptions
-from ..loading.build import check_float_shapes, check_tensor_names, resolve_dtype
+from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype
+from ..loading.foreign import build_transformers_on_meta, choose_impl, raw_config
+from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..models.config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
 from ..quant.granularity import Layout
 from ..quant.spec import QuantizerSpec
 from ..runtime.hostmem import available_bytes
 from .preflight import fix_hint
+from .structure import Linear, ModelStructure, read_structure
 
 MiB = 2**20
 DEVICES = ("cpu", "cuda")
@@ -127,108 +128,25 @@ class Param:
         return self.numel * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
-class Linear:
-    """A Linear module: its name, sizes, and the decoder layer it belongs to (None outside the stack)."""
-
-    name: str
-    in_features: int
-    out_features: int
-    layer: int | None
-
-
-def _linear(params: list[tuple[str, tuple[int, ...]]], linears: list[Linear], name: str, out_f: int, in_f: int,
-            layer: int | None, bias: bool = False) -> None:  # fmt: skip
-    params.append((f"{name}.weight", (out_f, in_f)))
-    if bias:
-        params.append((f"{name}.bias", (out_f,)))
-    linears.append(Linear(name, in_f, out_f, layer))
-
-
-def _mlp(params: list, linears: list, prefix: str, hidden: int, inter: int, i: int, names=None, bias=False) -> None:
-    gate, up, down = names or ("gate_proj", "up_proj", "down_proj")
-    if names is None:
-        _linear(params, linears, f"{prefix}.{gate}", inter, hidden, i, bias)
-        _linear(params, linears, f"{prefix}.{up}", inter, hidden, i, bias)
-        _linear(params, linears, f"{prefix}.{down}", hidden, inter, i, bias)
-    else:  # Mixtral's registration order: w1 (gate), w2 (down), w3 (up)
-        _linear(params, linears, f"{prefix}.w1", inter, hidden, i)
-        _linear(params, linears, f"{prefix}.w2", hidden, inter, i)
-        _linear(params, linears, f"{prefix}.w3", inter, hidden, i)
-
-
-def _layer_tensors(cfg: ModelConfig, i: int, params: list, linears: list) -> None:
-    p, h, hd = f"model.layers.{i}", cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    _linear(params, linears, f"{p}.self_attn.q_proj", q, h, i, cfg.attention_bias)
-    _linear(params, linears, f"{p}.self_attn.k_proj", kv, h, i, cfg.attention_bias)
-    _linear(params, linears, f"{p}.self_attn.v_proj", kv, h, i, cfg.attention_bias)
-    _linear(params, linears, f"{p}.self_attn.o_proj", h, q, i, cfg.attention_out_bias)
-    if cfg.qk_norm:
-        params += [(f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,))]
-    params += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
-    if not cfg.layer_is_sparse(i):
-        _mlp(params, linears, f"{p}.mlp", h, cfg.intermediate_size, i, bias=cfg.mlp_bias)
-        return
-    ff = f"{p}.block_sparse_moe" if cfg.model_type == "mixtral" else f"{p}.mlp"
-    _linear(params, linears, f"{ff}.gate", cfg.num_experts, h, i)
-    for e in range(cfg.num_experts):
-        if cfg.model_type == "mixtral":
-            _mlp(params, linears, f"{ff}.experts.{e}", h, cfg.intermediate_size, i, names=("w1", "w3", "w2"))
-        else:
-            _mlp(params, linears, f"{ff}.experts.{e}", h, cfg.moe_intermediate_size, i)
-    if cfg.shared_expert_intermediate_size:
-        _mlp(params, linears, f"{ff}.shared_expert", h, cfg.shared_expert_intermediate_size, i)
-        _linear(params, linears, f"{ff}.shared_expert_gate", 1, h, i)
-
-
-def model_tensors(cfg: ModelConfig) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
-    """Every parameter ``(name, shape)`` of the model the config describes, in ``named_parameters`` order (a tied
-    ``lm_head`` once, under the embeddings), and every Linear module — from the config alone."""
-    params: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))]
-    linears: list[Linear] = []
-    for i in range(cfg.num_hidden_layers):
-        _layer_tensors(cfg, i, params, linears)
-    params.append(("model.norm.weight", (cfg.hidden_size,)))
-    if not cfg.tie_word_embeddings:
-        params.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)))
-    linears.append(Linear("lm_head", cfg.hidden_size, cfg.vocab_size, None))
-    return params, linears
-
-
-def _unit_of(name: str) -> str:
-    if name.startswith("model.layers."):
-        return ".".join(name.split(".")[:3])
-    return "lm_head" if name.startswith("lm_head.") else "<root>"
-
-
-def _router_names(cfg: ModelConfig) -> set[str]:
-    ff = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
-    return {f"model.layers.{i}.{ff}.gate.weight" for i in range(cfg.num_hidden_layers) if cfg.layer_is_sparse(i)}
-
-
-def build_params(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    file_dtypes: Mapping[str, torch.dtype] | None,
-    shard_root: bool,
-    shapes: list[tuple[str, tuple[int, ...]]] | None = None,
-) -> list[Param]:
-    """The parameters as ``load_pretrained`` holds them: memory dtype (float32 routers kept when the checkpoint
-    stores them so), file dtype, FSDP2 unit, sharded or replicated (off the dominant dtype; outside the decoder
-    stack with ``shard_root=False``). ``shapes``: :func:`model_tensors`' parameters, when already computed."""
-    shapes = shapes if shapes is not None else model_tensors(cfg)[0]
-    routers = _router_names(cfg)
-    files = dict(file_dtypes or {})
-    dtypes = {n: torch.float32 if n in routers and files.get(n) == torch.float32 else dtype for n, _ in shapes}
+def build_params(structure: ModelStructure, dtype: torch.dtype, file_dtypes: Mapping[str, torch.dtype] | None,
+                 shard_root: bool) -> list[Param]:  # fmt: skip
+    """The parameters as ``load_pretrained`` holds them: memory dtype (``dtype``, or as built for a class the loader
+    does not cast; float32 routers kept when the checkpoint stores them so), file dtype, FSDP2 unit, sharded or
+    replicated (off the dominant dtype; outside the decoder stack and its side units with ``shard_root=False``)."""
+    shapes, built, files = structure.params, structure.built_dtypes, dict(file_dtypes or {})
+    dtypes = {n: built[n] if built is not None else dtype for n, _ in shapes}
+    for n in structure.routers:
+        if files.get(n) == torch.float32:
+            dtypes[n] = torch.float32
     counts: dict[torch.dtype, int] = {}
     for n, s in shapes:
         counts[dtypes[n]] = counts.get(dtypes[n], 0) + math.prod(s)
     dominant = max(counts, key=lambda d: counts[d])
+    wrapped = set(structure.layer_names) | {u for u in structure.side_units if u != "lm_head"}
     out = []
     for n, s in shapes:
-        unit = _unit_of(n)
-        sharded = dtypes[n] == dominant and (unit.startswith("model.layers.") or shard_root)
+        unit = structure.units[n]
+        sharded = dtypes[n] == dominant and (unit in wrapped or shard_root)
         out.append(Param(n, s, dtypes[n], files.get(n, dtypes[n]), unit, sharded))
     return out
 
@@ -238,58 +156,120 @@ def build_params(
 
 @dataclass
 class ModelSource:
-    """What the plan knows about a model directory: its config and, when there are weights, their header dtypes."""
+    """What the plan knows about a model directory: its config (shardcal's :class:`ModelConfig`; None for a class
+    only transformers has), its structure (the model on the meta device, read as tables) and, when there are
+    weights, their header dtypes."""
 
-    config: ModelConfig
+    config: ModelConfig | None
     file_dtypes: dict[str, torch.dtype] | None  # None: config.json only
     checkpoint_bytes: int  # the checkpoint's tensor data (from the headers), or the config's size in its dtype
+    structure: ModelStructure | None = None  # None: built from ``config`` (shardcal's class) when first needed
     _tensors: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    def model_structure(self) -> ModelStructure:
+        """The structure, built once (from shardcal's class for ``config`` when none was given)."""
+        if self.structure is None:
+            if self.config is None:
+                raise PlanError("ModelSource needs a config or a structure")
+            self.structure = shardcal_structure(self.config)
+        return self.structure
+
     def tensors(self) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
-        """:func:`model_tensors` of the config, computed once."""
-        if "tensors" not in self._tensors:
-            self._tensors["tensors"] = model_tensors(self.config)
-        return self._tensors["tensors"]
+        """Every parameter ``(name, shape)`` in ``named_parameters`` order and every Linear (fused experts' per-expert
+        projections included)."""
+        structure = self.model_structure()
+        return structure.params, structure.linears
 
     def params(self, dtype: torch.dtype, shard_root: bool) -> list[Param]:
         """:func:`build_params` for this source, computed once per dtype and ``shard_root``."""
         key = ("params", dtype, shard_root)
         if key not in self._tensors:
-            self._tensors[key] = build_params(self.config, dtype, self.file_dtypes, shard_root, self.tensors()[0])
+            self._tensors[key] = build_params(self.model_structure(), dtype, self.file_dtypes, shard_root)
         return self._tensors[key]
 
 
-def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None) -> ModelSource:
-    """Read ``config.json`` and, if present, the safetensors headers of ``model_dir`` (never the weights).
+def shardcal_structure(cfg: ModelConfig) -> ModelStructure:
+    """The structure of shardcal's class for ``cfg`` (built on the meta device; shapes only, dtypes as asked)."""
+    model = build_on_meta(cfg, torch.float32)
+    return read_structure(model, cfg.model_type, hidden_size=cfg.hidden_size,
+                          num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                          built_dtypes=False)  # fmt: skip
 
-    The headers are checked as the loader checks them (every tensor present, the shapes the config implies, float
+
+def model_tensors(cfg: ModelConfig) -> tuple[list[tuple[str, tuple[int, ...]]], list[Linear]]:
+    """Every parameter ``(name, shape)`` of shardcal's model for ``cfg``, in ``named_parameters`` order, and every
+    Linear module — read from the model built on the meta device."""
+    structure = shardcal_structure(cfg)
+    return structure.params, structure.linears
+
+
+def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None, impl: str = "auto") -> ModelSource:
+    """Read ``config.json`` and, if present, the safetensors headers of ``model_dir`` (never the weights), and build
+    the model on the meta device: shardcal's class, or transformers' (``impl``: ``auto`` takes shardcal's when it
+    has one, as ``--model-impl`` does).
+
+    The headers are checked as the loader checks them (every tensor present, the shapes the model has, float
     dtypes, nothing unexpected), with the same errors. A directory with only ``config.json`` is planned from the
-    shapes the config implies, in its dtype.
+    shapes the model has, in its dtype.
     """
+    if choose_impl(model_dir, impl) == "transformers":
+        return _read_foreign_source(Path(model_dir), dtype)
     cfg = load_config(model_dir)
-    if cfg.raw.get("quantization_config") is not None:
+    _refuse_quantized(cfg.raw, model_dir)
+    target = resolve_dtype(cfg, dtype)
+    structure = shardcal_structure(cfg)
+    folder = Path(model_dir)
+    if not _has_weights(folder):
+        return ModelSource(cfg, None, sum(math.prod(s) for _, s in structure.params) * target.itemsize, structure)
+    with CheckpointReader(folder) as reader:
+        check_checkpoint_keys(structure.model, reader, cfg)
+        expected = dict(structure.params)
+        if cfg.tie_word_embeddings and "lm_head.weight" in reader:
+            expected["lm_head.weight"] = reader.shape("lm_head.weight")
+        dtypes = {name: reader.dtype(name) for name in expected}
+    stored = sum(math.prod(expected[n]) * dtypes[n].itemsize for n in expected)
+    return ModelSource(cfg, dtypes, stored, structure)
+
+
+def _refuse_quantized(raw: Mapping[str, Any], model_dir: str | Path) -> None:
+    if raw.get("quantization_config") is not None:
         raise CheckpointError(
             f"{model_dir}: load_pretrained reads unquantized checkpoints; load an exported (quantized) directory "
             "with shardcal.models.from_pretrained"
         )
-    target = resolve_dtype(cfg, dtype)
-    shapes, _ = model_tensors(cfg)
-    folder = Path(model_dir)
-    if not (folder / INDEX_NAME).is_file() and not (folder / SINGLE_NAME).is_file():
-        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.safetensors")):
-            CheckpointReader(folder)  # raises the loader's error for pickled or unindexed weights
-        return ModelSource(cfg, None, sum(math.prod(s) for _, s in shapes) * target.itemsize)
+
+
+def _has_weights(folder: Path) -> bool:
+    """Whether ``folder`` has safetensors weights (raising the loader's error for pickled or unindexed ones)."""
+    if (folder / INDEX_NAME).is_file() or (folder / SINGLE_NAME).is_file():
+        return True
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.safetensors")):
+        CheckpointReader(folder)  # raises the loader's error
+    return False
+
+
+def _read_foreign_source(folder: Path, dtype: torch.dtype | str | None) -> ModelSource:
+    """A model only transformers has a class for: built on the meta device, its parameters found in the checkpoint
+    as the loader finds them (:func:`~shardcal.loading.sources.resolve_sources`)."""
+    raw = raw_config(folder)
+    _refuse_quantized(raw, folder)
+    model = build_transformers_on_meta(folder)
+    if dtype is not None:  # load_pretrained(dtype=) casts every floating parameter
+        target = resolve_dtype(None, dtype)
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(target)
+    structure = read_structure(model, str(raw.get("model_type")))
+    held = dict(model.named_parameters())
+    if not _has_weights(folder):
+        size = sum(p.numel() * p.element_size() for p in held.values())
+        return ModelSource(None, None, size, structure)
     with CheckpointReader(folder) as reader:
-        expected = dict(shapes)
-        if cfg.tie_word_embeddings and "lm_head.weight" in reader:
-            expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-        check_tensor_names(
-            reader, list(expected), f"of this {cfg.model_type} config", f"a {cfg.model_type} model with this config"
-        )
-        check_float_shapes(reader, expected)
-        dtypes = {name: reader.dtype(name) for name in expected}
-    stored = sum(math.prod(expected[n]) * dtypes[n].itemsize for n in expected)
-    return ModelSource(cfg, dtypes, stored)
+        sources = resolve_sources(model, reader)
+        dtypes = {name: reader.dtype(src.parts[0][0]) for name, src in sources.items()}
+        keys = {k for src in sources.values() for k in src.keys()}
+        stored = sum(math.prod(reader.shape(k)) * reader.dtype(k).itemsize for k in keys)
+    return ModelSource(None, dtypes, stored, structure)
 
 
 # ------------------------------------------------------------------------------------ the recipe's quantizers
@@ -395,37 +375,6 @@ def encode_bytes(target: QuantTarget, dtype: torch.dtype) -> int:
 
 
 # ------------------------------------------------------------------------------------ algorithm state
-
-
-def layer_smoothings(cfg: ModelConfig, layer: int, kinds: tuple[str, ...]) -> list[PlannedSmoothing]:
-    """The foldable pairs of a decoder layer (as :func:`shardcal.algorithms.mappings.layer_smoothings` finds them)."""
-    p, hd = f"model.layers.{layer}", cfg.head_dim
-    q = cfg.num_attention_heads * hd
-    attn = f"{p}.self_attn"
-    out = []
-    if "attn_in" in kinds:
-        out.append(PlannedSmoothing("attn_in", cfg.hidden_size, tuple(f"{attn}.{n}_proj" for n in "qkv")))
-    if "v_o" in kinds:
-        out.append(PlannedSmoothing("v_o", q, (f"{attn}.o_proj",)))
-    if cfg.layer_is_sparse(layer):
-        ff = f"{p}.block_sparse_moe" if cfg.model_type == "mixtral" else f"{p}.mlp"
-        gate_up_down = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        experts = [(f"{ff}.experts.{e}", cfg.intermediate_size if cfg.model_type == "mixtral" else
-                    cfg.moe_intermediate_size) for e in range(cfg.num_experts)]  # fmt: skip
-        if cfg.shared_expert_intermediate_size:
-            experts.append((f"{ff}.shared_expert", cfg.shared_expert_intermediate_size))
-            gates = (f"{ff}.gate", f"{ff}.shared_expert_gate")
-        else:
-            gates = (f"{ff}.gate",)
-    else:
-        gate_up_down = ("gate_proj", "up_proj", "down_proj")
-        experts, gates = [(f"{p}.mlp", cfg.intermediate_size)], ()
-    if "mlp_in" in kinds:
-        consumers = tuple(f"{m}.{n}" for m, _ in experts for n in gate_up_down[:2]) + gates
-        out.append(PlannedSmoothing("mlp_in", cfg.hidden_size, consumers))
-    if "up_down" in kinds:
-        out += [PlannedSmoothing("up_down", inter, (f"{m}.{gate_up_down[2]}",)) for m, inter in experts]
-    return out
 
 
 def planned_linear(target: QuantTarget) -> PlannedLinear:
@@ -616,6 +565,17 @@ def batch_rows(num_samples: int, batch_size: int) -> list[int]:
     return [min(batch_size, num_samples - s) for s in range(0, num_samples, batch_size)]
 
 
+def _export_view(params: list[Param], st: ModelStructure) -> list[Param]:
+    """The parameters as the export stores them: a fused experts parameter as its per-expert tensors."""
+    out = []
+    for p in params:
+        if p.name not in st.fused:
+            out.append(p)
+            continue
+        out += [Param(n, shape, p.dtype, p.file_dtype, p.unit, p.sharded) for n, shape in st.fused[p.name]]
+    return out
+
+
 class PreparedModel:
     """The part of a plan that depends on the model, the recipe and ``shard_root`` only (not on ranks or data):
     parameters, quantized Linears, layer structures, the export's tensors. Re-planned for other world sizes or
@@ -623,31 +583,31 @@ class PreparedModel:
 
     def __init__(self, source: ModelSource, recipe: Recipe, shard_root: bool = True,
                  dtype: torch.dtype | str | None = None):  # fmt: skip
-        cfg = self.cfg = source.config
+        st = self.st = source.model_structure()
         self.recipe, self.shard_root = recipe, shard_root
-        linears = source.tensors()[1]
-        params = self.params = source.params(resolve_dtype(cfg, dtype), shard_root)
+        linears = st.linears
+        self.held = source.params(resolve_dtype(source.config, dtype), shard_root)
+        params = self.params = _export_view(self.held, st)
+        params = self.held
         self.numel, self.nbytes = sum(p.numel for p in params), sum(p.nbytes for p in params)
         self.targets = quant_targets(linears, recipe)
-        self.dtype = next(p.dtype for p in params if p.name == "model.embed_tokens.weight")
+        self.dtype = next(p.dtype for p in params if p.unit == st.layer_names[0])
         self.e = self.dtype.itemsize
         algorithm = make_algorithm(recipe.algorithm)
         self.memory_model = algorithm_memory_model(recipe)
         self.algorithm = dict(recipe.algorithm)
         self.changes_weights = algorithm.changes_weights
         self.default_propagate = algorithm.propagate
-        self.layer_names = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
+        self.layer_names = st.layer_names
         self.by_unit: dict[str, list[Param]] = {}
         for p in params:
             self.by_unit.setdefault(p.unit, []).append(p)
-        self.targets_of: dict[int, list[QuantTarget]] = {i: [] for i in range(cfg.num_hidden_layers)}
+        self.targets_of: dict[int, list[QuantTarget]] = {i: [] for i in range(st.num_layers)}
         for t in self.targets:
             self.targets_of[t.linear.layer].append(t)
         self.activations = any(_amax_bytes(t.input) or _amax_bytes(t.output) for t in self.targets)
-        units = [*self.layer_names]
-        if shard_root and "lm_head" in self.by_unit:
-            units.append("lm_head")
-        self.export_units = [*units, "<root>"]
+        side = [u for u in st.side_units if u in self.by_unit and (shard_root or u != "lm_head")]
+        self.export_units = [*self.layer_names, *side, "<root>"]
         # parameters of the same rows, row size, dtypes and sharding shard alike: count them once per kind
         self.read_groups: dict[tuple[int, int, int, bool], int] = {}
         self.unit_groups: dict[str, dict[tuple[int, int, int, bool], int]] = {}
@@ -659,20 +619,20 @@ class PreparedModel:
             groups[key] = groups.get(key, 0) + 1
         self.quantizer_upto: list[int] = []
         total = 0
-        for i in range(cfg.num_hidden_layers):
+        for i in range(st.num_layers):
             total += sum(_amax_bytes(q) for t in self.targets_of[i] for q in (t.weight, t.input, t.output))
             self.quantizer_upto.append(total)
         self.encoded = {u: 0 for u in self.export_units}
         for t in self.targets:
-            unit = _unit_of(t.linear.name + ".weight")
+            unit = st.unit_of(t.linear.name)
             self.encoded[unit] = max(self.encoded.get(unit, 0), encode_bytes(t, self.dtype))
         # decoder layers of the same structure (and the same targets) need the same memory: computed once per kind
         kinds: dict[tuple[Any, ...], int] = {}
         self.kind_of: list[int] = []
         self.example: dict[int, int] = {}
-        for i in range(cfg.num_hidden_layers):
+        for i in range(st.num_layers):
             prefix = len(self.layer_names[i]) + 1
-            key = (cfg.layer_is_sparse(i), cfg.layer_sliding_window(i),
+            key = (st.layers[i],
                    tuple(t.linear.name[prefix:] for t in self.targets_of[i]))  # fmt: skip
             kind = kinds.setdefault(key, len(kinds))
             self.kind_of.append(kind)
@@ -728,32 +688,25 @@ class _Model:
         return total
 
     # -- per layer (kind), per batch
-    def ffn_width(self, i: int) -> int:
-        cfg = self.cfg
-        if not cfg.layer_is_sparse(i):
-            return cfg.intermediate_size
-        inner = cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size
-        return max(inner, cfg.shared_expert_intermediate_size)
-
     def forward(self, i: int, rows: int, quantized: bool) -> int:
         """One batch of ``rows`` sequences through layer ``i``: its largest live intermediates (float32)."""
         return self._memo(("forward", self.kind_of[i], rows, quantized), lambda: self._forward(i, rows, quantized))
 
     def _forward(self, i: int, rows: int, quantized: bool) -> int:
-        cfg, t = self.cfg, rows * self.s.seq_len
+        st, layer, t = self.st, self.st.layers[i], rows * self.s.seq_len
         if t == 0:
             return 0
-        h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        h, q = st.hidden_size, st.num_attention_heads * st.head_dim
         per_token = max(
-            FORWARD_MLP_HIDDEN * h + FORWARD_MLP_INTERMEDIATE * self.ffn_width(i),
+            FORWARD_MLP_HIDDEN * h + FORWARD_MLP_INTERMEDIATE * layer.ffn_width,
             FORWARD_ATTN_HIDDEN * h + FORWARD_ATTN_QUERY * q,
         )
-        if cfg.layer_is_sparse(i):
-            per_token += 2 * cfg.num_experts
+        if layer.sparse:
+            per_token += 2 * layer.num_experts
         out = 4 * t * per_token
-        window = cfg.layer_sliding_window(i)
+        window = layer.sliding_window
         if window is not None and self.s.seq_len > window:  # an explicit mask: SDPA materialises the scores
-            out += rows * self.s.seq_len**2 * (4 * cfg.num_attention_heads + 1)
+            out += rows * self.s.seq_len**2 * (4 * st.num_attention_heads + 1)
         if quantized:
             out += max((fake_quant_bytes(x, self.dtype) for x in self.targets_of[i]), default=0)
         return out
@@ -772,7 +725,7 @@ class _Model:
         def compute() -> AlgorithmMemory:
             j = self.example[self.kind_of[i]]
             context = LayerPlanContext(
-                j, tuple(planned_linear(t) for t in self.targets_of[j]), tuple(layer_smoothings(self.cfg, j, KINDS)),
+                j, tuple(planned_linear(t) for t in self.targets_of[j]), tuple(self.st.smoothings(j)),
                 self.s.world_size, rank, local_batches,
             )  # fmt: skip
             return self.memory_model(context, self.algorithm)
@@ -794,8 +747,8 @@ def _phase_max(phases: dict[str, int]) -> tuple[str, int]:
 
 
 def _rank_plan(m: _Model, rank: int) -> RankPlan:
-    s, cfg = m.s, m.cfg
-    world, e, seq, hidden = s.world_size, m.e, s.seq_len, cfg.hidden_size
+    s, st = m.s, m.st
+    world, e, seq, hidden = s.world_size, m.e, s.seq_len, st.hidden_size
     on_gpu = s.device != "cpu"
     shards, read = m.shards, m.read(rank)
     mine = rank_batch_indices(len(m.rows), rank, world)
@@ -805,21 +758,21 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     sampled = leading_rows_of([[seq] * r for r in m.rows], s.options.sqnr_tokens)
     sqnr_rows = [m.rows[b] for b in mine if b in sampled]
     hidden_cache = sum(r * seq * hidden * e for r in my_rows)
-    rotary = sum(2 * r * seq * cfg.head_dim * e for r in my_rows)
+    rotary = sum(2 * r * seq * st.head_dim * e for r in my_rows)
     has_reference = m.changes_weights or (not m.activations and m.propagate == "qdq")
     reference = sum(r * seq * hidden * e for r in sqnr_rows) if has_reference else 0
     sqnr = max(sqnr_rows, default=0) * seq * hidden * SQNR_BYTES
     # where things live: on a GPU, shards stay on the host with --cpu-offload, the cache with offload_activations
     shards_dev, shards_host = (0, shards) if (on_gpu and s.cpu_offload) else (shards, 0)
     cache_on_host = on_gpu and s.offload_activations
-    batch_copies = biggest * seq * (2 * hidden + 2 * cfg.head_dim) * e if cache_on_host else 0
+    batch_copies = biggest * seq * (2 * hidden + 2 * st.head_dim) * e if cache_on_host else 0
 
     def split(dev: int, cache: int) -> tuple[int, int]:
         return (dev + batch_copies, cache) if cache_on_host else (dev + cache, 0)
 
     phases: dict[str, tuple[int, int]] = {"load": (shards_dev, shards_host + read)}
     root_dev = m.gathered["<root>"] if s.shard_root else 0
-    embed_batch = biggest * seq * (hidden * e + 12 * cfg.head_dim)
+    embed_batch = biggest * seq * (hidden * e + 12 * st.head_dim)
     embed = max(m.gather_peak("<root>") if s.shard_root else 0, root_dev + embed_batch)
     phases["embed"] = (
         shards_dev + embed + (0 if cache_on_host else hidden_cache + rotary),
@@ -856,14 +809,14 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
         if owned and on_gpu:  # each tensor is copied to the host to be written
             host_copy = max(host_copy, max((p.nbytes for p in m.by_unit.get(unit, [])), default=0))
     phases["export"] = (shards_dev + m.quantizer_upto[-1] + export_peak, shards_host + host_copy)
-    runtime = RUNTIME_BASE_BYTES + RUNTIME_PER_LAYER_BYTES * cfg.num_hidden_layers
+    runtime = RUNTIME_BASE_BYTES + RUNTIME_PER_LAYER_BYTES * st.num_layers
     largest = max(m.export_units, key=lambda u: m.gathered[u])
     parts = {
         "param_shards": shards,
         "largest_gathered_unit": m.gathered[largest],
         "activation_cache": 2 * hidden_cache + rotary + reference,
         "layer_intermediates": layer_fwd + sqnr,
-        "quantizer_state": m.quantizer_upto[-1] + max(m.observers(i) for i in range(cfg.num_hidden_layers)),
+        "quantizer_state": m.quantizer_upto[-1] + max(m.observers(i) for i in range(st.num_layers)),
         "weight_observer": wobs,
         "algorithm_state": algo_peak,
         "export_buffers": encode_peak,
@@ -899,7 +852,7 @@ def traffic(m: _Model) -> dict[str, int]:
     layer = max((m.gathered[u] for u in m.layer_names), default=0)
     calibrate_units = m.layer_names + (["<root>"] if m.s.shard_root else [])
     sent = sum(share(m.gathered[u]) for u in calibrate_units) + sum(share(m.gathered[u]) for u in m.export_units)
-    reduce = max((_allreduce_bytes(m, i) for i in range(m.cfg.num_hidden_layers)), default=0)
+    reduce = max((_allreduce_bytes(m, i) for i in range(m.st.num_layers)), default=0)
     return {
         "allgather_bytes_per_layer": layer,
         "allgather_sent_per_layer_per_rank": share(layer),
@@ -962,8 +915,8 @@ def export_files(m: _Model, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> l
 
 def checkpoint_dir_bytes(m: _Model) -> int:
     """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after)."""
-    world, layers = m.s.world_size, m.cfg.num_hidden_layers
-    seq, hidden, e = m.s.seq_len, m.cfg.hidden_size, m.e
+    world, layers = m.s.world_size, m.st.num_layers
+    seq, hidden, e = m.s.seq_len, m.st.hidden_size, m.e
     acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
     weights_upto = [0]
     for unit in m.layer_names:  # the ranks' own rows of each layer together: the whole layer, in the model's dtype
@@ -995,11 +948,11 @@ def plan_prepared(prepared: PreparedModel, settings: PlanSettings, model_dir: st
         raise UsageError("settings.shard_root differs from the prepared model's")
     m = _Model(prepared, settings)
     ranks = [_rank_plan(m, r) for r in range(settings.world_size)]
-    cfg = prepared.cfg
+    st = prepared.st
     model = {
         "dir": str(model_dir) if model_dir is not None else None,
-        "model_type": cfg.model_type,
-        "layers": cfg.num_hidden_layers,
+        "model_type": st.model_type,
+        "layers": st.num_layers,
         "parameters": prepared.numel,
         "parameter_bytes": prepared.nbytes,
         "dtype": str(prepared.dtype).removeprefix("torch."),
