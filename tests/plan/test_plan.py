@@ -387,8 +387,8 @@ def test_bad_input_is_the_same_error_as_calibrate(capsys, model_dir, case, error
         (model_dir / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
     status, out, plan_err = run_cli(capsys, "plan", model_dir, "--recipe", recipe)
     assert status == 2 and out == "" and plan_err.count("\n") == 1 and plan_err.startswith("error: ")
-    if case == "unknown-model-type":  # calibrate hands it to transformers' class (--model-impl auto), unplanned
-        assert "model_type 'gpt2' has no shardcal class" in plan_err and "without a plan" in plan_err
+    if case == "unknown-model-type":  # calibrate hands it to transformers' class (--model-impl auto)
+        assert "config.json" in plan_err  # the one-line ConfigError of building transformers' class
         return
     status, _, calibrate_err = run_cli(capsys, *_calibrate_argv(model_dir, recipe=recipe))
     assert status == 2 and plan_err == calibrate_err
@@ -421,21 +421,22 @@ def test_calibrate_refuses_before_loading_and_force_proceeds(capsys, model_dir, 
 
 
 @pytest.mark.usefixtures("single_process_group")
-def test_a_model_type_only_transformers_runs_is_not_planned(capsys, tmp_path, monkeypatch):
-    """Phi-3 has no shardcal class: ``plan`` says so in one line; ``calibrate`` (transformers' class) is not refused
-    by a plan it cannot make, however little memory is free."""
+def test_calibrate_refuses_a_model_only_transformers_runs_before_loading(capsys, tmp_path, monkeypatch):
+    """Phi-3 has no shardcal class: it is planned from transformers' class on the meta device, so ``calibrate``
+    refuses it before loading when it does not fit, as it does shardcal's own models."""
     pytest.importorskip("transformers")
     from _hf_models import hf_model
 
     hf_model("phi3").save_pretrained(tmp_path / "phi3")
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, (2, 12)))
     capsys.readouterr()
-    status, out, err = run_cli(capsys, "plan", tmp_path / "phi3", "--recipe", "fp8")
-    assert status == 2 and out == "" and err.count("\n") == 1, err
-    assert "model_type 'phi3' has no shardcal class" in err and "without a plan" in err
+    assert planning.plannable(tmp_path / "phi3")
     monkeypatch.setattr(planning, "local_budget", lambda device, device_index=None: planning.Budget(None, 1000))
-    status, out, err = run_cli(capsys, "calibrate", tmp_path / "phi3", "--recipe", "fp8", "--out", tmp_path / "out",
-                               "--data", tmp_path / "ids.npy", "--batch-size", 2)  # fmt: skip
+    argv = ["calibrate", tmp_path / "phi3", "--recipe", "fp8", "--out", tmp_path / "out", "--data",
+            tmp_path / "ids.npy", "--batch-size", 2]  # fmt: skip
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == "" and "error: not enough memory: predicted " in err, err
+    status, out, err = run_cli(capsys, *argv, "--force")
     assert status == 0 and "exported -> " in out, err
 
 

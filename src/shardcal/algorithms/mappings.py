@@ -28,6 +28,7 @@ Only RMSNorm / LayerNorm producers are used (``y = w * norm(x) [+ b]``); a layer
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,10 @@ def _is_norm(module: nn.Module | None) -> bool:
 
 @torch.no_grad()
 def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if weight.is_meta:  # a skeleton (the planner): probe a CPU copy with unit weights and zero bias
+        module = copy.deepcopy(module).to_empty(device="cpu")
+        weight = module.weight.fill_(1.0)
+        bias = module.bias.zero_() if bias is not None else None
     x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
     saved = weight.detach().clone()
     try:

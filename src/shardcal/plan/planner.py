@@ -68,7 +68,7 @@ from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype
 from ..loading.foreign import build_transformers_on_meta, choose_impl, raw_config
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
-from ..models.config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
+from ..models.config import ModelConfig, load_config
 from ..quant.granularity import Layout
 from ..quant.spec import QuantizerSpec
 from ..runtime.hostmem import available_bytes
@@ -983,15 +983,17 @@ def plan_source(source: ModelSource, recipe: str | Path | Recipe, settings: Plan
 
 
 def plan_calibration(model_dir: str | Path, recipe: str | Path | Recipe, settings: PlanSettings | None = None,
-                     dtype: torch.dtype | str | None = None) -> CalibrationPlan:  # fmt: skip
+                     dtype: torch.dtype | str | None = None, impl: str = "auto") -> CalibrationPlan:  # fmt: skip
     """Predict what ``shardcal calibrate MODEL_DIR --recipe RECIPE`` holds on each rank, reading only
     ``config.json`` and the safetensors headers (or only ``config.json`` when there are no weights).
 
     Bad input raises what ``calibrate`` raises (:class:`~shardcal.errors.ConfigError`, ``CheckpointError``,
-    ``RecipeError``), before anything is loaded. ``settings`` (:class:`PlanSettings`): ranks, data, device.
+    ``RecipeError``), before anything is loaded. ``settings`` (:class:`PlanSettings`): ranks, data, device;
+    ``impl``: the model class, as ``--model-impl`` chooses it (``auto``: shardcal's when it has one, else
+    transformers').
     """
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    return plan_source(read_source(model_dir, dtype), recipe, settings, model_dir, dtype)
+    return plan_source(read_source(model_dir, dtype, impl), recipe, settings, model_dir, dtype)
 
 
 # ------------------------------------------------------------------------------------ will it fit?
@@ -1195,25 +1197,23 @@ def parse_bytes(text: str, what: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def plannable(model_dir: str | Path) -> bool:
-    """Whether the planner models ``model_dir``'s model: shardcal has a class for its ``model_type``. A model that
-    only transformers' class runs (``--model-impl auto|transformers`` on another ``model_type``) is not planned;
-    a shardcal model type loaded with transformers' class is planned as shardcal's (the same parameters)."""
-    from ..loading.foreign import raw_config
+def plannable(model_dir: str | Path, impl: str = "auto") -> bool:
+    """Whether the planner can plan ``model_dir``'s model with ``impl`` (``--model-impl``): shardcal's classes
+    always; a model type only transformers has, when transformers can build it (on the meta device)."""
+    try:
+        check_plannable(model_dir, impl)
+    except (ConfigError, PlanError):
+        return False
+    return True
 
-    return raw_config(model_dir).get("model_type") in SUPPORTED_MODEL_TYPES
 
-
-def check_plannable(model_dir: str | Path) -> None:
-    """Raise :class:`~shardcal.errors.ConfigError` (one line) when :func:`plannable` is false."""
-    from ..loading.foreign import raw_config
-
-    if not plannable(model_dir):
-        raise ConfigError(
-            f"{Path(model_dir) / 'config.json'}: model_type {raw_config(model_dir).get('model_type')!r} has no "
-            f"shardcal class, and the planner models shardcal's classes only ({', '.join(SUPPORTED_MODEL_TYPES)}); "
-            "`shardcal calibrate` runs it with transformers' class (--model-impl), without a plan"
-        )
+def check_plannable(model_dir: str | Path, impl: str = "auto") -> None:
+    """Raise :class:`~shardcal.errors.ConfigError` (one line) when the model cannot be built for planning: its
+    config unreadable, or a type shardcal has no class for without transformers to build it."""
+    if choose_impl(model_dir, impl) == "transformers":
+        build_transformers_on_meta(model_dir)
+    else:
+        load_config(model_dir)
 
 
 def check_before_loading(
@@ -1224,6 +1224,7 @@ def check_before_loading(
     *,
     cpu_offload: bool = False,
     shard_root: bool = True,
+    impl: str = "auto",
 ) -> CalibrationPlan:
     """Plan this rank's calibration and stop every rank before anything is loaded when it does not fit.
 
@@ -1245,7 +1246,7 @@ def check_before_loading(
         world_size=size, local_world_size=local, num_samples=int(data_shape[0]), seq_len=int(data_shape[1]),
         device=device, cpu_offload=cpu_offload, shard_root=shard_root, options=options,
     )  # fmt: skip
-    source = read_source(model_dir)
+    source = read_source(model_dir, impl=impl)
     plan = plan_source(source, recipe, settings, model_dir)
     budget = local_budget(device)
     short = shortfall(plan, budget, rank=rank, node_first=min(node_first, max(0, size - local)))
