@@ -67,13 +67,27 @@ def wide_checkpoint(folder: Path, cfg: dict = LLAMA3_8B_WIDTHS) -> Path:
     return folder
 
 
-def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_dir: str, result: str) -> None:
+def foreign_checkpoint(folder: Path, family: str) -> Path:
+    """A random checkpoint of transformers' class (the shapes of ``tests/plan/test_plan_any_model.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plan"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_plan_any_model import _checkpoint
+
+    return _checkpoint(folder.parent, family)
+
+
+def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_dir: str, result: str,
+         impl: str = "shardcal") -> None:  # fmt: skip
     """One rank: the pipeline, each phase's exact peak resident growth over the rank's baseline, and its times."""
     from shardcal.calib.runner import calibrate
     from shardcal.export import export_checkpoint
+    from shardcal.loading.foreign import build_transformers_on_meta, load_transformers_sharded
     from shardcal.loading.sharded import load_pretrained
     from shardcal.runtime.distributed import all_gather_strings, barrier, world
 
+    if impl == "transformers":
+        build_transformers_on_meta(model_dir)  # transformers' modules imported before the baseline
+    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
     barrier()
     base = rss_bytes()
     measured: dict[str, float] = {}
@@ -85,7 +99,7 @@ def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_di
 
     reset_peak_rss()
     start = time.perf_counter()
-    model = load_pretrained(model_dir)
+    model = load(model_dir)
     measured["bytes_read"] = model._shardcal_distribution_plan["bytes_read"]
     phase("load")
     cpu = time.process_time()
@@ -102,7 +116,8 @@ def _job(model_dir: str, recipe: str, ids: torch.Tensor, batch_size: int, out_di
         Path(result).write_text(json.dumps([json.loads(g) for g in gathered]))
 
 
-def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, nproc: int) -> tuple[list[dict], int]:
+def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, nproc: int,
+            impl: str = "shardcal") -> tuple[list[dict], int]:  # fmt: skip
     """Every rank's measured phases, and the export's size on disk."""
     from shardcal.errors import DistributedError
     from shardcal.runtime.launcher import launch
@@ -110,7 +125,7 @@ def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, np
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         out, result = Path(tmp) / "out", Path(tmp) / "result.json"
         try:
-            launch(_job, nproc, str(model_dir), recipe, ids, batch_size, str(out), str(result))
+            launch(_job, nproc, str(model_dir), recipe, ids, batch_size, str(out), str(result), impl)
         except DistributedError as exc:
             # gloo's teardown at interpreter exit now and then aborts a rank that has finished (SIGABRT, "terminate
             # called without an active exception"); the results were gathered and written before: keep them
@@ -121,13 +136,14 @@ def measure(model_dir: Path, recipe: str, ids: torch.Tensor, batch_size: int, np
         return json.loads(result.read_text()), size
 
 
-def predict(model_dir: Path, recipe: str, num_samples: int, seq_len: int, batch_size: int, nproc: int):
+def predict(model_dir: Path, recipe: str, num_samples: int, seq_len: int, batch_size: int, nproc: int,
+            impl: str = "auto"):  # fmt: skip
     from shardcal.layerwise.options import CalibrationOptions
     from shardcal.plan.planner import PlanSettings, plan_calibration
 
     settings = PlanSettings(world_size=nproc, num_samples=num_samples, seq_len=seq_len,
                             options=CalibrationOptions(batch_size=batch_size))  # fmt: skip
-    return plan_calibration(model_dir, recipe, settings)
+    return plan_calibration(model_dir, recipe, settings, impl=impl)
 
 
 def _smollm2_data(samples: int, seq_len: int) -> tuple[Path, torch.Tensor]:
@@ -148,6 +164,14 @@ def memory_cases(skip_wide: bool, workdir: Path) -> list[tuple[str, Path, str, t
         ("SmolLM2-135M, w8a8-int8-sq-gptq (GPTQ state)", smol, "w8a8-int8-sq-gptq", ids[:32, :256], 8, 2, False),
         ("SmolLM2-135M, w8a8-int8, 128 x 512 (activations)", smol, "w8a8-int8", ids, 8, 1, False),
     ]
+    for label, family, recipe in (
+        ("Gemma 3 (transformers), 4 layers x 512, w8a8-int8, 8 x 64", "gemma3", "w8a8-int8"),
+        ("Qwen3-MoE (transformers, fused experts), fp8, 8 x 64", "qwen3_moe", "fp8"),
+    ):
+        folder = foreign_checkpoint(workdir / family, family)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        foreign_ids = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(0))
+        cases.append((label, folder, recipe, foreign_ids, 2, 2, True))
     if not skip_wide:
         wide = wide_checkpoint(workdir / "llama3-8b-widths-2-layers")
         wide_ids = torch.randint(0, 128256, (16, 256), generator=torch.Generator().manual_seed(0))
@@ -162,8 +186,11 @@ def run_memory(skip_wide: bool, workdir: Path) -> tuple[list[dict], bool]:
         f"{'read pred/meas':>17}  bound"
     )
     for label, model_dir, recipe, ids, batch, nproc, bound in memory_cases(skip_wide, workdir):
-        plan = predict(model_dir, recipe, ids.shape[0], ids.shape[1], batch, nproc)
-        measured, export_size = measure(model_dir, recipe, ids, batch, nproc)
+        impl = "transformers" if "(transformers" in label else "shardcal"
+        plan = predict(
+            model_dir, recipe, ids.shape[0], ids.shape[1], batch, nproc, "auto" if impl == "shardcal" else impl
+        )
+        measured, export_size = measure(model_dir, recipe, ids, batch, nproc, impl)
         for r, got in enumerate(measured):
             want = plan.ranks[r]
             phases = {"load": want.phases["load"], "calibrate": max(want.phases["embed"], want.phases["layers"]),

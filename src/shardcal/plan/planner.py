@@ -1,5 +1,6 @@
 """Plan before you load: per-rank memory, disk reads, all-gather volume and disk space of a calibration, predicted
-from ``config.json`` and the safetensors headers alone (no weight is read), so that ``shardcal calibrate`` can
+from ``config.json``, the safetensors headers and the model built on the meta device (no weight is read; shardcal's
+classes and transformers' alike, :mod:`.structure`), so that ``shardcal calibrate`` can
 refuse a run that would run out of memory before it loads anything.
 
 What one rank holds during ``shardcal calibrate`` (load, calibrate, export), and how the plan counts it:
@@ -24,8 +25,9 @@ What one rank holds during ``shardcal calibrate`` (load, calibrate, export), and
 * a fixed runtime allowance (module objects, FSDP2 state, thread pools).
 
 The sizes of the parts are exact functions of the shapes; the factors for temporaries (how many float32 copies of a
-batch or a weight an operation makes) were measured on the real code (``benchmarks/plan_memory.py --constants``)
-and are the ``*_BYTES`` / ``*_COPIES`` constants below. Phases (load, embed, layers, export) add up what is alive at
+batch or a weight an operation makes) were measured on the real code and are the ``*_BYTES`` / ``*_COPIES``
+constants below (the algorithms' own with their memory models, :mod:`shardcal.algorithms.memory`); the planner is
+held to measured peaks by ``benchmarks/plan_accuracy.py`` and ``tests/plan/``. Phases (load, embed, layers, export) add up what is alive at
 the same time; the peak is the largest phase. See docs/scaling.md.
 """
 
