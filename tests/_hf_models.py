@@ -1,8 +1,10 @@
 """Tiny random models built with transformers (a test-only dependency), and one causal LM written here.
 
 ``hf_model(family)`` builds a transformers model from a seed: Llama, Qwen3, Gemma 3 (sliding and full layers mixed,
-window 4 so that the masks really differ), Phi-3 (fused qkv and gate_up), Qwen3-MoE (fused 3-D experts), and a
-Llava VLM (tiny CLIP vision tower). ``TinyLM`` is a causal LM of its own layout, registered with the registry by
+window 4 so that the masks really differ), Phi-3 (fused qkv and gate_up), Qwen3-MoE (fused 3-D experts), a
+Llava VLM (tiny CLIP vision tower), and the MoE families of ``HF_MOE_FAMILIES``: DeepSeek-V3 (MLA attention, a
+sigmoid router with a persistent ``e_score_correction_bias`` buffer, shared experts, a dense first layer) and
+GPT-OSS (transposed, interleaved fused experts with biases, a clamped gate, attention sinks). ``TinyLM`` is a causal LM of its own layout, registered with the registry by
 ``register_tiny_lm``.
 """
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 HF_FAMILIES = ("llama", "qwen3", "gemma3", "phi3", "qwen3_moe")
+HF_MOE_FAMILIES = ("deepseek_v3", "gpt_oss")
 
 
 def _quiet():
@@ -43,6 +46,18 @@ def hf_config(family: str):
             **common, num_hidden_layers=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             norm_topk_prob=True,
         )  # fmt: skip
+    if family == "deepseek_v3":
+        return T.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )  # fmt: skip
+    if family == "gpt_oss":
+        return T.GptOssConfig(
+            **{**common, "intermediate_size": 32}, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=4,
+        )  # fmt: skip
     if family == "llava":
         vision = T.CLIPVisionConfig(
             hidden_size=32,
@@ -57,17 +72,22 @@ def hf_config(family: str):
     raise KeyError(family)
 
 
-def hf_model(family: str, seed: int = 0) -> nn.Module:
-    """A transformers model of ``family`` with random weights from ``seed`` (std 0.05: non-trivial activations)."""
+def hf_model(family: str, seed: int = 0, **overrides) -> nn.Module:
+    """A transformers model of ``family`` with random weights from ``seed`` (std 0.05: non-trivial activations);
+    ``overrides`` set config fields (``intermediate_size=64``)."""
     _quiet()
     import transformers as T
 
     classes = {
         "llama": T.LlamaForCausalLM, "qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM,
         "phi3": T.Phi3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM, "llava": T.LlavaForConditionalGeneration,
+        "deepseek_v3": T.DeepseekV3ForCausalLM, "gpt_oss": T.GptOssForCausalLM,
     }  # fmt: skip
     torch.manual_seed(seed)
-    model = classes[family](hf_config(family))
+    config = hf_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = classes[family](config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
@@ -76,6 +96,9 @@ def hf_model(family: str, seed: int = 0) -> nn.Module:
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a persistent buffer: not zero, so that loading it counts
+                b.copy_(0.1 * torch.randn_like(b))
     return model.eval()
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..calib.recipes import Recipe, load_recipe
 from ..errors import ExportError
-from ..quant.experts import weight_slice
+from ..quant.experts import bias_slice, weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..runtime.faults import fault_point
@@ -176,10 +176,15 @@ def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
 def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:
     encoded: dict[str, dict[str, torch.Tensor]] = {}
     for entry in unit.entries:
-        if entry.source[0] == "param":
-            tensor = _plain(model.get_parameter(entry.source[1]), entry.key)
+        if entry.source[0] in ("param", "buffer"):
+            get = model.get_parameter if entry.source[0] == "param" else model.get_buffer
+            tensor = _plain(get(entry.source[1]), entry.key)
             if tensor.dtype != entry.dtype:  # a mixed-precision gather: store the parameters' own dtype
                 tensor = tensor.to(entry.dtype)
+        elif entry.source[0] == "expert_bias":  # one expert's bias of fused experts, under its per-expert name
+            _, module_name, expert, projection = entry.source
+            bias = bias_slice(model.get_submodule(module_name), int(expert), projection)
+            tensor = _plain(bias, entry.key).to(entry.dtype).contiguous()
         elif entry.source[0] == "kv":  # k_scale / v_scale of an attention's KV-cache quantizer
             _, attention, suffix = entry.source
             tensor = plan.kv_cache[attention].export_scales()[suffix].to(entry.dtype)

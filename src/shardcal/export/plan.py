@@ -29,10 +29,19 @@ from torch import nn
 
 from ..calib.recipes import Recipe
 from ..errors import ExportError
-from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
+from ..quant.experts import (
+    PROJECTIONS,
+    ExpertsLayout,
+    fused_experts_layout,
+    fused_experts_shape,
+    iter_projections,
+    shared_input_quantizer,
+    weight_slice,
+)
 from ..quant.kv_cache import KVCacheQuantizer, kv_cache_quantizers
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
+from ..sharding.fsdp2 import persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
 from . import ct_config
 from .ct_config import UnsupportedSpec
@@ -66,8 +75,9 @@ class QuantModule:
 
 @dataclass
 class Entry:
-    """One stored tensor: ``source`` is ``("param", name)``, ``("quant", module_name, suffix)``,
-    ``("expert", experts_module_name, expert, projection)`` for an unquantized slice of fused experts, or
+    """One stored tensor: ``source`` is ``("param", name)``, ``("buffer", name)`` (a persistent buffer),
+    ``("quant", module_name, suffix)``, ``("expert", experts_module_name, expert, projection)`` for an unquantized
+    slice of fused experts, ``("expert_bias", experts_module_name, expert, projection)`` for an expert's bias, or
     ``("kv", attention_name, "k_scale" | "v_scale")``."""
 
     key: str
@@ -307,13 +317,32 @@ def _fsdp_units(model: nn.Module, layers: nn.ModuleList | None) -> list[tuple[st
     return units
 
 
+def _per_expert(mod: str, layout: ExpertsLayout, quant: dict[str, QuantModule]) -> bool:
+    """Whether fused experts are written per expert: always in the layout of per-expert original checkpoints
+    (transformers folds them back), else (GPT-OSS, whose checkpoints are fused) when any projection is quantized."""
+    return layout.standard or any(f"{mod}.{e}.{p}" in quant for e in range(layout.experts) for p in PROJECTIONS)
+
+
+def _expert_bias_entries(pname: str, dtype: torch.dtype, layout: ExpertsLayout) -> list[Entry]:
+    """``<experts>.<e>.<proj>.bias`` per expert for a fused bias parameter (``gate_up_proj_bias``, ``down_proj_bias``)."""
+    mod, _, leaf = pname.rpartition(".")
+    projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj_bias" else ("down_proj",)
+    size = {"gate_proj": layout.inter, "up_proj": layout.inter, "down_proj": layout.hidden}
+    return [
+        Entry(f"{mod}.{e}.{p}.bias", dtype, (size[p],), ("expert_bias", mod, str(e), p))
+        for e in range(layout.experts)
+        for p in projections
+    ]
+
+
 def _entries_for(
     names: list[str],
     params: dict[str, torch.Tensor],
     quant: dict[str, QuantModule],
-    fused: dict[str, tuple[int, int, int]],
+    fused: dict[str, ExpertsLayout],
 ) -> list[Entry]:
-    """The stored tensors of the named parameters; a fused-experts parameter becomes per-expert tensors."""
+    """The stored tensors of the named parameters and persistent buffers (``params`` holds both); a fused-experts
+    parameter becomes per-expert tensors (see :func:`_per_expert`)."""
     entries: list[Entry] = []
     for pname in names:
         mod, _, leaf = pname.rpartition(".")
@@ -321,9 +350,13 @@ def _entries_for(
         if qm is not None and leaf == "weight":
             entries += _quant_entries(qm)
             continue
-        if mod in fused and leaf in ("gate_up_proj", "down_proj"):
+        per_expert = mod in fused and _per_expert(mod, fused[mod], quant)
+        if per_expert and leaf in ("gate_up_proj_bias", "down_proj_bias"):
+            entries += _expert_bias_entries(pname, params[pname].dtype, fused[mod])
+            continue
+        if per_expert and leaf in ("gate_up_proj", "down_proj"):
             projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-            experts, hidden, inter = fused[mod]
+            experts, hidden, inter = fused[mod].shape
             dtype = params[pname].dtype
             for e in range(experts):
                 for p in projections:
@@ -335,8 +368,20 @@ def _entries_for(
                         entries.append(Entry(f"{name}.weight", dtype, shape, ("expert", mod, str(e), p)))
             continue
         p = params[pname]
-        entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), ("param", pname)))
+        kind = "param" if isinstance(p, nn.Parameter) else "buffer"
+        entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), (kind, pname)))
     return entries
+
+
+def _stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own persistent buffers (DeepSeek-V3's ``e_score_correction_bias``), stored like parameters;
+    shardcal's quantizers keep their state in buffers too, which are exported as scales instead."""
+    out = {}
+    for name, buf in persistent_buffers(model).items():
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if not type(owner).__module__.startswith("shardcal.quant"):
+            out[name] = buf
+    return out
 
 
 def _quant_entries(qm: QuantModule) -> list[Entry]:
@@ -357,9 +402,10 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
             f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "
             "first, or pass a weight-only recipe to quantize at export"
         )
-    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())  # tied: once, under their first name
+    params.update(_stored_buffers(model))
     fused = {
-        n: shape for n, m in model.named_modules() if (shape := fused_experts_shape(m, n, strict=False)) is not None
+        n: layout for n, m in model.named_modules() if (layout := fused_experts_layout(m, n, strict=False)) is not None
     }
     for name in quant:
         if f"{name}.weight" not in params and name.rsplit(".", 2)[0] not in fused:

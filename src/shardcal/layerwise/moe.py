@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quant.experts import expert_projections
+from ..quant.experts import expert_projections, routed_experts
 from ..quant.quantizer import QuantMode, TensorQuantizer
 from ..quant.session import iter_quantizers
 from ..quant.tokens import active_mask, expert_tokens
@@ -133,7 +133,7 @@ class RoutingCounts:
     """While active, counts the real tokens routed to each expert of every MoE block of a layer (this rank's).
 
     shardcal's blocks: a forward pre-hook recomputes the routing (``block.route``); fused experts: a pre-hook reads
-    the ``top_k_index`` they are called with. Padding never counts. :meth:`merged` sums the counts over ranks.
+    the expert indices they are called with (``top_k_index``). Padding never counts. :meth:`merged` sums the counts over ranks.
     """
 
     def __init__(self, layer: nn.Module, prefix: str):
@@ -173,7 +173,7 @@ class RoutingCounts:
         self._add(name, experts)
 
     def _fused(self, name: str, args: tuple, kwargs: dict) -> None:
-        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        index = routed_experts(args, kwargs)  # top_k_index, or GPT-OSS's router_indices
         if isinstance(index, torch.Tensor):
             self._add(name, index)
 

@@ -24,7 +24,7 @@ from ..runtime.distributed import world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .plain import from_pretrained
-from .sources import NameMap, Source, resolve_sources
+from .sources import NameMap, Source, resolve_buffers, resolve_sources
 
 
 def _fill_local(model: nn.Module, reader: CheckpointReader, sources: dict[str, Source]) -> int:
@@ -47,15 +47,18 @@ def _fill_local(model: nn.Module, reader: CheckpointReader, sources: dict[str, S
     return read
 
 
-def _real_buffers(model: nn.Module, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+def _real_buffers(model: nn.Module, reader: CheckpointReader, stored: dict[str, str]) -> dict[str, torch.Tensor]:
     """The values of the model's buffers, kept across materialisation (``to_empty`` would leave them garbage).
 
-    A buffer already real (built with :func:`~shardcal.loading.build.meta_parameters`, or computed by the module)
-    keeps its value; one on the meta device must be in the checkpoint.
+    A persistent buffer the checkpoint holds (``stored``: buffer name -> key) gets the stored value, in the buffer's
+    dtype; any other buffer already real (built with :func:`~shardcal.loading.build.meta_parameters`, or computed
+    by the module) keeps its value; one on the meta device must be in the checkpoint.
     """
     out = {}
     for name, buf in model.named_buffers():
-        if buf.device.type != "meta":
+        if name in stored:
+            out[name] = reader.get(stored[name]).to(buf.dtype)
+        elif buf.device.type != "meta":
             out[name] = buf.detach().clone()
         elif name in reader:
             out[name] = reader.get(name)
@@ -109,22 +112,24 @@ def load_pretrained(
             check_checkpoint_keys(model, reader, cfg)
             set_param_dtypes(model, param_dtypes(model, reader, target))
             sources = {name: Source([[name]]) for name, _ in model.named_parameters()}
+            stored = {}
         else:
             _check_on_meta(model)
             sources = resolve_sources(model, reader, name_map)
+            stored = resolve_buffers(model, reader, name_map)
             if dtype is not None:
                 target = resolve_dtype(None, dtype)
                 set_param_dtypes(
                     model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()}
                 )
-        buffers = _real_buffers(model, reader)
+        buffers = _real_buffers(model, reader, stored)
         mesh = mesh if mesh is not None else default_mesh(model)
         fsdp2_wrap(model, shard_root=shard_root, mp_policy=mp_policy, cpu_offload=cpu_offload, mesh=mesh)
         device = "cpu" if cpu_offload else (mesh.device_type if mesh.device_type == "cpu" else _current_device(mesh))
         model.to_empty(device=device)
         with torch.no_grad():
             for name, value in buffers.items():
-                model.get_buffer(name).copy_(value)
+                _copy_buffer(model.get_buffer(name), value)
         if callable(getattr(model, "tie_weights", None)):
             model.tie_weights()
         read = _fill_local(model, reader, sources)
@@ -140,6 +145,16 @@ def load_pretrained(
     }
     setattr(model, DISTRIBUTION_PLAN_ATTR, plan)
     return model.eval()
+
+
+def _copy_buffer(target: torch.Tensor, value: torch.Tensor) -> None:
+    """A buffer's value into the materialised model: whole (FSDP2 leaves buffers replicated), or this rank's rows
+    of one a module keeps sharded itself (a DTensor)."""
+    if isinstance(target, DTensor):
+        start, stop = local_rows(target)
+        target.to_local().copy_(value[start:stop])
+    else:
+        target.copy_(value)
 
 
 def _check_on_meta(model: nn.Module) -> None:

@@ -8,6 +8,10 @@ layouts original checkpoints use where transformers' modules differ from them:
   source stacks the experts, and a rank reading rows ``[a, b)`` of dim 0 reads experts ``a .. b-1`` only;
 * a VLM's language model and towers live under ``model.`` in the module (``model.language_model.layers``) and at
   the top in Llava-style checkpoints (``language_model.model.layers``, ``vision_tower``, ``language_model.lm_head``).
+
+A module's persistent buffers (DeepSeek-V3's router ``e_score_correction_bias``) are looked up the same way
+(:func:`resolve_buffers`) and loaded when the checkpoint holds them; only a tensor that is neither a parameter nor
+a buffer of the module is refused as unexpected.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models.checkpoint import CheckpointReader
+from ..sharding.fsdp2 import persistent_buffers
 from .build import IGNORED_KEY_SUFFIXES, named_keys
 
 NameMap = Mapping[str, str] | Callable[[str], str]
@@ -114,13 +119,15 @@ def resolve_sources(model: nn.Module, reader: CheckpointReader, name_map: NameMa
             f"{named_keys(missing)} (pass name_map= to say under which names they are stored)"
         )
     used = {k for s in sources.values() for k in s.keys()}
+    used |= set(resolve_buffers(model, reader, name_map).values())
+    used |= {k for n, _ in model.named_buffers() for k in _candidates(n, name_map)}  # computed ones: allowed
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(sources)  # tied: may be stored
     used |= {k for n in aliases for k in _candidates(n, name_map)}
     unexpected = [k for k in reader.keys() if k not in used and not k.endswith(IGNORED_KEY_SUFFIXES)]
     if unexpected:
         raise CheckpointError(
-            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} (not parameters of "
-            f"{type(model).__name__})"
+            f"{reader.file_of(unexpected[0])}: unexpected tensor(s) {named_keys(unexpected)} (neither parameters nor "
+            f"buffers of {type(model).__name__})"
         )
     params = dict(model.named_parameters())
     for name, source in sources.items():
@@ -131,3 +138,21 @@ def resolve_sources(model: nn.Module, reader: CheckpointReader, name_map: NameMa
                 f"{name!r}, the module has {list(want)}"
             )
     return sources
+
+
+def resolve_buffers(model: nn.Module, reader: CheckpointReader, name_map: NameMap | None = None) -> dict[str, str]:
+    """Persistent buffer name -> its checkpoint key, for every persistent buffer the checkpoint holds, checked:
+    the stored shape must be the buffer's (:class:`CheckpointError` naming the file and the key). A persistent
+    buffer the checkpoint lacks keeps the value the module computed (as transformers does)."""
+    found: dict[str, str] = {}
+    for name, buf in persistent_buffers(model).items():
+        key = _find(name, reader, name_map)
+        if key is None:
+            continue
+        if tuple(reader.shape(key)) != tuple(buf.shape):
+            raise CheckpointError(
+                f"{reader.file_of(key)}: {key!r} has shape {list(reader.shape(key))}, the buffer {name!r} of "
+                f"{type(model).__name__} has {list(buf.shape)}"
+            )
+        found[name] = key
+    return found

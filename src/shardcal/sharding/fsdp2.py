@@ -373,3 +373,16 @@ def local_rows(param: DTensor) -> tuple[int, int]:
     if any(offset[1:]):
         raise NotImplementedError("only dim-0 sharding is supported")
     return offset[0], offset[0] + shape[0]
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every persistent buffer of ``module`` by its state-dict name: what a checkpoint holds beside parameters
+    (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``). FSDP2 shards parameters only: buffers stay whole on every
+    rank. Computed, non-persistent buffers (rotary tables) are not listed."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        skipped = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in skipped:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
