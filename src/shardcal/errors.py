@@ -37,7 +37,8 @@ class ModelLayoutError(ShardcalError):
 
 
 class CalibrationCheckpointError(ShardcalError):
-    """A calibration checkpoint directory is corrupt or belongs to another model, recipe or world size."""
+    """A calibration checkpoint directory is corrupt, unwritable, or belongs to another run (model, recipe, data,
+    options) or to another kind of checkpoint. The base of :class:`CollectionCheckpointError`."""
 
 
 class ExportError(ShardcalError):
@@ -59,6 +60,12 @@ class DistributedError(ShardcalError):
 class CollectionError(ShardcalError):
     """An activation-collection target, statistic or directory is unusable (a pattern matching nothing, a module
     the forward never runs, a save directory that holds something else, a collected report that does not fit)."""
+
+
+class CollectionCheckpointError(CalibrationCheckpointError):
+    """An activation-collection checkpoint directory is corrupt, unwritable, or belongs to another run (model, data,
+    targets, statistics) or to another kind of checkpoint. A :class:`CalibrationCheckpointError`, so that code
+    catching that (every checkpoint error, before this class existed) still catches it."""
 
 
 class InsufficientMemoryError(ShardcalError):

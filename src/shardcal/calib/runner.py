@@ -52,7 +52,7 @@ from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.fsdp2 import sync_unsharded_to_shards
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from .checkpoint import (
     CalibrationCheckpoint,
     local_weight_pieces,
@@ -350,12 +350,7 @@ def _calibrate(
     if options.propagate is None:
         options = options.replace(propagate=algorithm.propagate)
     propagate = options.propagate
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     config = getattr(model, "config", None)
     batches = make_batches(
         data,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CalibrationCheckpointError, CollectionError, ModelLayoutError
+from ..errors import CalibrationCheckpointError, CollectionError
 from ..layerwise.batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import ExpertTokenMasks
@@ -37,7 +37,7 @@ from ..layerwise.steps import LayerStep, compute_device, embed_batches, layer_st
 from ..runtime.distributed import dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from .checkpoint import CollectionCheckpoint
 from .report import (
     DEFAULT_BINS,
@@ -149,12 +149,7 @@ def _plan(model: nn.Module, data: Any, targets: Any, o: dict[str, Any]) -> Colle
     for name, low in (("bins", 1), ("top_k", 0), ("checkpoint_every", 1), ("batch_size", 1)):
         _check_number(name, o[name], low)
     _check_number("keep_mb", o["keep_mb"], 0, integer=False)
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     resolved = resolve_targets(model, patterns, decoder_layer_prefix(model, layers), len(layers))
     dtype = parse_dtype(o["save_dtype"], model_dtype(model))
     config = getattr(model, "config", None)
