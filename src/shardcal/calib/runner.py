@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,13 @@ from torch import nn
 from ..algorithms import LayerAlgorithm, make_algorithm
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
-from ..errors import CalibrationCheckpointError, ModelLayoutError
-from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..errors import ModelLayoutError
+from ..layerwise.batches import leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from ..layerwise.options import CalibrationOptions
-from ..layerwise.steps import LayerStep, compute_device, embed_batches, layer_steps
+from ..layerwise.progress import progress_bar
+from ..layerwise.resume import announce_resume, resume_point
+from ..layerwise.steps import LayerStep, layer_steps
 from ..quant.experts import (
     calibrate_expert_weights,
     detach_expert_quantizers,
@@ -397,14 +398,15 @@ def _calibrate(
         restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
         restore_weights(model, resume.weights)
         report.resumed_from_layer = start
-        if start < len(layers):
-            initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
+        start, initial = resume_point(
+            model, local_batches, resume, len(layers), checkpoint, options.offload_activations
+        )
 
     if rank == 0:
         warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
     if resume is not None and options.progress and rank == 0:
-        _announce_resume(resume, options.checkpoint_dir, len(layers))
-    bar = _progress_bar(len(layers), start, options.progress and rank == 0)
+        announce_resume(resume, checkpoint.dir, len(layers))
+    bar = progress_bar("calibrate", len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
         model,
         local_batches,
@@ -458,40 +460,3 @@ def _commit(
         [dict(entry.__dict__) for entry in report.layers[:done]],
         weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
     )
-
-
-def _restore_inputs(
-    model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None
-) -> list:
-    """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
-    device = compute_device(model)
-    cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
-    if len(activations) != len(local_batches):
-        raise CalibrationCheckpointError(
-            f"calibration checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
-        )
-    inputs = embed_batches(model, local_batches, device, cache_device)  # cheap; also collective like a normal start
-    for x, stored in zip(inputs, activations):
-        x.hidden_states = stored.to(cache_device)
-    return inputs
-
-
-def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
-    print(
-        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
-        file=sys.stderr,
-    )
-
-
-def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    import threading
-
-    from tqdm.auto import tqdm
-
-    # A thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit (launcher), which would leave
-    # that semaphore registered with the resource tracker ("leaked semaphore objects").
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")
