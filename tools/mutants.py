@@ -277,8 +277,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "runner-resume-restore",
         "calib/runner.py",
-        "        restore_weights(model, resume.weights)\n",
-        "        pass\n",
+        "    restore_weights(model, resume.weights)\n",
+        "    pass\n",
         "resume does not restore weights that an algorithm changed",
         tests=(
             "tests/algorithms/test_algorithms.py::test_gptq_resume_is_bit_identical",

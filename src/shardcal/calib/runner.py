@@ -24,7 +24,8 @@ from ..algorithms import LayerAlgorithm, make_algorithm
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
 from ..errors import ModelLayoutError
-from ..layerwise.batches import leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from ..layerwise.options import CalibrationOptions
 from ..layerwise.progress import progress_bar
@@ -56,6 +57,7 @@ from ..sharding.fsdp2 import sync_unsharded_to_shards
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from .checkpoint import (
     CalibrationCheckpoint,
+    ResumeState,
     local_weight_pieces,
     quantizer_state,
     restore_quantizers,
@@ -391,16 +393,7 @@ def _calibrate(
         num_batches=len(batches),
         num_tokens=sum(b.num_tokens for b in batches),
     )
-    start, initial = 0, None
-    if resume is not None:
-        start = resume.completed_layers
-        report.layers = [LayerReport(**entry) for entry in resume.report]
-        restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
-        restore_weights(model, resume.weights)
-        report.resumed_from_layer = start
-        start, initial = resume_point(
-            model, local_batches, resume, len(layers), checkpoint, options.offload_activations
-        )
+    start, initial = _resume(model, recipe, names, resume, report, local_batches, checkpoint, options)
 
     if rank == 0:
         warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
@@ -441,6 +434,28 @@ def _calibrate(
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
     return report
+
+
+def _resume(
+    model: nn.Module,
+    recipe: Recipe,
+    names: list[str],
+    resume: ResumeState | None,
+    report: CalibrationReport,
+    local_batches: list[Batch],
+    checkpoint: CalibrationCheckpoint | None,
+    options: CalibrationOptions,
+) -> tuple[int, list[CachedInputs] | None]:
+    """Put back what the checkpoint committed — the finished layers' report entries and quantizers, and weights an
+    algorithm changed — and return where the run starts and that layer's inputs (``(0, None)`` without one)."""
+    if resume is None or checkpoint is None:
+        return 0, None
+    done = resume.completed_layers
+    report.layers = [LayerReport(**entry) for entry in resume.report]
+    restore_quantizers(model, recipe, names[:done], resume.quantizer_state, set(report.fallback_layers))
+    restore_weights(model, resume.weights)
+    report.resumed_from_layer = done
+    return resume_point(model, local_batches, resume, len(names), checkpoint, options.offload_activations)
 
 
 def _commit(

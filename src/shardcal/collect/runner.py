@@ -38,7 +38,7 @@ from ..runtime.distributed import dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from .checkpoint import CollectionCheckpoint
+from .checkpoint import CollectionCheckpoint, CollectionResume
 from .options import CollectionOptions, parse_stats
 from .report import (
     ActivationReport,
@@ -140,7 +140,9 @@ def _plan(model: nn.Module, data: Any, targets: Any, options: CollectionOptions)
     return CollectionPlan(resolved, settings["patterns"], options, batches, mine, fingerprint, writer, checkpoint)
 
 
-def _resume(plan: CollectionPlan, model: nn.Module, local_batches: list[Batch], stop: int) -> tuple[Any, Any, Any]:
+def _resume(
+    plan: CollectionPlan, model: nn.Module, local_batches: list[Batch], stop: int
+) -> tuple[CollectionResume | None, int, list[CachedInputs] | None]:
     """``(resume state or None, first layer, its inputs)``; a checkpoint that lacks a finished layer's statistics,
     or whose finished flag disagrees with its layer count, is refused."""
     resume = plan.checkpoint.load(plan.mine) if plan.checkpoint is not None else None
