@@ -277,8 +277,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "runner-resume-restore",
         "calib/runner.py",
-        "        restore_weights(model, resume.weights)\n",
-        "        pass\n",
+        "    restore_weights(model, resume.weights)\n",
+        "    pass\n",
         "resume does not restore weights that an algorithm changed",
         tests=(
             "tests/algorithms/test_algorithms.py::test_gptq_resume_is_bit_identical",
@@ -316,10 +316,10 @@ CATALOGUE: list[Mutant] = [
         "        inputs = [x.with_hidden(x.hidden_states) for out, x in zip(outputs, inputs)]\n",
         "every layer gets the embeddings as input",
     ),
-    # ------------------------------------------------------------------ checkpoint / resume (calib_checkpoint.py)
+    # ------------------------------------------------------------------ checkpoint / resume (both kinds' base, calibration's)
     Mutant(
         "ckpt-fingerprint",
-        "calib/checkpoint.py",
+        "layerwise/checkpoint.py",
         "            if stored.get(key) != value:\n",
         "            if key == 'world_size' and stored.get(key) != value:\n",
         "only the world size of a checkpoint is checked on resume",
@@ -333,8 +333,8 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "ckpt-sha",
-        "calib/checkpoint.py",
-        "        if _sha256(path) != expected:\n",
+        "layerwise/checkpoint.py",
+        "        if sha256(path) != expected:\n",
         "        if False:\n",
         "a corrupt checkpoint file is used",
     ),

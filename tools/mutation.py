@@ -120,6 +120,11 @@ TESTS: dict[str, list[str]] = {
         "tests/calib/test_calibrate.py",
     ],
     "calib/checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
+    "layerwise/checkpoint.py": [
+        "tests/calib/test_fingerprint_options.py",
+        "tests/calib/test_calibrate.py",
+        "tests/layerwise/test_checkpoint_kinds.py",
+    ],
     "algorithms/smoothquant.py": ["tests/algorithms/test_algorithms.py"],
     "export/plan.py": [
         "tests/export/test_export_claims.py",

@@ -6,8 +6,8 @@ Public API (see docs/api.md):
 - :func:`fsdp2_wrap`, :func:`fsdp2_root_unsharded`, :func:`layer_unsharded` — FSDP2 sharding for layer-wise use.
 - :func:`layer_steps` — the layer-stepping primitive other layer-wise algorithms build on.
 - :func:`calibrate` with :class:`CalibrationOptions` — the calibration runner; :func:`load_recipe` — recipes.
-- :func:`collect_activations` → :class:`ActivationReport`, :class:`ActivationDataset` — activation statistics and
-  raw activations of chosen modules, layer by layer.
+- :func:`collect_activations` with :class:`CollectionOptions` → :class:`ActivationReport`, :class:`ActivationDataset`
+  — activation statistics and raw activations of chosen modules, layer by layer.
 - :func:`export_checkpoint` — compressed-tensors export (streamed, distributed, atomic).
 - :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
 
@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ActivationReport": "shardcal.collect.report",
     "CalibrationOptions": "shardcal.calib.runner",
     "CalibrationReport": "shardcal.calib.report",
+    "CollectionOptions": "shardcal.collect.runner",
     "LayerActivationCollector": "shardcal.sharding.registry",
     "LayerStep": "shardcal.layerwise.steps",
     "ShardcalError": "shardcal.errors",

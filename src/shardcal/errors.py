@@ -37,7 +37,8 @@ class ModelLayoutError(ShardcalError):
 
 
 class CalibrationCheckpointError(ShardcalError):
-    """A calibration checkpoint directory is corrupt or belongs to another model, recipe or world size."""
+    """A calibration checkpoint directory is corrupt, unwritable, or belongs to another run (model, recipe, data,
+    options) or to another kind of checkpoint. The base of :class:`CollectionCheckpointError`."""
 
 
 class ExportError(ShardcalError):
@@ -64,6 +65,12 @@ class CollectionError(ShardcalError):
 class PlanError(ShardcalError):
     """The planner cannot model this calibration: a recipe's algorithm that states no memory model, a model whose
     decoder layers or tensors it cannot find."""
+
+
+class CollectionCheckpointError(CalibrationCheckpointError):
+    """An activation-collection checkpoint directory is corrupt, unwritable, or belongs to another run (model, data,
+    targets, statistics) or to another kind of checkpoint. A :class:`CalibrationCheckpointError`, so that code
+    catching that (every checkpoint error, before this class existed) still catches it."""
 
 
 class InsufficientMemoryError(ShardcalError):

@@ -8,10 +8,10 @@ Nothing in the checkpoint depends on the world size: a run resumed on another nu
 it owns now and the rows of its new shards from whichever files hold them, and computes bit-identically to an
 uninterrupted run (whose result does not depend on the world size either).
 
-Files are safetensors (never pickle), each written to a temporary name, flushed and renamed, with its SHA-256 in
-the manifest. Files of the previous commit are deleted only after the new manifest is in place, so a crash at any
-moment leaves either the old or the new checkpoint intact. On resume, a manifest from another model, recipe, data
-or run options is refused, and a file whose digest does not match is reported as corrupt — never silently used.
+The directory's rules — safetensors files written atomically with their SHA-256 in the manifest, commits on every
+rank or none, the previous commit's files deleted only after the new manifest is in place, another run's or another
+kind's checkpoint refused naming what differs, a corrupt file never used — are :class:`LayerCheckpoint`'s
+(:mod:`shardcal.layerwise.checkpoint`); this module adds what a calibration commits and restores.
 """
 
 from __future__ import annotations
@@ -26,24 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import CalibrationCheckpointError
 from ..layerwise.batches import Batch, data_fingerprint
+from ..layerwise.checkpoint import LayerCheckpoint, is_count, read_tensor, read_tensors
+from ..layerwise.options import CalibrationOptions
 from ..quant.experts import expert_projections, iter_projections
 from ..quant.quantizer import QuantMode
 from ..quant.session import iter_quantizers
-from ..runtime.distributed import all_gather_strings, all_reduce_, barrier, broadcast_string, dp_group, world
+from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
-from ..runtime.fsutil import (
-    atomic_path,
-    atomic_write_text,
-    check_creatable,
-    remove_manifested_dir,
-    remove_matching_files,
-)
 from ..sharding.fsdp2 import local_rows
 from .recipes import Recipe, quantize_modules
 from .report import LayerReport
@@ -58,6 +51,8 @@ _REPORT_REQUIRED = {
     for f in dataclasses.fields(LayerReport)
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 }
+#: The options a checkpoint's ``options`` digest covers (``CalibrationOptions.fingerprint()`` and the collected report).
+_OPTIONS = [f.name for f in dataclasses.fields(CalibrationOptions) if f.metadata.get("fingerprint")]
 
 
 @dataclass
@@ -72,110 +67,77 @@ class ResumeState:
     committed_at: float = 0.0  # when the manifest was written (seconds since the epoch)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write a safetensors file atomically; a failed write (a full disk, a file size limit) leaves nothing."""
-    try:
-        with atomic_path(path) as tmp:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    except CalibrationCheckpointError:
-        raise
-    except Exception as exc:  # OSError, or safetensors' own error wrapping one
-        raise CalibrationCheckpointError(
-            f"{path}: cannot write the checkpoint ({' '.join(str(exc).split())[:200]})"
-        ) from None
-
-
-class CalibrationCheckpoint:
+class CalibrationCheckpoint(LayerCheckpoint):
     """A checkpoint directory for one calibration run (``fingerprint`` identifies model, recipe, data, options)."""
 
+    MANIFEST = MANIFEST
+    FORMAT_VERSION = FORMAT_VERSION
+    OWN_FILE = _OWN_FILE
+    FIELDS = ("num_layers", "report", "batches", "weights", "quantizers")
+    LABELS = {
+        "model": "model (config or parameter shapes)",
+        "model_weights": "model weights",
+        "recipe": "recipe",
+        "data": "data or batching",
+        "options": f"options ({', '.join(_OPTIONS)}, activation_report)",
+    }
+    MISMATCH = (
+        "checkpoint is from a different {label} (checkpoint: {stored}, this run: {value}); use another "
+        "--checkpoint-dir or delete this one"
+    )
+    FAULT = "checkpoint.commit"
+    error = CalibrationCheckpointError
+
     def __init__(self, directory: str | Path, fingerprint: dict[str, Any], rank: int, world_size: int):
-        self.dir = Path(directory)
-        self.fingerprint = fingerprint
+        super().__init__(directory, fingerprint)
         self.rank, self.world_size = rank, world_size
 
     # ------------------------------------------------------------------ reading
-    def _manifest(self) -> dict[str, Any] | None:
-        path = self.dir / MANIFEST
-        if not path.exists():
-            return None
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
-            raise CalibrationCheckpointError(
-                f"{path}: corrupt manifest ({exc}); delete the directory to start over"
-            ) from None
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            raise CalibrationCheckpointError(
-                f"{path}: not a shardcal calibration manifest (format_version {FORMAT_VERSION})"
-            )
-        _check_manifest(path, manifest)
-        return manifest
+    def check_fields(self, path: Path, manifest: dict[str, Any]) -> None:
+        """The manifest's fields have the types and shapes this reader relies on (errors name the field)."""
+        super().check_fields(path, manifest)
+        done, total, files = manifest["completed_layers"], manifest["num_layers"], manifest["files"]
+        if not is_count(total, done):
+            raise self.corrupt(path, "num_layers", f"is {total!r}, not a count of at least completed_layers")
+        self._check_report(path, manifest["report"])
+        if not isinstance(manifest["batches"], dict) or not all(
+            isinstance(v, str) and v in files for v in manifest["batches"].values()
+        ):
+            raise self.corrupt(path, "batches", "does not map batch indices to listed files")
+        if not isinstance(manifest["quantizers"], str) or manifest["quantizers"] not in files:
+            raise self.corrupt(path, "quantizers", "does not name a listed file")
+        if not _are_pieces(manifest["weights"], files):
+            raise self.corrupt(path, "weights", "is not an object of (file, first row, end row) pieces")
 
-    def _check_fingerprint(self, manifest: dict[str, Any]) -> None:
-        stored = manifest["fingerprint"]
-        for key, value in self.fingerprint.items():
-            if stored.get(key) != value:
-                raise CalibrationCheckpointError(
-                    f"{self.dir / MANIFEST}: checkpoint is from a different {key.replace('_', ' ')} "
-                    f"(checkpoint: {str(stored.get(key))[:80]}, this run: {str(value)[:80]}); use another "
-                    "--checkpoint-dir or delete this one"
-                )
-
-    def _verified(self, manifest: dict[str, Any], name: str, seen: set[str]) -> Path:
-        path = self.dir / name
-        if name in seen:
-            return path
-        expected = manifest["files"].get(name)
-        if expected is None or not path.is_file():
-            raise CalibrationCheckpointError(
-                f"{path}: listed by the manifest but missing; the checkpoint is incomplete"
-            )
-        if _sha256(path) != expected:
-            raise CalibrationCheckpointError(
-                f"{path}: contents do not match the manifest's SHA-256 (corrupt or overwritten)"
-            )
-        seen.add(name)
-        return path
-
-    def _check_directory(self) -> None:
-        """Refuse a directory that cannot hold the checkpoint now, not after the first layer is calibrated."""
-        if self.dir.exists() and not self.dir.is_dir():
-            raise CalibrationCheckpointError(f"{self.dir}: exists and is not a directory")
-        check_creatable(self.dir, CalibrationCheckpointError, f"cannot create the checkpoint directory {self.dir}")
+    def _check_report(self, path: Path, report: Any) -> None:
+        if not isinstance(report, list) or not all(isinstance(e, dict) for e in report):
+            raise self.corrupt(path, "report", "is not a list of objects")
+        for entry in report:
+            unknown = sorted(set(entry) - _REPORT_FIELDS)
+            missing = sorted(_REPORT_REQUIRED - set(entry))
+            if unknown or missing:
+                what = f"unknown key {unknown[0]!r}" if unknown else f"no {missing[0]!r}"
+                raise self.corrupt(path, "report", f"has an entry with {what}")
 
     def load(self, batch_indices: Sequence[int]) -> ResumeState | None:
         """The committed state for this rank, which owns global batches ``batch_indices`` now (any world size), or
         None when the directory holds no checkpoint yet. Not collective."""
-        self._check_directory()
-        manifest = self._manifest()
+        manifest = self.opened()
         if manifest is None:
             return None
-        self._check_fingerprint(manifest)
-        seen: set[str] = set()
         done = int(manifest["completed_layers"])
         activations = []
         if done < manifest["num_layers"]:
             for b in batch_indices:
                 name = manifest["batches"].get(str(b))
                 if name is None:
-                    raise CalibrationCheckpointError(
-                        f"{self.dir / MANIFEST}: no activations of batch {b}; the checkpoint is incomplete"
-                    )
-                activations.append(_read_tensor(self._verified(manifest, name, seen), f"batch{b}"))
-        quant = _read_all(self._verified(manifest, manifest["quantizers"], seen))
+                    raise self.error(f"{self.manifest_path}: no activations of batch {b}; the checkpoint is incomplete")
+                activations.append(read_tensor(self.verified(manifest, name), f"batch{b}", self.error))
+        quant = read_tensors(self.verified(manifest, manifest["quantizers"]), self.error)
         weights = {}
         for pname, pieces in manifest["weights"].items():
-            weights[pname] = [(str(self._verified(manifest, f, seen)), a, b) for f, a, b in pieces]
-        committed_at = (self.dir / MANIFEST).stat().st_mtime
-        return ResumeState(done, activations, quant, list(manifest["report"]), weights, committed_at)
+            weights[pname] = [(str(self.verified(manifest, f)), a, b) for f, a, b in pieces]
+        return ResumeState(done, activations, quant, list(manifest["report"]), weights, self.committed_at())
 
     # ------------------------------------------------------------------ writing
     def commit(
@@ -192,48 +154,19 @@ class CalibrationCheckpoint:
         ``activations``: this rank's global batch index -> hidden states; ``weights``: parameter name -> (first
         global row, this rank's rows), or None when weights did not change.
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
-        previous = self._manifest_or_none()  # read before the gather below: rank 0 replaces it after
-        part: dict[str, Any] = {"files": {}, "batches": {}, "weights": {}, "error": ""}
-        try:
-            self._write_part(part, completed_layers, activations, quantizer_state, weights)
-        except CalibrationCheckpointError as exc:
-            part["error"] = str(exc)
-        fault_point("checkpoint.commit", step="parts written", rank=self.rank)
-        parts = [json.loads(p) for p in all_gather_strings(json.dumps(part))]
-        errors = [p["error"] for p in parts if p["error"]]
-        if errors:  # every rank stops; the previous commit stays the checkpoint
-            kept = previous.get("files", {}) if previous is not None else {}
-            for name in part["files"]:
-                if name not in kept:
-                    (self.dir / name).unlink(missing_ok=True)
-            raise CalibrationCheckpointError(errors[0])
-        merged = _merge_parts(parts)
-        if self.rank == 0:
-            manifest = {
+
+        def manifest_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
+            return {
                 "format_version": FORMAT_VERSION,
                 "fingerprint": self.fingerprint,
                 "completed_layers": completed_layers,
                 "num_layers": num_layers,
                 "report": report,
-                **merged,
+                **_merge_parts(parts),
             }
-            try:
-                atomic_write_text(self.dir / MANIFEST, json.dumps(manifest, indent=1))
-            except OSError as exc:
-                part["error"] = f"{self.dir / MANIFEST}: cannot write the checkpoint ({exc.strerror or exc})"
-        fault_point("checkpoint.commit", step="manifest written", rank=self.rank)
-        failure = broadcast_string(part["error"] if self.rank == 0 else "")
-        if failure:
-            raise CalibrationCheckpointError(failure)
-        if self.rank == 0:  # the new manifest is in place: the old files can go
-            self._remove_files_except(merged["files"])
-        barrier()
 
-    def _remove_files_except(self, keep: dict[str, str]) -> None:
-        """Remove this checkpoint's own files (and temporaries a killed run left) that ``keep`` does not list."""
-        remove_matching_files(
-            self.dir, _OWN_FILE, keep, lambda: fault_point("checkpoint.commit", step="old file removed", rank=self.rank)
+        self.commit_parts(
+            lambda part: self._write_part(part, completed_layers, activations, quantizer_state, weights), manifest_of
         )
 
     def _write_part(
@@ -245,29 +178,21 @@ class CalibrationCheckpoint:
         weights: dict[str, tuple[int, torch.Tensor]] | None,
     ) -> None:
         """This rank's files, recorded in ``part`` as they are written."""
+        part.update(batches={}, weights={})
         meta = {"completed_layers": str(completed_layers), "rank": str(self.rank)}
         if activations:
             name = f"activations-L{completed_layers:05d}-rank{self.rank:05d}.safetensors"
-            _atomic_save({f"batch{b}": a for b, a in activations.items()}, self.dir / name, meta)
-            part["files"][name] = _sha256(self.dir / name)
+            part["files"][name] = self.save({f"batch{b}": a for b, a in activations.items()}, name, meta)
             part["batches"] = {str(b): name for b in activations}
-        fault_point("checkpoint.commit", step="activations written", rank=self.rank)
+        fault_point(self.FAULT, step="activations written", rank=self.rank)
         if weights:
             name = f"weights-L{completed_layers:05d}-rank{self.rank:05d}.safetensors"
-            _atomic_save({f"{p}@{start}": rows for p, (start, rows) in weights.items()}, self.dir / name, meta)
-            part["files"][name] = _sha256(self.dir / name)
+            part["files"][name] = self.save({f"{p}@{start}": rows for p, (start, rows) in weights.items()}, name, meta)
             part["weights"] = {p: [[name, start, start + rows.shape[0]]] for p, (start, rows) in weights.items()}
         if self.rank == 0:
             name = f"quantizers-L{completed_layers:05d}.safetensors"
-            _atomic_save(quantizer_state, self.dir / name, meta)
-            part["files"][name] = _sha256(self.dir / name)
+            part["files"][name] = self.save(quantizer_state, name, meta)
             part["quantizers"] = name
-
-    def _manifest_or_none(self) -> dict[str, Any] | None:
-        try:
-            return self._manifest()
-        except CalibrationCheckpointError:
-            return None
 
 
 def _merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,42 +211,9 @@ def _merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"files": files, "batches": batches, "weights": weights, "quantizers": quantizers}
 
 
-def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """The manifest's fields have the types and shapes this reader relies on (errors name the field)."""
-
-    def bad(field: str, what: str) -> CalibrationCheckpointError:
-        return CalibrationCheckpointError(f"{path}: corrupt manifest (field {field!r} {what})")
-
-    for key in ("fingerprint", "completed_layers", "num_layers", "files", "report", "batches", "weights", "quantizers"):
-        if key not in manifest:
-            raise CalibrationCheckpointError(f"{path}: corrupt manifest (field {key!r} missing)")
-    done, files = manifest["completed_layers"], manifest["files"]
-    if not isinstance(manifest["fingerprint"], dict):
-        raise bad("fingerprint", "is not an object")
-    if not isinstance(done, int) or isinstance(done, bool) or done < 0:
-        raise bad("completed_layers", f"is {done!r}, not a count")
-    total = manifest["num_layers"]
-    if not isinstance(total, int) or isinstance(total, bool) or total < done:
-        raise bad("num_layers", f"is {total!r}, not a count of at least completed_layers")
-    if not isinstance(files, dict) or not all(isinstance(v, str) and Path(k).name == k for k, v in files.items()):
-        raise bad("files", "is not an object of file names and digests")
-    report = manifest["report"]
-    if not isinstance(report, list) or not all(isinstance(e, dict) for e in report):
-        raise bad("report", "is not a list of objects")
-    for entry in report:
-        unknown = sorted(set(entry) - _REPORT_FIELDS)
-        missing = sorted(_REPORT_REQUIRED - set(entry))
-        if unknown or missing:
-            what = f"unknown key {unknown[0]!r}" if unknown else f"no {missing[0]!r}"
-            raise bad("report", f"has an entry with {what}")
-    if not isinstance(manifest["batches"], dict) or not all(
-        isinstance(v, str) and v in files for v in manifest["batches"].values()
-    ):
-        raise bad("batches", "does not map batch indices to listed files")
-    if not isinstance(manifest["quantizers"], str) or manifest["quantizers"] not in files:
-        raise bad("quantizers", "does not name a listed file")
-    weights = manifest["weights"]
-    ok = isinstance(weights, dict) and all(
+def _are_pieces(weights: Any, files: dict[str, str]) -> bool:
+    """Whether ``weights`` maps parameter names to lists of ``[listed file, first row, end row]``."""
+    return isinstance(weights, dict) and all(
         isinstance(pieces, list)
         and all(
             isinstance(p, list)
@@ -332,28 +224,6 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
         )
         for pieces in weights.values()
     )
-    if not ok:
-        raise bad("weights", "is not an object of (file, first row, end row) pieces")
-
-
-def _read_all(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:
-        raise CalibrationCheckpointError(f"{path}: unreadable ({' '.join(str(exc).split())})") from None
-
-
-def _read_tensor(path: Path, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if key not in f.keys():
-                raise CalibrationCheckpointError(f"{path}: tensor {key!r} listed by the manifest is not in the file")
-            return f.get_slice(key)[rows[0] : rows[1]] if rows is not None else f.get_tensor(key)
-    except CalibrationCheckpointError:
-        raise
-    except Exception as exc:
-        raise CalibrationCheckpointError(f"{path}: unreadable ({' '.join(str(exc).split())})") from None
 
 
 # ----------------------------------------------------------------------------------------------- model state
@@ -478,7 +348,7 @@ def restore_weights(model: nn.Module, pieces: dict[str, list[tuple[str, int, int
                 lo, hi = max(a, start), min(b, stop)
                 if lo >= hi:
                     continue
-                rows = _read_tensor(Path(file), f"{name}@{a}", (lo - a, hi - a))
+                rows = read_tensor(Path(file), f"{name}@{a}", CalibrationCheckpointError, (lo - a, hi - a))
                 if tuple(rows.shape[1:]) != tuple(target.shape[1:]):
                     raise CalibrationCheckpointError(
                         f"{file}: weights {name!r} have rows of shape {list(rows.shape[1:])}, expected {list(target.shape[1:])}"
@@ -495,4 +365,4 @@ def remove_checkpoint(directory: str | Path) -> int:
     """Delete a calibration checkpoint: its manifest first (so a half-removed one is never resumed), then its own
     files, then the directory when nothing else is in it. Returns the bytes freed. Not collective (one rank, after
     the run); files that are not the checkpoint's are left alone."""
-    return remove_manifested_dir(directory, MANIFEST, _OWN_FILE)
+    return CalibrationCheckpoint.remove(directory)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,14 @@ from torch import nn
 from ..algorithms import LayerAlgorithm, make_algorithm
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
-from ..errors import CalibrationCheckpointError, ModelLayoutError
+from ..errors import ModelLayoutError
 from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from ..layerwise.options import CalibrationOptions
-from ..layerwise.steps import LayerStep, compute_device, embed_batches, layer_steps
+from ..layerwise.progress import progress_bar
+from ..layerwise.resume import announce_resume, resume_point
+from ..layerwise.steps import LayerStep, layer_steps
 from ..quant.experts import (
     calibrate_expert_weights,
     detach_expert_quantizers,
@@ -52,9 +54,10 @@ from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.fsdp2 import sync_unsharded_to_shards
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from .checkpoint import (
     CalibrationCheckpoint,
+    ResumeState,
     local_weight_pieces,
     quantizer_state,
     restore_quantizers,
@@ -350,12 +353,7 @@ def _calibrate(
     if options.propagate is None:
         options = options.replace(propagate=algorithm.propagate)
     propagate = options.propagate
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     config = getattr(model, "config", None)
     batches = make_batches(
         data,
@@ -395,21 +393,13 @@ def _calibrate(
         num_batches=len(batches),
         num_tokens=sum(b.num_tokens for b in batches),
     )
-    start, initial = 0, None
-    if resume is not None:
-        start = resume.completed_layers
-        report.layers = [LayerReport(**entry) for entry in resume.report]
-        restore_quantizers(model, recipe, names[:start], resume.quantizer_state, set(report.fallback_layers))
-        restore_weights(model, resume.weights)
-        report.resumed_from_layer = start
-        if start < len(layers):
-            initial = _restore_inputs(model, local_batches, resume.activations, options.offload_activations)
+    start, initial = _resume(model, recipe, names, resume, report, local_batches, checkpoint, options)
 
     if rank == 0:
         warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
     if resume is not None and options.progress and rank == 0:
-        _announce_resume(resume, options.checkpoint_dir, len(layers))
-    bar = _progress_bar(len(layers), start, options.progress and rank == 0)
+        announce_resume(resume, checkpoint.dir, len(layers))
+    bar = progress_bar("calibrate", len(layers), start, options.progress and rank == 0)
     steps = layer_steps(
         model,
         local_batches,
@@ -446,6 +436,28 @@ def _calibrate(
     return report
 
 
+def _resume(
+    model: nn.Module,
+    recipe: Recipe,
+    names: list[str],
+    resume: ResumeState | None,
+    report: CalibrationReport,
+    local_batches: list[Batch],
+    checkpoint: CalibrationCheckpoint | None,
+    options: CalibrationOptions,
+) -> tuple[int, list[CachedInputs] | None]:
+    """Put back what the checkpoint committed — the finished layers' report entries and quantizers, and weights an
+    algorithm changed — and return where the run starts and that layer's inputs (``(0, None)`` without one)."""
+    if resume is None or checkpoint is None:
+        return 0, None
+    done = resume.completed_layers
+    report.layers = [LayerReport(**entry) for entry in resume.report]
+    restore_quantizers(model, recipe, names[:done], resume.quantizer_state, set(report.fallback_layers))
+    restore_weights(model, resume.weights)
+    report.resumed_from_layer = done
+    return resume_point(model, local_batches, resume, len(names), checkpoint, options.offload_activations)
+
+
 def _commit(
     checkpoint: CalibrationCheckpoint,
     model: nn.Module,
@@ -463,40 +475,3 @@ def _commit(
         [dict(entry.__dict__) for entry in report.layers[:done]],
         weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
     )
-
-
-def _restore_inputs(
-    model: nn.Module, local_batches: list[Batch], activations: list[torch.Tensor], offload: bool | None
-) -> list:
-    """Rebuild the cached inputs of the resume layer: stored hidden states + recomputed rotary tables and masks."""
-    device = compute_device(model)
-    cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
-    if len(activations) != len(local_batches):
-        raise CalibrationCheckpointError(
-            f"calibration checkpoint holds {len(activations)} activation batches for this rank, the data gives {len(local_batches)}"
-        )
-    inputs = embed_batches(model, local_batches, device, cache_device)  # cheap; also collective like a normal start
-    for x, stored in zip(inputs, activations):
-        x.hidden_states = stored.to(cache_device)
-    return inputs
-
-
-def _announce_resume(resume: Any, checkpoint_dir: Any, num_layers: int) -> None:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
-    print(
-        f"resuming after layer {resume.completed_layers} of {num_layers} from {checkpoint_dir} (committed {when})",
-        file=sys.stderr,
-    )
-
-
-def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    import threading
-
-    from tqdm.auto import tqdm
-
-    # A thread lock, not tqdm's default multiprocessing one: a rank leaves with os._exit (launcher), which would leave
-    # that semaphore registered with the resource tracker ("leaked semaphore objects").
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, initial=initial, desc="calibrate", unit="layer")

@@ -18,31 +18,29 @@ an interrupted run resumes after the last committed layer, on any number of rank
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CalibrationCheckpointError, CollectionError, ModelLayoutError
+from ..errors import CollectionCheckpointError, CollectionError
 from ..layerwise.batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import ExpertTokenMasks
-from ..layerwise.steps import LayerStep, compute_device, embed_batches, layer_steps
+from ..layerwise.progress import progress_bar
+from ..layerwise.resume import announce_resume, resume_point
+from ..layerwise.steps import LayerStep, layer_steps
 from ..runtime.distributed import dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
-from .checkpoint import CollectionCheckpoint
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+from .checkpoint import CollectionCheckpoint, CollectionResume
+from .options import CollectionOptions, parse_stats
 from .report import (
-    DEFAULT_BINS,
-    DEFAULT_TOP_K,
-    STATS,
     ActivationReport,
     TargetStats,
     json_digest,
@@ -58,61 +56,32 @@ from .stats import (
     merge_maxima,
     merge_sums,
 )
-from .store import ActivationWriter, dtype_name, parse_dtype
+from .store import ActivationWriter, parse_dtype
 from .targets import Target, observed_tensor, parse_targets, resolve_targets
+
+#: ``parse_stats`` is also the CLI's (its definition is in :mod:`.options`).
+__all__ = ["CollectionOptions", "CollectionPlan", "collect_activations", "model_dtype", "parse_stats"]
 
 
 def collect_activations(
     model: nn.Module,
     data: Any,
     targets: str | Iterable[str],
-    *,
-    stats: Sequence[str] = STATS,
-    save_dir: str | Path | None = None,
-    save_dtype: torch.dtype | str | None = None,
-    batch_size: int = 8,
-    bins: int = DEFAULT_BINS,
-    top_k: int = DEFAULT_TOP_K,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int = 1,
-    offload_activations: bool | None = None,
-    keep_mb: float = 4096,
-    progress: bool = True,
+    options: CollectionOptions | None = None,
+    **changes: Any,
 ) -> ActivationReport:
     """Statistics (and with ``save_dir`` the raw values) of ``targets``' activations over ``data``, layer by layer.
 
     ``targets``: patterns ``"PATTERN[:input|output]"`` (:mod:`shardcal.collect.targets`), e.g.
-    ``"model.layers.*.mlp.down_proj:input"``, ``"model.layers.*:output"`` (the residual stream). ``stats``: which of
-    ``absmax``, ``mean``, ``meansq``, ``histogram`` to keep (absmax and token counts are always kept). ``bins``: the
-    histogram's bins; ``top_k``: largest channels listed per target. ``save_dir``: write each target's activations
-    in ``save_dtype`` (default: the model's parameter dtype), read back with
-    :class:`~shardcal.collect.store.ActivationDataset`. ``keep_mb``: how much of a layer's target activations a
-    rank keeps from the first pass for the histogram before it runs a second pass instead (with ``save_dir`` they
-    are always kept: one layer's worth). Collective under torch.distributed: every rank calls it with the same
-    arguments; ``data`` as for :func:`shardcal.calibrate`. The report is identical on every rank and world size.
+    ``"model.layers.*.mlp.down_proj:input"``, ``"model.layers.*:output"`` (the residual stream). ``options``
+    (:class:`~shardcal.collect.options.CollectionOptions`) says what to keep and how to run; keyword ``changes``
+    override single fields (``collect_activations(model, ids, targets, stats=["absmax"], save_dir=d)``). Collective
+    under torch.distributed: every rank calls it with the same arguments; ``data`` as for :func:`shardcal.calibrate`.
+    The report is identical on every rank and world size.
     """
+    options = (options or CollectionOptions()).replace(**changes)
     with rank_guard():
-        return _collect(
-            model, data, targets, stats=stats, save_dir=save_dir, save_dtype=save_dtype, batch_size=batch_size,
-            bins=bins, top_k=top_k, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            offload_activations=offload_activations, keep_mb=keep_mb, progress=progress,
-        )  # fmt: skip
-
-
-def parse_stats(stats: Sequence[str] | str) -> list[str]:
-    """The statistics asked for, in :data:`STATS` order; a :class:`CollectionError` naming an unknown one."""
-    chosen = [stats] if isinstance(stats, str) else list(stats)
-    for s in chosen:
-        if s not in STATS:
-            raise CollectionError(f"stats: unknown statistic {s!r} (known: {', '.join(STATS)})")
-    return [s for s in STATS if s in chosen or s == "absmax"]
-
-
-def _check_number(name: str, value: Any, low: float, integer: bool = True) -> None:
-    """A :class:`CollectionError` unless ``value`` is an integer (or with ``integer=False`` a number) >= ``low``."""
-    kinds = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < low:
-        raise CollectionError(f"{name} must be {'an integer' if integer else 'a number'} >= {low}, got {value!r}")
+        return _collect(model, data, targets, options)
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
@@ -126,8 +95,7 @@ class CollectionPlan:
 
     targets: list[Target]
     patterns: list[str]
-    stats: list[str]
-    options: dict[str, Any]
+    options: CollectionOptions  # save_dtype resolved
     batches: list[Batch]
     mine: list[int]
     fingerprint: dict[str, str]
@@ -142,100 +110,109 @@ class CollectionPlan:
         return out
 
 
-def _plan(model: nn.Module, data: Any, targets: Any, o: dict[str, Any]) -> CollectionPlan:
-    """Check every argument (nothing is written) and prepare the run. Collective (the model's fingerprint)."""
-    stats = parse_stats(o["stats"])
+def _plan(model: nn.Module, data: Any, targets: Any, options: CollectionOptions) -> CollectionPlan:
+    """Check the targets and the model (nothing is written) and prepare the run. Collective (the model's
+    fingerprint)."""
     patterns = parse_targets(targets)
-    for name, low in (("bins", 1), ("top_k", 0), ("checkpoint_every", 1), ("batch_size", 1)):
-        _check_number(name, o[name], low)
-    _check_number("keep_mb", o["keep_mb"], 0, integer=False)
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     resolved = resolve_targets(model, patterns, decoder_layer_prefix(model, layers), len(layers))
-    dtype = parse_dtype(o["save_dtype"], model_dtype(model))
+    options = options.resolved(model_dtype(model))
     config = getattr(model, "config", None)
     batches = make_batches(
         data,
-        o["batch_size"],
+        options.batch_size,
         vocab_size=getattr(config, "vocab_size", None),
         max_positions=getattr(config, "max_position_embeddings", None),
     )
     rank, world_size = world()
     fingerprint = run_fingerprint(model, batches)
-    settings = {
-        "targets": [t.name for t in resolved],
-        "patterns": [p.text for p in patterns],
-        "stats": stats,
-        "bins": o["bins"],
-        "top_k": o["top_k"],
-        "save_dtype": dtype_name(dtype) if o["save_dir"] is not None else None,
-    }
+    settings = {"targets": [t.name for t in resolved], "patterns": [p.text for p in patterns], **options.fingerprint()}
     run = json_digest({"fingerprint": fingerprint, "settings": settings})
-    writer = ActivationWriter(o["save_dir"], dtype, batches, run) if o["save_dir"] is not None else None
-    if writer is not None:
+    writer = None
+    if options.save_dir is not None:
+        writer = ActivationWriter(options.save_dir, parse_dtype(options.save_dtype, torch.float32), batches, run)
         writer.check()
     checkpoint = None
-    if o["checkpoint_dir"] is not None:  # not the world size: a run can resume on another number of ranks
-        checkpoint = CollectionCheckpoint(o["checkpoint_dir"], {**fingerprint, **settings})
+    if options.checkpoint_dir is not None:  # not the world size: a run can resume on another number of ranks
+        checkpoint = CollectionCheckpoint(options.checkpoint_dir, {**fingerprint, **settings})
         checkpoint.check_directory()
-    return CollectionPlan(
-        resolved, settings["patterns"], stats, o, batches, rank_batch_indices(len(batches), rank, world_size),
-        fingerprint, writer, checkpoint,
-    )  # fmt: skip
+    mine = rank_batch_indices(len(batches), rank, world_size)
+    return CollectionPlan(resolved, settings["patterns"], options, batches, mine, fingerprint, writer, checkpoint)
 
 
-def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationReport:
-    t0 = time.perf_counter()
-    report_phase("collect: setup")
-    plan = _plan(model, data, targets, o)
-    rank = world()[0]
-    local_batches = [plan.batches[i] for i in plan.mine]
-    last = max(plan.by_layer)
-    results: dict[str, TargetStats] = {}
-    entries: list[dict[str, Any]] = []
-    start, initial = 0, None
+def _resume(
+    plan: CollectionPlan, model: nn.Module, local_batches: list[Batch], stop: int
+) -> tuple[CollectionResume | None, int, list[CachedInputs] | None]:
+    """``(resume state or None, first layer, its inputs)``; a checkpoint that lacks a finished layer's statistics,
+    or whose finished flag disagrees with its layer count, is refused."""
     resume = plan.checkpoint.load(plan.mine) if plan.checkpoint is not None else None
     if resume is not None:
-        start, entries, results = resume.completed_layers, resume.entries, resume.stats
-        missing = [t.name for t in plan.targets if t.layer < start and t.name not in results]
-        if missing or resume.finished != (start > last):
-            what = f"no statistics of {missing[0]}" if missing else f"{start} layers done of {last + 1}"
-            raise CalibrationCheckpointError(f"{plan.checkpoint.dir}: collection checkpoint is inconsistent ({what})")
-        if start <= last:
-            initial = _restore_inputs(model, local_batches, resume.activations, o["offload_activations"])
+        missing = [t.name for t in plan.targets if t.layer < resume.completed_layers and t.name not in resume.stats]
+        if missing or resume.finished != (resume.completed_layers >= stop):
+            what = f"no statistics of {missing[0]}" if missing else f"{resume.completed_layers} layers done of {stop}"
+            raise CollectionCheckpointError(f"{plan.checkpoint.dir}: collection checkpoint is inconsistent ({what})")
+    start, initial = resume_point(model, local_batches, resume, stop, plan.checkpoint, plan.options.offload_activations)
+    return resume, start, initial
+
+
+def _collect(model: nn.Module, data: Any, targets: Any, options: CollectionOptions) -> ActivationReport:
+    t0 = time.perf_counter()
+    report_phase("collect: setup")
+    plan = _plan(model, data, targets, options)
+    o = plan.options
+    rank, world_size = world()
+    local_batches = [plan.batches[i] for i in plan.mine]
+    stop = max(plan.by_layer) + 1  # layers after the last one holding a target are not run
+    resume, start, initial = _resume(plan, model, local_batches, stop)
+    results: dict[str, TargetStats] = dict(resume.stats) if resume is not None else {}
+    entries: list[dict[str, Any]] = list(resume.entries) if resume is not None else []
     if rank == 0:
-        warn_idle_ranks(len(plan.batches), o["batch_size"], world()[1], stacklevel=3)  # collect_activations' caller
-    if resume is not None and o["progress"] and rank == 0:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(resume.committed_at))
-        print(
-            f"resuming after layer {start} of {last + 1} from {plan.checkpoint.dir} (committed {when})", file=sys.stderr
-        )
-    bar = _progress_bar(last + 1, min(start, last + 1), o["progress"] and rank == 0)
-    if start <= last:
-        steps = layer_steps(
-            model,
-            local_batches,
-            propagate="fp",
-            offload_activations=o["offload_activations"],
-            start=start,
-            initial_inputs=initial,
-            batch_numbers=plan.mine,
-        )
-        report_phase("collect: embedding")
-        try:
-            _step_through(steps, plan, start, results, entries, bar)
-        finally:
-            steps.close()
-            if bar is not None:  # closed before any message, so that an error starts on a line of its own
-                bar.close()
-        if plan.checkpoint is not None:
-            plan.checkpoint.commit(last + 1, {}, entries, finished=True)
-    elif bar is not None:
-        bar.close()
+        warn_idle_ranks(len(plan.batches), o.batch_size, world_size, stacklevel=3)  # collect_activations' caller
+    if resume is not None and o.progress and rank == 0:
+        announce_resume(resume, plan.checkpoint.dir, stop)
+    bar = progress_bar("collect", stop, min(start, stop), o.progress and rank == 0)
+    try:
+        if start < stop:
+            _run_layers(model, local_batches, plan, start, initial, results, entries, bar)
+    finally:
+        if bar is not None:  # closed before any message, so that an error starts on a line of its own
+            bar.close()
+    return _report(plan, results, start, time.perf_counter() - t0)
+
+
+def _run_layers(
+    model: nn.Module,
+    local_batches: list[Batch],
+    plan: CollectionPlan,
+    start: int,
+    initial: list[CachedInputs] | None,
+    results: dict[str, TargetStats],
+    entries: list[dict[str, Any]],
+    bar: Any,
+) -> None:
+    """Step from layer ``start`` (inputs ``initial`` when resuming) to the last layer holding a target; the final
+    commit marks the collection finished."""
+    steps = layer_steps(
+        model,
+        local_batches,
+        propagate="fp",
+        offload_activations=plan.options.offload_activations,
+        start=start,
+        initial_inputs=initial,
+        batch_numbers=plan.mine,
+    )
+    report_phase("collect: embedding")
+    try:
+        _step_through(steps, plan, start, results, entries, bar)
+    finally:
+        steps.close()
+    if plan.checkpoint is not None:
+        plan.checkpoint.commit(max(plan.by_layer) + 1, {}, entries, finished=True)
+
+
+def _report(plan: CollectionPlan, results: dict[str, TargetStats], start: int, seconds: float) -> ActivationReport:
+    """The report (after the raw activations' manifest, with a ``save_dir``)."""
+    o = plan.options
     ordered = {t.name: results[t.name] for t in plan.targets}
     if plan.writer is not None:
         report_phase("collect: manifest")
@@ -244,16 +221,16 @@ def _collect(model: nn.Module, data: Any, targets: Any, **o: Any) -> ActivationR
     return ActivationReport(
         targets=ordered,
         patterns=plan.patterns,
-        stats=plan.stats,
-        bins=o["bins"],
-        top_k=o["top_k"],
-        batch_size=o["batch_size"],
+        stats=list(o.stats),
+        bins=o.bins,
+        top_k=o.top_k,
+        batch_size=o.batch_size,
         world_size=world()[1],
         num_samples=sum(int(b.input_ids.shape[0]) for b in plan.batches),
         num_tokens=sum(b.num_tokens for b in plan.batches),
         fingerprint=plan.fingerprint,
-        save_dir=None if o["save_dir"] is None else str(o["save_dir"]),
-        seconds=time.perf_counter() - t0,
+        save_dir=None if o.save_dir is None else str(o.save_dir),
+        seconds=seconds,
         resumed_from_layer=start,
     )
 
@@ -267,7 +244,7 @@ def _step_through(
     bar: Any,
 ) -> None:
     """Visit the layers up to the last holding a target: commit (from after the first such layer on), collect."""
-    by_layer, every = plan.by_layer, plan.options["checkpoint_every"]
+    by_layer, every = plan.by_layer, plan.options.checkpoint_every
     first, last = min(by_layer), max(by_layer)
     group = dp_group()
     for step in steps:
@@ -278,7 +255,7 @@ def _step_through(
             fault_point("collect.committed", completed_layers=step.index)
         if step.index in by_layer:
             layer_start = time.perf_counter()
-            found = _collect_layer(step, by_layer[step.index], plan.stats, plan.options, plan.writer, plan.mine, group)
+            found = _collect_layer(step, by_layer[step.index], plan.options, plan.writer, plan.mine, group)
             results.update({s.name: s for s in found})
             if plan.checkpoint is not None:
                 entries.append(plan.checkpoint.record_layer(step.index, found))
@@ -372,20 +349,19 @@ def _check_flags(flags: torch.Tensor, observers: list[TargetObserver], step: Lay
 def _collect_layer(
     step: LayerStep,
     targets: list[Target],
-    stats: list[str],
-    o: dict[str, Any],
+    o: CollectionOptions,
     writer: ActivationWriter | None,
     mine: list[int],
     group: Any,
 ) -> list[TargetStats]:
     """Observe, check, merge and (with a writer) save one layer's targets; see the module docstring."""
-    histogram = "histogram" in stats
-    observers = [TargetObserver(t, stats, o["bins"], step.device) for t in targets]
+    histogram = "histogram" in o.stats
+    observers = [TargetObserver(t, list(o.stats), o.bins, step.device) for t in targets]
     for obs in observers:
         obs.keep = writer is not None or histogram
         obs.keep_device = step.cache_device
         obs.per_token = writer is not None
-    _first_pass(step, observers, o["keep_mb"] * 2**20, must_keep=writer is not None)
+    _first_pass(step, observers, o.keep_mb * 2**20, must_keep=writer is not None)
     flags = merge_flags(observers, group)
     _check_flags(flags, observers, step)
     for obs, channels in zip(observers, flags[:, 1].tolist()):
@@ -406,39 +382,9 @@ def _collect_layer(
     merge_sums(observers, group)
     for obs in observers:
         obs.drop_kept()
-    return [obs.result(o["top_k"]) for obs in observers]
+    return [obs.result(o.top_k) for obs in observers]
 
 
 def _rows_of(observer: TargetObserver, batch: int) -> torch.Tensor:
     kept = observer.kept.get(batch, [])
     return kept[0] if kept else torch.zeros(0, observer.channels)
-
-
-# ----------------------------------------------------------------------------------------------- resume
-
-
-def _restore_inputs(
-    model: nn.Module, local_batches: list, activations: list[torch.Tensor], offload: bool | None
-) -> list[CachedInputs]:
-    """The resume layer's inputs: stored hidden states with freshly computed layer arguments (collective)."""
-    device = compute_device(model)
-    cache_device = torch.device("cpu") if (offload if offload is not None else device.type != "cpu") else device
-    if len(activations) != len(local_batches):
-        raise CalibrationCheckpointError(
-            f"collection checkpoint holds {len(activations)} of this rank's {len(local_batches)} batches; it is incomplete"
-        )
-    inputs = embed_batches(model, local_batches, device, cache_device)
-    for x, stored in zip(inputs, activations):
-        x.hidden_states = stored.to(cache_device)
-    return inputs
-
-
-def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    import threading
-
-    from tqdm.auto import tqdm
-
-    tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: see shardcal.calib.runner
-    return tqdm(total=total, initial=initial, desc="collect", unit="layer")

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ModelLayoutError, NumericsError, UsageError
+from ..errors import NumericsError, UsageError
 from ..quant.tokens import real_tokens_of
 from ..runtime.distributed import all_gather_floats
 from ..sharding.fsdp2 import layer_unsharded
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from .batches import Batch
 from .inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
@@ -39,9 +39,7 @@ def embed_batches(
 ) -> list[CachedInputs]:
     """The decoder stack's inputs for each batch (see :mod:`shardcal.layerwise.inputs`). Collective when sharded:
     every rank calls it, even one with no batches."""
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(f"{type(model).__name__}: no decoder layers found (register the layout)")
+    layers = require_decoder_layers(model)
     return layer_inputs(model, layers, decoder_layer_prefix(model, layers), batches, device, cache_device)
 
 
@@ -126,9 +124,7 @@ def layer_steps(
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(f"{type(model).__name__}: no decoder layers found (register the layout)")
+    layers = require_decoder_layers(model)
     device = device if device is not None else compute_device(model)
     if offload_activations is None:
         offload_activations = device.type != "cpu"

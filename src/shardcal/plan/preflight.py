@@ -19,14 +19,14 @@ from torch import nn
 
 from ..calib.recipes import Recipe, compile_pattern, quantize_modules
 from ..collect.targets import Target, TargetPattern, resolve_targets
-from ..errors import ModelLayoutError, RecipeError
+from ..errors import RecipeError
 from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype
 from ..loading.foreign import build_transformers_on_meta
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
 from ..quant.experts import PROJECTIONS, fused_experts_shape
-from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 
 
 def meta_skeleton(model_dir: str | Path, impl: str, *, check_headers: bool = True) -> nn.Module:
@@ -52,12 +52,7 @@ def check_recipe_fits(model: nn.Module, recipe: Recipe) -> list[str]:
     ``model`` is changed (quantizers inserted): pass a skeleton (:func:`meta_skeleton`). Raises
     :class:`RecipeError` naming the module and a fix, or the recipe's patterns that match nothing.
     """
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     candidates = _quantizable_names(model)
     _check_patterns(recipe, candidates)
     prefix = decoder_layer_prefix(model, layers)
@@ -80,12 +75,7 @@ def check_targets_fit(model: nn.Module, patterns: Sequence[TargetPattern]) -> li
     """Resolve activation-collection target patterns against ``model`` (a skeleton will do) as
     :func:`shardcal.collect_activations` does: a :class:`CollectionError` for a pattern that matches no module or
     one outside the decoder layers."""
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found; register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support"
-        )
+    layers = require_decoder_layers(model)
     return resolve_targets(model, patterns, decoder_layer_prefix(model, layers), len(layers))
 
 

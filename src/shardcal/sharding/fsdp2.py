@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from ..errors import DistributedError, ModelLayoutError
-from .registry import LayerActivationCollector
+from .registry import LayerActivationCollector, require_decoder_layers
 
 #: Child names (of the root, or of the root's ``model``) that hold modules beside the decoder stack.
 AUXILIARY_MODULE_NAMES: tuple[str, ...] = (
@@ -49,17 +49,6 @@ _PARALLEL_SIZE_ATTRIBUTES: tuple[str, ...] = ("_tp_size", "tp_size", "_ep_size",
 
 #: Set on a model by ``load_pretrained``: what was sharded, over which mesh.
 DISTRIBUTION_PLAN_ATTR = "_shardcal_distribution_plan"
-
-
-def _decoder_layers_or_raise(model: nn.Module) -> nn.ModuleList:
-    layers = LayerActivationCollector.get_decoder_layers(model)
-    if layers is None:
-        raise ModelLayoutError(
-            f"{type(model).__name__}: no decoder layers found. Register the layout with "
-            "shardcal.LayerActivationCollector.register_decoder_layer_support(predicate, discoverer), where "
-            "discoverer(model) returns the nn.ModuleList of decoder layers."
-        )
-    return layers
 
 
 def _refuse_distributed(model: nn.Module) -> None:
@@ -145,7 +134,7 @@ def fsdp2_units(model: nn.Module, replicate: Iterable[nn.Module] = ()) -> list[n
     out, e.g. a vision tower that an expert-parallel loader wants to keep replicated.
     """
     skip = {id(m) for r in replicate for m in r.modules()}
-    candidates = [*_decoder_layers_or_raise(model), *(m for _, m in auxiliary_modules(model))]
+    candidates = [*require_decoder_layers(model), *(m for _, m in auxiliary_modules(model))]
     head = _untied_output_head(model)
     if head is not None:
         candidates.append(head)
@@ -253,7 +242,7 @@ def fsdp2_wrap(
     refused.
     """
     _refuse_distributed(model)
-    layers = _decoder_layers_or_raise(model)
+    layers = require_decoder_layers(model)
     mesh = mesh if mesh is not None else default_mesh(model)
     ignored = _off_dtype_params(model)
     if ignored:

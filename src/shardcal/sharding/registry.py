@@ -13,6 +13,8 @@ from typing import ClassVar
 
 from torch import nn
 
+from ..errors import ModelLayoutError
+
 Predicate = Callable[[nn.Module], bool]
 Discoverer = Callable[[nn.Module], "nn.ModuleList | None"]
 
@@ -110,6 +112,23 @@ class LayerActivationCollector:
     def is_supported(cls, model: nn.Module) -> bool:
         """Whether some registered layout finds decoder layers in ``model``."""
         return cls.get_decoder_layers(model) is not None
+
+
+def no_decoder_layers(model: nn.Module) -> ModelLayoutError:
+    """The one error for a model in which no registered layout finds decoder layers (every caller raises this)."""
+    return ModelLayoutError(
+        f"{type(model).__name__}: no decoder layers found; register the layout with "
+        "shardcal.LayerActivationCollector.register_decoder_layer_support(predicate, discoverer), where "
+        "discoverer(model) returns the nn.ModuleList of decoder layers"
+    )
+
+
+def require_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers; :func:`no_decoder_layers` when no registered layout finds them."""
+    layers = LayerActivationCollector.get_decoder_layers(model)
+    if layers is None:
+        raise no_decoder_layers(model)
+    return layers
 
 
 def decoder_layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
