@@ -498,8 +498,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "export-owner",
         "export/plan.py",
-        "            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused))\n",
-        "            Unit(i, prefix, kind, module, 0, _entries_for(assigned[prefix], params, quant, fused))\n",
+        "            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused, fmt))\n",
+        "            Unit(i, prefix, kind, module, 0, _entries_for(assigned[prefix], params, quant, fused, fmt))\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(
@@ -511,7 +511,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-input-scale",
-        "export/ct_tensors.py",
+        "export/compressed_tensors/tensors.py",
         '    return {"input_scale": scales["scale"].to(SCALE_DTYPE).reshape(1)}\n',
         '    return {"input_scale": (scales["scale"] * 2).to(SCALE_DTYPE).reshape(1)}\n',
         "the exported input scale is twice the calibrated one",
@@ -525,7 +525,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-format-int",
-        "export/ct_config.py",
+        "export/compressed_tensors/config.py",
         "    if input is not None and w_int:\n        return INT_QUANTIZED\n",
         "    if input is not None and w_int:\n        return PACK_QUANTIZED\n",
         "W8A8 int is written as pack-quantized",

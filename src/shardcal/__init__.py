@@ -9,6 +9,8 @@ Public API (see docs/api.md):
 - :func:`collect_activations` with :class:`CollectionOptions` → :class:`ActivationReport`, :class:`ActivationDataset`
   — activation statistics and raw activations of chosen modules, layer by layer.
 - :func:`export_checkpoint` — compressed-tensors export (streamed, distributed, atomic).
+- :func:`calibrate_to_checkpoint` → :class:`PipelineResult` — what ``shardcal calibrate`` does, as one call: a model
+  directory in (checked before loading, planned, loaded sharded, calibrated), an export out.
 - :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
 
 Names are resolved on first use (PEP 562), so ``import shardcal`` (and ``shardcal --help``) does not import torch.
@@ -27,8 +29,10 @@ _EXPORTS: dict[str, str] = {
     "CollectionOptions": "shardcal.collect.runner",
     "LayerActivationCollector": "shardcal.sharding.registry",
     "LayerStep": "shardcal.layerwise.steps",
+    "PipelineResult": "shardcal.pipeline.calibrate",
     "ShardcalError": "shardcal.errors",
     "calibrate": "shardcal.calib.runner",
+    "calibrate_to_checkpoint": "shardcal.pipeline.calibrate",
     "collect_activations": "shardcal.collect.runner",
     "export_checkpoint": "shardcal.export.export",
     "from_pretrained": "shardcal.loading.plain",

@@ -23,6 +23,7 @@ from shardcal.calib.runner import calibrate as api_calibrate
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError
 from shardcal.models import from_pretrained
+from shardcal.pipeline import calibrate as pipeline_calibrate
 
 
 def tiny_config() -> dict:
@@ -509,7 +510,7 @@ def test_calibrate_refuses_a_recipe_that_does_not_fit_before_reading_data_or_wei
     if impl == "transformers":
         pytest.importorskip("transformers")
     touched = []
-    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
     monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
     monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
     recipe = tmp_path / "g48.toml"
@@ -534,7 +535,7 @@ def test_calibrate_refuses_a_fallback_scheme_that_does_not_fit_before_reading_da
 ):
     """The recipe's [fallback] scheme is checked against the model as well, before the data is read."""
     touched = []
-    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
     recipe = tmp_path / "fb.toml"
     recipe.write_text(
         'group_size_fallback = false\n[weight]\nformat = "int8"\n[fallback]\nmin_layer_sqnr_db = 30\n'
@@ -565,6 +566,6 @@ def test_calibrate_sqnr_tokens(capsys, tiny_dir, tmp_path, monkeypatch):
                                              "fp8", batch_size=2, sqnr_tokens=16, progress=False).layers]  # fmt: skip
     assert got == pytest.approx(want, rel=1e-12) and all(v is not None for v in got)
     touched = []
-    monkeypatch.setattr(cli, "load_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
     status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "bad", "--sqnr-tokens", -1)
     assert status == 2 and err == "error: --sqnr-tokens must be >= 0, got -1\n" and touched == []

@@ -28,7 +28,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("sharding", ["sharding", "sharding.*"]),
     ("layer stepping and algorithms", ["layerwise", "layerwise.*", "algorithms", "algorithms.*"]),
     ("calibration, collection and export", ["calib", "calib.*", "collect", "collect.*", "export", "export.*"]),
-    ("entry points", ["loading", "loading.*", "io", "io.*", "data", "data.*", "plan", "plan.*"]),
+    (
+        "entry points",
+        ["loading", "loading.*", "io", "io.*", "data", "data.*", "plan", "plan.*", "pipeline", "pipeline.*"],
+    ),
     ("command line", ["cli", "cli.*", "__main__"]),
     ("public facades", ["", "models"]),
 ]

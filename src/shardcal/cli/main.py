@@ -83,50 +83,25 @@ def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: i
     )
 
 
+#: How the commands' errors name the inputs of :mod:`shardcal.pipeline` (by their flags, not parameter names).
+CLI_INPUT_NAMES: dict[str, str] = {
+    "out_dir": "--out",
+    "checkpoint_dir": "--checkpoint-dir",
+    "overwrite": "--overwrite",
+    "num_samples": "--num-samples",
+    "seq_len": "--seq-len",
+    "model_impl": "--model-impl",
+    "format": "--format",
+}
+
+
 def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
-    ids, source = _read_data(args, model_dir, vocab_size, split)
-    from ..loading.foreign import raw_config, text_field
+    """Token blocks for ``--data`` (or the Wikipedia ``split``) and where they came from, checked before the model is
+    loaded (:func:`shardcal.pipeline.inputs.read_token_data`, errors naming the flags)."""
+    from ..pipeline.inputs import read_token_data
 
-    positions = text_field(raw_config(model_dir), "max_position_embeddings")
-    if isinstance(positions, int) and ids.shape[1] > positions:
-        raise DataError(
-            f"{source}: sequences of {ids.shape[1]} tokens exceed {model_dir}'s max_position_embeddings={positions} "
-            "(pass a shorter --seq-len)"
-        )
-    return ids, source
-
-
-def _read_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
-    """Token blocks for ``--data`` (or the Wikipedia ``split``) and a description of where they came from; the
-    same checks for every command that runs a model on them (ids in the vocabulary, rows within the model's
-    ``max_position_embeddings``), before the model is loaded."""
-    import shardcal.data.calibration as data_mod
-
-    if args.num_samples is not None and args.num_samples < 1:
-        raise DataError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.seq_len is not None and args.seq_len < 2:
-        raise DataError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.data:
-        path = Path(args.data)
-        tokenizer = _tokenizer(model_dir) if path.suffix.lower() in data_mod.TEXT_SUFFIXES else None
-        ids = data_mod.load_token_data(
-            path, tokenizer, seq_len=args.seq_len, num_samples=args.num_samples, vocab_size=vocab_size
-        )
-        return ids, str(path)
-    seq_len = args.seq_len or data_mod.DEFAULT_SEQ_LEN
-    tokenizer = _tokenizer(model_dir)
-    ids = data_mod.token_blocks(tokenizer, args.num_samples, seq_len, split=split)
-    if int(ids.max()) >= vocab_size:
-        raise DataError(
-            f"{model_dir}: its tokenizer produces id {int(ids.max())}, beyond the model's vocab_size {vocab_size}"
-        )
-    return ids, f"{'held-out' if split == 'eval' else 'calibration'} Wikipedia summaries"
-
-
-def _tokenizer(model_dir: Path):
-    from ..io.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(model_dir)
+    return read_token_data(model_dir, vocab_size, data=args.data, num_samples=args.num_samples, seq_len=args.seq_len,
+                           split=split, input_names=CLI_INPUT_NAMES)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- calibrate
@@ -190,6 +165,12 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run even when the plan predicts more memory than is free (see shardcal plan)",
     )
+    parser.add_argument(
+        "--format",
+        default="compressed-tensors",
+        metavar="FORMAT",
+        help="checkpoint format of the export: compressed-tensors, the one there is (default %(default)s)",
+    )
     _model_impl_argument(parser)
 
 
@@ -207,56 +188,64 @@ def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
     arguments=_calibrate_arguments,
 )
 def _calibrate(args: argparse.Namespace) -> int:
-    return run_ranks(args, check_calibrate_inputs, calibrate_job)
+    request = calibrate_request(args)
+    return run_ranks(args, lambda _: check_request(request), calibrate_job, request)
 
 
-def run_ranks(args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[dict], Any]) -> int:
-    """Run ``job`` on this process's rank (under torchrun, or alone), or, with ``--nproc-per-node``, ``check`` the
-    inputs here first and launch that many local ranks running ``job``."""
+def calibrate_request(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`shardcal.pipeline.calibrate_to_checkpoint` for the parsed ``calibrate`` flags,
+    with the :class:`~shardcal.layerwise.options.CalibrationOptions` built once, here."""
+    from ..layerwise.options import CalibrationOptions
+
+    _check_sqnr_tokens(args)
+    options = CalibrationOptions(propagate=args.propagate, batch_size=args.batch_size, sqnr_tokens=args.sqnr_tokens,
+                                 checkpoint_dir=args.checkpoint_dir)  # fmt: skip
+    return dict(
+        model_dir=args.model_dir, out_dir=args.out, recipe=args.recipe, data=args.data, num_samples=args.num_samples,
+        seq_len=args.seq_len, options=options, keep_checkpoint=args.keep_checkpoint, overwrite=args.overwrite,
+        model_impl=args.model_impl, force=args.force, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload,
+        format=args.format, input_names=CLI_INPUT_NAMES,
+    )  # fmt: skip
+
+
+def check_request(request: dict[str, Any]) -> Any:
+    """The checks before loading (:func:`shardcal.pipeline.inputs.check_calibration_inputs`) of a
+    :func:`calibrate_request`: what ``--nproc-per-node`` runs here before any rank starts."""
+    from ..pipeline.inputs import check_calibration_inputs
+
+    return check_calibration_inputs(
+        request["model_dir"], request["out_dir"], request["recipe"], data=request["data"],
+        checkpoint_dir=request["options"].checkpoint_dir, overwrite=request["overwrite"],
+        model_impl=request["model_impl"], format=request["format"], input_names=request["input_names"],
+    )  # fmt: skip
+
+
+def run_ranks(
+    args: argparse.Namespace, check: Callable[[argparse.Namespace], Any], job: Callable[[Any], Any], payload: Any = None
+) -> int:
+    """Run ``job(payload)`` on this process's rank (under torchrun, or alone), or, with ``--nproc-per-node``,
+    ``check(args)`` the inputs here first and launch that many local ranks running ``job(payload)``. ``payload``
+    defaults to the parsed arguments as a dict."""
     import os
 
     from ..runtime.launcher import launch
 
-    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    if payload is None:
+        payload = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nproc_per_node is not None and not under_torchrun:
         check(args)  # here, before any rank starts
-        launch(job, args.nproc_per_node, options)
+        launch(job, args.nproc_per_node, payload)
     else:
-        job(options)
+        job(payload)
     return 0
 
 
 def check_calibrate_inputs(args: argparse.Namespace) -> tuple[Any, str, int]:
-    """What ``calibrate`` can refuse before loading weights or data: the recipe, where outputs go (never over an
-    input, ``--overwrite`` or not), the model's config, its tensors' names and shapes (the safetensors headers) and
-    the recipe against every decoder layer (:mod:`shardcal.plan.preflight`). Returns ``(recipe, model implementation, vocab_size)``."""
-    from ..calib.recipes import load_recipe
-    from ..errors import CalibrationCheckpointError, ExportError
-    from ..export import check_destination
-    from ..loading.foreign import choose_impl, raw_config, text_field
-    from ..models.config import load_config
-    from ..plan.preflight import check_recipe_fits, meta_skeleton
-    from ..runtime.fsutil import check_apart
-
-    model_dir, out_dir = Path(args.model_dir), Path(args.out)
-    _check_sqnr_tokens(args)
-    recipe = load_recipe(args.recipe)
-    protected = {"the model directory": model_dir, "the data file": args.data}
-    check_apart(out_dir, "--out", protected, ExportError)
-    if args.checkpoint_dir is not None:
-        check_apart(
-            args.checkpoint_dir, "--checkpoint-dir", {**protected, "--out": out_dir}, CalibrationCheckpointError
-        )
-    impl = choose_impl(model_dir, args.model_impl)
-    vocab_size = (
-        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
-    )
-    check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
-    if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
-        check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
-    check_destination(out_dir, args.overwrite, flag="--overwrite")
-    return recipe, impl, vocab_size
+    """What ``calibrate`` can refuse before loading weights or data (:func:`calibrate_request`, then
+    :func:`check_request`). Returns ``(recipe, model implementation, vocab_size)``."""
+    inputs = check_request(calibrate_request(args))
+    return inputs.recipe, inputs.impl, inputs.vocab_size
 
 
 def _check_sqnr_tokens(args: argparse.Namespace) -> None:
@@ -280,76 +269,48 @@ def cli_warnings(rank: int) -> None:
     warnings.showwarning = show
 
 
-def calibrate_job(options: dict) -> dict:
-    """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process)."""
-    from ..calib.checkpoint import remove_checkpoint
-    from ..calib.runner import calibrate
-    from ..export import export_checkpoint
-    from ..layerwise.options import CalibrationOptions
-    from ..loading.foreign import load_transformers_sharded
-    from ..loading.sharded import load_pretrained
-    from ..runtime.distributed import all_gather_floats, init_distributed
+def calibrate_job(request: dict[str, Any]) -> PipelineResult:  # noqa: F821
+    """One rank's part of ``shardcal calibrate`` (also what ``--nproc-per-node`` runs in each process): the pipeline
+    (:func:`shardcal.pipeline.calibrate_to_checkpoint`) on the :func:`calibrate_request`, then rank 0 prints."""
+    from ..pipeline.calibrate import calibrate_to_checkpoint
+    from ..runtime.distributed import init_distributed
     from ..runtime.hostmem import pin_mmap_threshold
 
-    args = argparse.Namespace(**options)
-    rank, world = init_distributed()
+    rank, _ = init_distributed()
     cli_warnings(rank)
     pin_mmap_threshold()  # freed activations go back to the OS (see shardcal.runtime.hostmem)
-    recipe, impl, vocab_size = check_calibrate_inputs(args)  # bad input fails here, before anything is loaded
-    model_dir, out_dir = Path(args.model_dir), Path(args.out)
-    ids, source = load_data(args, model_dir, vocab_size, split="calib")
-    if not args.force:  # plan first: stop before loading when the predicted peak does not fit
-        from ..plan.planner import check_before_loading, plannable
-
-        if plannable(model_dir):  # a model type only transformers' class runs is not planned
-            plan_options = CalibrationOptions(
-                propagate=args.propagate, batch_size=args.batch_size, sqnr_tokens=args.sqnr_tokens
-            )
-            check_before_loading(model_dir, recipe, tuple(ids.shape), plan_options, cpu_offload=args.cpu_offload,
-                                 shard_root=not args.no_shard_root)  # fmt: skip
-    start = time.perf_counter()
-    load = load_pretrained if impl == "shardcal" else load_transformers_sharded
-    model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
-    options = CalibrationOptions(
-        propagate=args.propagate,
-        batch_size=args.batch_size,
-        sqnr_tokens=args.sqnr_tokens,
-        checkpoint_dir=args.checkpoint_dir,
-        progress=rank == 0,
-    )
-    report = calibrate(model, ids, recipe, options)
-    seconds = time.perf_counter() - start
-    export_checkpoint(model, out_dir, recipe=recipe, report=report, tokenizer_dir=model_dir, overwrite=args.overwrite)
-    peaks = all_gather_floats(torch_peak_memory_mb())
+    result = calibrate_to_checkpoint(**request)
     if rank == 0:
-        plot = report.save_plot(out_dir / "calibration_sqnr.png") if out_dir.exists() else None
-        sqnr = report.mean_sqnr_db
-        print(
-            f"calibrated {len(report.layers)} layers on {ids.shape[0]} x {ids.shape[1]} tokens of {source} "
-            f"with {recipe.name} over {world} rank(s) in {seconds:.1f} s; mean layer SQNR "
-            f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MB"
+        print("\n".join(calibrate_summary(result)))
+    return result
+
+
+def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
+    """The lines ``shardcal calibrate`` prints (rank 0) for a finished :class:`~shardcal.pipeline.PipelineResult`."""
+    report, (rows, length) = result.report, result.data_shape
+    sqnr = report.mean_sqnr_db
+    lines = [
+        f"calibrated {len(report.layers)} layers on {rows} x {length} tokens of {result.data_source} "
+        f"with {result.recipe.name} over {result.world_size} rank(s) in {result.seconds:.1f} s; mean layer SQNR "
+        f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank "
+        f"{', '.join(f'{p:.0f}' for p in result.peak_memory_mb)} MB"
+    ]
+    if (moe_line := report.moe_summary()) is not None:
+        lines.append(moe_line)
+    lines.append(f"exported -> {result.out_dir}" + (f" (plot: {result.plot.name})" if result.plot else ""))
+    if result.checkpoint_removed_bytes:
+        lines.append(
+            f"removed the calibration checkpoint {result.checkpoint_dir} "
+            f"({result.checkpoint_removed_bytes / 1e6:.1f} MB; --keep-checkpoint keeps it)"
         )
-        if (moe_line := report.moe_summary()) is not None:
-            print(moe_line)
-        print(f"exported -> {out_dir}" + (f" (plot: {plot.name})" if plot else ""))
-        if args.checkpoint_dir is not None and not args.keep_checkpoint:
-            freed = remove_checkpoint(args.checkpoint_dir)
-            if freed:
-                print(
-                    f"removed the calibration checkpoint {args.checkpoint_dir} ({freed / 1e6:.1f} MB; --keep-checkpoint keeps it)"
-                )
-    return {"seconds": seconds, "peaks": peaks, "report": report.to_dict()}
+    return lines
 
 
 def torch_peak_memory_mb() -> float:
     """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
-    import resource
+    from ..pipeline.calibrate import torch_peak_memory_mb as peak
 
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak()
 
 
 # ---------------------------------------------------------------------------------------------- collect

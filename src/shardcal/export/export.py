@@ -1,9 +1,9 @@
-"""``export_checkpoint``: a calibrated (plain or FSDP2-sharded) model -> a compressed-tensors checkpoint directory.
+"""``export_checkpoint``: a calibrated (plain or FSDP2-sharded) model -> a checkpoint directory (compressed-tensors).
 
 Collective under torch.distributed: every rank calls it. The flow (see docs/export-format.md):
 
 1. every rank builds the same :class:`~.plan.ExportPlan` from module structure (nothing gathered yet); anything
-   that cannot be exported (uncalibrated quantizers, specs compressed-tensors cannot express) fails here, on every
+   that cannot be exported (uncalibrated quantizers, specs the export format cannot express) fails here, on every
    rank alike, before any collective;
 2. rank 0 checks the destination and creates a staging directory next to it (same filesystem) and tells the
    others its name;
@@ -39,7 +39,7 @@ from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_f
 from ..runtime.faults import fault_point
 from ..runtime.fsutil import check_apart, check_creatable, read_json_object, umask
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
-from .ct_tensors import encode_input, encode_weight
+from .format import DEFAULT_FORMAT, ExportFormat, get_format
 from .plan import ExportPlan, QuantModule, Unit, build_plan
 from .shards import RankShardWriter, header_bytes
 
@@ -160,7 +160,7 @@ def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.detach()
 
 
-def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
+def _encode_module(qm: QuantModule, fmt: ExportFormat) -> dict[str, torch.Tensor]:
     weight = _plain(qm.weight(), f"{qm.name}.weight")
     wq = qm.weight_quantizer
     if wq is None:  # quantized at export from a weight-only recipe: the same calibration calibrate() runs
@@ -168,9 +168,7 @@ def _encode_module(qm: QuantModule) -> dict[str, torch.Tensor]:
             qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer"
         )
         wq.calibrate_from(weight)
-    tensors = encode_weight(wq, weight, qm.format)
-    tensors.update(encode_input(qm.input_quantizer))
-    return tensors
+    return fmt.encode_module(qm.format, wq, weight, qm.input_quantizer)
 
 
 def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:
@@ -196,7 +194,7 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
         else:
             _, module_name, suffix = entry.source
             if module_name not in encoded:
-                encoded = {module_name: _encode_module(plan.quant_modules[module_name])}
+                encoded = {module_name: _encode_module(plan.quant_modules[module_name], plan.export_format)}
             tensor = encoded[module_name][suffix]
             if entry.key.endswith("scale"):  # a quantization scale (a model's own *_scale parameter may be anything)
                 _check_scale(entry.key, tensor)
@@ -284,7 +282,7 @@ def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any
         if report is not None:
             report.save_json(staging / REPORT_NAME)
             os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
-        _write_json(staging / CONFIG_NAME, {**config, "quantization_config": plan.quantization_config})
+        _write_json(staging / CONFIG_NAME, {**config, plan.export_format.config_key: plan.quantization_config})
     except OSError as exc:
         raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
 
@@ -302,8 +300,9 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer_dir: str | Path | None = None,
     config_dir: str | Path | None = None,
+    format: str | ExportFormat = DEFAULT_FORMAT,
 ) -> Path:
-    """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a compressed-tensors checkpoint.
+    """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a checkpoint in ``format``.
 
     ``out_dir`` gets ``config.json`` (the model's config — ``model.config.raw`` for shardcal's models, anything
     with ``to_dict()`` such as transformers' configs, else ``config_dir/config.json`` — plus ``quantization_config``),
@@ -319,14 +318,18 @@ def export_checkpoint(
     FSDP2-wrapped model no rank gathers more than one unit at a time, and ranks share the writing). Atomic: an
     existing non-empty ``out_dir`` is refused unless ``overwrite``; a failed export leaves no ``out_dir``.
     Returns ``out_dir``. Problems with the destination or the model raise :class:`~shardcal.errors.ExportError`.
+
+    ``format``: the checkpoint format, a name from :func:`shardcal.export.format.formats` (``"compressed-tensors"``,
+    the one today) or an :class:`~shardcal.export.format.ExportFormat`; an unknown name is an ``ExportError``.
     """
     out_dir = Path(out_dir).absolute()
     tok_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
     if recipe is not None and not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
+    export_format = get_format(format)
     rank, world_size = world()
     check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
-    plan = build_plan(model, recipe, world_size, max_shard_bytes)
+    plan = build_plan(model, recipe, world_size, max_shard_bytes, export_format)
     config = model_config_dict(model, Path(config_dir) if config_dir is not None else None)
 
     prepared: tuple[str, str]

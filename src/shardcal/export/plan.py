@@ -13,8 +13,9 @@ Units, in the order every rank gathers them (gathering is collective):
 3. the root: every remaining parameter (embeddings, final norm, a tied or unwrapped ``lm_head``), gathered with
    ``fsdp2_root_unsharded`` and written by rank 0.
 
-A quantized Linear's ``weight`` becomes its compressed-tensors tensors (:func:`ct_config.tensor_layout`); every
-other parameter is stored as it is, in its dtype, under its own (Hugging Face) name.
+A quantized Linear's ``weight`` becomes the tensors its export format says (``ExportFormat.module_tensors``,
+:mod:`.format`; compressed-tensors by default); every other parameter is stored as it is, in its dtype, under its own
+(Hugging Face) name.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
 from ..sharding.fsdp2 import persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
-from . import ct_config
-from .ct_config import UnsupportedSpec
+from .format import ExportFormat, get_format
 
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
@@ -55,7 +55,8 @@ class QuantModule:
 
     ``weight()`` gives the full ``[out_features, in_features]`` weight while its unit is gathered.
     ``weight_quantizer`` is None when the weight is quantized at export time from ``spec_weight`` (a
-    recipe-targeted plain Linear, weight-only / dynamic-input recipe).
+    recipe-targeted plain Linear, weight-only / dynamic-input recipe). ``format``: how the export format stores
+    it (``ExportFormat.module_format``: compressed-tensors' ``int-quantized``, ...).
     """
 
     name: str
@@ -121,6 +122,8 @@ class ExportPlan:
     quant_modules: dict[str, QuantModule]
     quantization_config: dict[str, Any]
     kv_cache: dict[str, KVCacheQuantizer] = field(default_factory=dict)
+    #: The format the plan was made for: it encodes the quantized modules and names the config key.
+    export_format: ExportFormat = field(default_factory=get_format)
 
     @property
     def weight_map(self) -> dict[str, str]:
@@ -134,17 +137,18 @@ class ExportPlan:
 # ----------------------------------------------------------------------------------------------- quantized modules
 
 
-def _check_spec(name: str, spec: QuantizerSpec, role: str) -> None:
+def _check_spec(name: str, spec: QuantizerSpec, role: str, fmt: ExportFormat) -> None:
     try:
-        ct_config.spec_to_args(spec, role)
-    except UnsupportedSpec as exc:
-        raise ExportError(
-            f"module {name!r}: its {role} quantizer cannot be stored as compressed-tensors ({exc})"
-        ) from None
+        fmt.check_spec(spec, role)
+    except ValueError as exc:
+        raise ExportError(f"module {name!r}: its {role} quantizer cannot be stored as {fmt.name} ({exc})") from None
 
 
-def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, QuantModule]:
-    """Every Linear to store quantized, checked for what compressed-tensors can express and for calibration.
+def find_quant_modules(
+    model: nn.Module, recipe: Recipe | None, export_format: ExportFormat | None = None
+) -> dict[str, QuantModule]:
+    """Every Linear to store quantized, checked for what ``export_format`` (default compressed-tensors) can express
+    and for calibration.
 
     A ``QuantLinear`` with a weight quantizer is exported as calibrated; so is each projection of fused experts
     with attached quantizers (named ``<experts>.<e>.<gate_proj|up_proj|down_proj>``, as the original per-expert
@@ -152,6 +156,7 @@ def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, Qua
     for recipes that need no calibration data: weight-only or dynamic input), and every quantized module must
     match the recipe.
     """
+    fmt = get_format(export_format)
     found: dict[str, QuantModule] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -161,7 +166,7 @@ def find_quant_modules(model: nn.Module, recipe: Recipe | None) -> dict[str, Qua
         else:
             continue
         for full_name, weight, out_f, in_f, holder in candidates:
-            qm = _quant_module(full_name, weight, out_f, in_f, holder, recipe)
+            qm = _quant_module(full_name, weight, out_f, in_f, holder, recipe, fmt)
             if qm is not None:
                 found[full_name] = qm
     return found
@@ -192,7 +197,13 @@ class _ExportQuantizers:
 
 
 def _quant_module(
-    name: str, weight: Callable[[], torch.Tensor], out_f: int, in_f: int, holder: Any, recipe: Recipe | None
+    name: str,
+    weight: Callable[[], torch.Tensor],
+    out_f: int,
+    in_f: int,
+    holder: Any,
+    recipe: Recipe | None,
+    fmt: ExportFormat,
 ) -> QuantModule | None:
     """The export record of one Linear-like module (``holder`` carries its quantizers), or None if unquantized."""
     wq = getattr(holder, "weight_quantizer", None)
@@ -203,7 +214,7 @@ def _quant_module(
             return None  # with a [fallback], calibration decided: a plain Linear there stays in full precision
         if recipe.weight is None:
             raise ExportError(
-                f"recipe {recipe.name!r} quantizes no weights; compressed-tensors export needs a [weight] quantizer"
+                f"recipe {recipe.name!r} quantizes no weights; {fmt.name} export needs a [weight] quantizer"
             )
         weight_spec = recipe.weight_spec(name, in_f)
         if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
@@ -211,18 +222,18 @@ def _quant_module(
                 f"module {name!r} is not calibrated and recipe {recipe.name!r} has static activation quantizers: "
                 "run shardcal.calibrate(model, data, recipe) before exporting"
             )
-        _check_spec(name, weight_spec, "weight")
+        _check_spec(name, weight_spec, "weight", fmt)
         if recipe.input is not None:
-            _check_spec(name, recipe.input, "input")
-        fmt = ct_config.infer_format(weight_spec, recipe.input)
-        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, fmt, None, None)
+            _check_spec(name, recipe.input, "input", fmt)
+        stored = fmt.module_format(weight_spec, recipe.input)
+        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, stored, None, None)
     if oq is not None:
         raise ExportError(
-            f"module {name!r} has an output quantizer; compressed-tensors export supports weights and inputs only"
+            f"module {name!r} has an output quantizer; {fmt.name} export supports weights and inputs only"
         )
     if wq is None:
         raise ExportError(
-            f"module {name!r} quantizes its input but not its weight; compressed-tensors export needs weight quantization"
+            f"module {name!r} quantizes its input but not its weight; {fmt.name} export needs weight quantization"
         )
     if recipe is not None:
         if not recipe.matches(name):
@@ -231,14 +242,14 @@ def _quant_module(
         allowed = [r for r in (recipe, recipe.fallback) if r is not None and r.quantizes_linears]
         if all((r.weight_spec(name, in_f), r.input) != used for r in allowed):
             raise ExportError(f"module {name!r} was quantized with other settings than recipe {recipe.name!r}")
-    _check_spec(name, wq.spec, "weight")
+    _check_spec(name, wq.spec, "weight", fmt)
     if iq is not None:
-        _check_spec(name, iq.spec, "input")
+        _check_spec(name, iq.spec, "input", fmt)
     for q in (wq, iq):
         if q is not None and not q.calibrated:
             raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
-    fmt = ct_config.infer_format(wq.spec, iq.spec if iq is not None else None)
-    return QuantModule(name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, fmt, wq, iq)
+    stored = fmt.module_format(wq.spec, iq.spec if iq is not None else None)
+    return QuantModule(name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, stored, wq, iq)
 
 
 def _linear_like(module: nn.Module) -> bool:
@@ -250,8 +261,12 @@ def _linear_like(module: nn.Module) -> bool:
     return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 
-def find_kv_cache(model: nn.Module, recipe: Recipe | None) -> dict[str, KVCacheQuantizer]:
-    """Attention name -> its calibrated KV-cache quantizer; checked against ``recipe`` (its ``[kv_cache]``)."""
+def find_kv_cache(
+    model: nn.Module, recipe: Recipe | None, export_format: ExportFormat | None = None
+) -> dict[str, KVCacheQuantizer]:
+    """Attention name -> its calibrated KV-cache quantizer; checked against ``recipe`` (its ``[kv_cache]``) and
+    against what ``export_format`` (default compressed-tensors) can store."""
+    fmt = get_format(export_format)
     found = dict(kv_cache_quantizers(model))
     if recipe is not None and recipe.kv_cache is not None and not found:
         raise ExportError(
@@ -263,7 +278,7 @@ def find_kv_cache(model: nn.Module, recipe: Recipe | None) -> dict[str, KVCacheQ
             raise ExportError(
                 f"{name}: its KV-cache quantizer was calibrated with other settings than recipe {recipe.name!r}"
             )
-        _check_spec(name, kv.spec, "kv_cache")
+        _check_spec(name, kv.spec, "kv_cache", fmt)
         for q in (kv.k_quantizer, kv.v_quantizer):
             if not q.calibrated:
                 raise ExportError(
@@ -271,24 +286,23 @@ def find_kv_cache(model: nn.Module, recipe: Recipe | None) -> dict[str, KVCacheQ
                 )
     specs = {kv.spec for kv in found.values()}
     if len(specs) > 1:
-        raise ExportError(
-            "the attention layers' KV-cache quantizers differ; compressed-tensors has one kv_cache_scheme"
-        )
+        raise ExportError(f"the attention layers' KV-cache quantizers differ; {fmt.name} has one kv_cache_scheme")
     return found
 
 
 def build_quantization_config(
-    model: nn.Module, quant: dict[str, QuantModule], kv_cache: dict[str, KVCacheQuantizer] | None = None
+    model: nn.Module,
+    quant: dict[str, QuantModule],
+    kv_cache: dict[str, KVCacheQuantizer] | None = None,
+    export_format: ExportFormat | None = None,
 ) -> dict[str, Any]:
-    """``quantization_config``: one group per distinct scheme (targets ``["Linear"]`` when there is one, else the
-    module names), and ``ignore`` = every other Linear (the LM head, MoE routers, excluded modules)."""
+    """The config ``export_format`` (default compressed-tensors) writes into config.json (``quantization_config``),
+    from the quantized modules grouped by scheme and ``ignore`` = every other Linear (the LM head, MoE routers,
+    excluded modules)."""
+    fmt = get_format(export_format)
     schemes: dict[tuple[Any, ...], list[str]] = {}
     for name, qm in quant.items():
         schemes.setdefault(qm.scheme_key, []).append(name)
-    groups = []
-    for (weight, input, fmt), names in schemes.items():
-        targets = ["Linear"] if len(schemes) == 1 else names
-        groups.append(ct_config.scheme_dict(targets, weight, input, fmt))
     ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]
     for name, module in model.named_modules():  # unquantized projections of fused experts, by their export names
         if (shape := fused_experts_shape(module, name, strict=False)) is not None:
@@ -296,7 +310,7 @@ def build_quantization_config(
                 f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS if f"{name}.{e}.{p}" not in quant
             ]
     kv_spec = next(iter(kv_cache.values())).spec if kv_cache else None
-    return ct_config.quantization_config(groups, ignore, kv_spec)
+    return fmt.config(schemes, ignore, kv_spec)
 
 
 # ----------------------------------------------------------------------------------------------- units and shards
@@ -340,6 +354,7 @@ def _entries_for(
     params: dict[str, torch.Tensor],
     quant: dict[str, QuantModule],
     fused: dict[str, ExpertsLayout],
+    fmt: ExportFormat,
 ) -> list[Entry]:
     """The stored tensors of the named parameters and persistent buffers (``params`` holds both); a fused-experts
     parameter becomes per-expert tensors (see :func:`_per_expert`)."""
@@ -348,7 +363,7 @@ def _entries_for(
         mod, _, leaf = pname.rpartition(".")
         qm = quant.get(mod)
         if qm is not None and leaf == "weight":
-            entries += _quant_entries(qm)
+            entries += _quant_entries(qm, fmt)
             continue
         per_expert = mod in fused and _per_expert(mod, fused[mod], quant)
         if per_expert and leaf in ("gate_up_proj_bias", "down_proj_bias"):
@@ -362,7 +377,7 @@ def _entries_for(
                 for p in projections:
                     name = f"{mod}.{e}.{p}"
                     if name in quant:
-                        entries += _quant_entries(quant[name])
+                        entries += _quant_entries(quant[name], fmt)
                     else:
                         shape = (hidden, inter) if p == "down_proj" else (inter, hidden)
                         entries.append(Entry(f"{name}.weight", dtype, shape, ("expert", mod, str(e), p)))
@@ -384,19 +399,27 @@ def _stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _quant_entries(qm: QuantModule) -> list[Entry]:
-    layout = ct_config.tensor_layout(qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features)
+def _quant_entries(qm: QuantModule, fmt: ExportFormat) -> list[Entry]:
+    layout = fmt.module_tensors(qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features)
     return [
         Entry(f"{qm.name}.{suffix}", dt, shape, ("quant", qm.name, suffix)) for suffix, (dt, shape) in layout.items()
     ]
 
 
-def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_shard_bytes: int) -> ExportPlan:
-    """The whole export, decided from module structure only; identical on every rank."""
+def build_plan(
+    model: nn.Module,
+    recipe: Recipe | None,
+    world_size: int,
+    max_shard_bytes: int,
+    export_format: ExportFormat | None = None,
+) -> ExportPlan:
+    """The whole export in ``export_format`` (default compressed-tensors), decided from module structure only;
+    identical on every rank."""
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    quant = find_quant_modules(model, recipe)
-    kv_cache = find_kv_cache(model, recipe)
+    fmt = get_format(export_format)
+    quant = find_quant_modules(model, recipe, fmt)
+    kv_cache = find_kv_cache(model, recipe, fmt)
     if not quant:
         raise ExportError(
             f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "
@@ -430,9 +453,9 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
     units: list[Unit] = []
     for i, (kind, prefix, module) in enumerate(prefixes):
         units.append(
-            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused))
+            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused, fmt))
         )
-    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant, fused)))
+    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant, fused, fmt)))
     for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
         owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
         unit = next((u for u in units if u.name == owner), units[-1])
@@ -458,4 +481,5 @@ def build_plan(model: nn.Module, recipe: Recipe | None, world_size: int, max_sha
     for r, files in enumerate(per_rank):
         for entries in files:
             shards.append(Shard(SHARD_NAME.format(index=len(shards) + 1, total=total), r, entries))
-    return ExportPlan(units, shards, quant, build_quantization_config(model, quant, kv_cache), kv_cache)
+    config = build_quantization_config(model, quant, kv_cache, fmt)
+    return ExportPlan(units, shards, quant, config, kv_cache, fmt)

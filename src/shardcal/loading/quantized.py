@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
-from ..export import ct_config
-from ..export.ct_config import NVFP4_PACK_QUANTIZED, Scheme
-from ..export.ct_tensors import (
+from ..export.compressed_tensors import config as ct_config
+from ..export.compressed_tensors.config import NVFP4_PACK_QUANTIZED, Scheme
+from ..export.compressed_tensors.tensors import (
     amax_for_global_scale,
     amax_for_scale,
     decode_weight,

@@ -60,8 +60,8 @@ from ..algorithms.memory import (
 )
 from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
-from ..export.ct_config import infer_format, tensor_layout
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
+from ..export.format import ExportFormat, get_format, module_sizes
 from ..export.plan import SHARD_NAME, Entry
 from ..export.shards import header_bytes
 from ..layerwise.batches import leading_rows_of, rank_batch_indices
@@ -864,9 +864,13 @@ def traffic(m: _Model) -> dict[str, int]:
     }
 
 
-def export_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
-    """Per export unit (in the order every rank writes them), the compressed-tensors tensors it stores and their
-    sizes: a quantized Linear's weight becomes its ``tensor_layout``, every other parameter is stored as it is."""
+def export_entries(
+    m: PreparedModel, export_format: ExportFormat | str | None = None
+) -> dict[str, list[tuple[Entry, int]]]:
+    """Per export unit (in the order every rank writes them), the tensors it stores in ``export_format`` (default
+    compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says
+    (:func:`~shardcal.export.format.module_sizes`), every other parameter is stored as it is."""
+    fmt = get_format(export_format)
     quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
     out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
     own_units = set(m.export_units[:-1])
@@ -879,9 +883,9 @@ def export_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
             key = (t.linear.out_features, t.linear.in_features)
             if key not in layouts:
                 spec_in = t.input.spec if t.input is not None else None
-                fmt = infer_format(t.weight.spec, spec_in)
-                layout = tensor_layout(fmt, t.weight.spec, spec_in, *key)
-                layouts[key] = [(k, dt, shape, math.prod(shape) * dt.itemsize) for k, (dt, shape) in layout.items()]
+                stored = fmt.module_format(t.weight.spec, spec_in)
+                sizes = module_sizes(fmt, stored, t.weight.spec, spec_in, *key)
+                layouts[key] = [(k, dt, shape, n) for k, (dt, shape, n) in sizes.items()]
             out[unit] += [
                 (Entry(f"{module}.{k}", dt, shape, ("quant", module, k)), n) for k, dt, shape, n in layouts[key]
             ]
@@ -890,10 +894,13 @@ def export_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
     return out
 
 
-def export_files(m: _Model, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[tuple[str, int]]:
-    """``(file name, size in bytes)`` of every shard the export writes (split as ``export.plan.build_plan`` splits)."""
+def export_files(
+    m: _Model, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, export_format: ExportFormat | str | None = None
+) -> list[tuple[str, int]]:
+    """``(file name, size in bytes)`` of every shard the export writes in ``export_format`` (default
+    compressed-tensors), split as ``export.plan.build_plan`` splits."""
     per_rank: list[list[list[tuple[Entry, int]]]] = [[] for _ in range(m.s.world_size)]
-    units = m.unit_entries()
+    units = m.unit_entries() if export_format is None else export_entries(m.prepared, export_format)
     for r in range(m.s.world_size):
         current: list[tuple[Entry, int]] = []
         size = 0

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ..quant.formats import (
+from ...quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
     asymmetric_qparams,
@@ -22,12 +22,12 @@ from ..quant.formats import (
     scale_from_amax,
     unpack_int4_from_int32,
 )
-from ..quant.formats import (
+from ...quant.formats import (
     FORMATS as NUMBER_FORMATS,
 )
-from ..quant.quantizer import TensorQuantizer
-from ..quant.spec import QuantizerSpec
-from .ct_config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
+from ...quant.quantizer import TensorQuantizer
+from ...quant.spec import QuantizerSpec
+from .config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
 
 # ----------------------------------------------------------------------------------------------- int8 packing
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..quant.spec import NVFP4_BLOCK_SIZE, QuantizerSpec, SpecError
+from ...quant.spec import NVFP4_BLOCK_SIZE, QuantizerSpec, SpecError
 
 QUANT_METHOD = "compressed-tensors"
 STATUS_COMPRESSED = "compressed"

@@ -1,0 +1,74 @@
+"""The compressed-tensors export format: the :class:`~shardcal.export.format.ExportFormat` the export writes by default.
+
+It ties the vocabulary (:mod:`.config`: specs -> ``QuantizationArgs``, formats, tensor layouts) and the encoding
+(:mod:`.tensors`) to the interface the shared streaming export and the planner use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...quant.quantizer import TensorQuantizer
+from ...quant.spec import QuantizerSpec
+from . import config as ct_config
+from .tensors import encode_input, encode_weight
+
+
+class CompressedTensorsFormat:
+    """compressed-tensors (vLLM's and transformers' quantized checkpoint format); see docs/export-format.md."""
+
+    name = ct_config.QUANT_METHOD
+    config_key = "quantization_config"
+
+    def check_spec(self, spec: QuantizerSpec, role: str) -> None:
+        """Raise :class:`~.config.UnsupportedSpec` (a ``ValueError``) for what compressed-tensors cannot express."""
+        ct_config.spec_to_args(spec, role)
+
+    def module_format(self, weight: QuantizerSpec, input: QuantizerSpec | None) -> str:
+        """compressed-tensors' ``format`` of a scheme (``int-quantized``, ``pack-quantized``, ...)."""
+        return ct_config.infer_format(weight, input)
+
+    def module_tensors(
+        self,
+        module_format: str,
+        weight: QuantizerSpec,
+        input: QuantizerSpec | None,
+        out_features: int,
+        in_features: int,
+    ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{suffix: (dtype, shape)}`` of one quantized Linear (:func:`.config.tensor_layout`)."""
+        return ct_config.tensor_layout(module_format, weight, input, out_features, in_features)
+
+    def encode_module(
+        self,
+        module_format: str,
+        weight_quantizer: TensorQuantizer,
+        weight: torch.Tensor,
+        input_quantizer: TensorQuantizer | None,
+    ) -> dict[str, torch.Tensor]:
+        """The stored tensors of one quantized Linear: its weight's (:func:`.tensors.encode_weight`), then its static
+        input scale's (:func:`.tensors.encode_input`)."""
+        tensors = encode_weight(weight_quantizer, weight, module_format)
+        tensors.update(encode_input(input_quantizer))
+        return tensors
+
+    def config(
+        self,
+        schemes: Mapping[tuple[QuantizerSpec, QuantizerSpec | None, str], list[str]],
+        ignore: list[str],
+        kv_cache: QuantizerSpec | None,
+    ) -> dict[str, Any]:
+        """``quantization_config``: one group per scheme (targets ``["Linear"]`` when there is one, else the module
+        names), ``ignore`` as given, and ``kv_cache_scheme``."""
+        groups = []
+        for (weight, input, fmt), names in schemes.items():
+            targets = ["Linear"] if len(schemes) == 1 else list(names)
+            groups.append(ct_config.scheme_dict(targets, weight, input, fmt))
+        return ct_config.quantization_config(groups, ignore, kv_cache)
+
+
+#: The one instance the registry (:func:`shardcal.export.format.formats`) hands out.
+COMPRESSED_TENSORS = CompressedTensorsFormat()

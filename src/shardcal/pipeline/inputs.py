@@ -1,0 +1,151 @@
+"""What a calibration can refuse before anything is loaded, and its token data: shared by the library call and the command line.
+
+Errors name the inputs as the caller does: a library call by its parameter names (``out_dir``, ``num_samples``), the
+command line by its flags (``--out``, ``--num-samples``), through ``input_names`` (see :data:`PARAMETER_NAMES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..calib.recipes import Recipe, load_recipe
+from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError
+from ..export import check_destination
+from ..export.format import DEFAULT_FORMAT, ExportFormat, get_format
+from ..loading.foreign import MODEL_IMPLS, choose_impl, raw_config, text_field
+from ..models.config import load_config
+from ..plan.preflight import check_recipe_fits, meta_skeleton
+from ..runtime.fsutil import check_apart
+
+#: How errors name each input of a library call (``input_names`` overrides some or all of them).
+PARAMETER_NAMES: dict[str, str] = {
+    "out_dir": "out_dir",
+    "checkpoint_dir": "checkpoint_dir",
+    "overwrite": "overwrite=True",
+    "num_samples": "num_samples",
+    "seq_len": "seq_len",
+    "model_impl": "model_impl",
+    "format": "format",
+}
+
+
+def input_name(input_names: Mapping[str, str] | None, key: str) -> str:
+    """How errors name input ``key``: ``input_names[key]``, else its entry in :data:`PARAMETER_NAMES`."""
+    return (input_names or {}).get(key, PARAMETER_NAMES[key])
+
+
+@dataclass(frozen=True)
+class CalibrationInputs:
+    """What the checks before loading found: the recipe, whose model class runs it (``"shardcal"`` or
+    ``"transformers"``), the model's vocabulary size (what token data is checked against) and the export format."""
+
+    recipe: Recipe
+    impl: str
+    vocab_size: int | None
+    export_format: ExportFormat
+
+
+def check_calibration_inputs(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    recipe: str | Path | Recipe,
+    *,
+    data: str | Path | None = None,
+    checkpoint_dir: str | Path | None = None,
+    overwrite: bool = False,
+    model_impl: str = "auto",
+    format: str | ExportFormat = DEFAULT_FORMAT,
+    input_names: Mapping[str, str] | None = None,
+) -> CalibrationInputs:
+    """Everything a calibration can refuse before loading weights or data, in this order: the recipe, the export
+    format, where outputs go (``out_dir`` and ``checkpoint_dir`` never over an input), the model's config, its
+    tensors' names and shapes (the safetensors headers) and the recipe (and its ``[fallback]``) against every decoder
+    layer (:mod:`shardcal.plan.preflight`), and ``out_dir`` itself (non-empty without ``overwrite``, unwritable).
+
+    Not collective; reads no weight. Raises a :class:`~shardcal.errors.ShardcalError` naming the input (as
+    ``input_names`` says: :data:`PARAMETER_NAMES` by default).
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    recipe = load_recipe(recipe)
+    export_format = get_format(format, input_name(input_names, "format"))
+    protected = {"the model directory": model_dir, "the data file": data}
+    check_apart(out_dir, input_name(input_names, "out_dir"), protected, ExportError)
+    if checkpoint_dir is not None:
+        check_apart(
+            checkpoint_dir,
+            input_name(input_names, "checkpoint_dir"),
+            {**protected, input_name(input_names, "out_dir"): out_dir},
+            CalibrationCheckpointError,
+        )
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(
+            f"{input_name(input_names, 'model_impl')} must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}"
+        )
+    impl = choose_impl(model_dir, model_impl)
+    vocab_size = (
+        load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
+    )
+    check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
+    if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
+        check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
+    check_destination(out_dir, overwrite, flag=input_name(input_names, "overwrite"))
+    return CalibrationInputs(recipe, impl, vocab_size, export_format)
+
+
+def read_token_data(
+    model_dir: str | Path,
+    vocab_size: int | None,
+    *,
+    data: str | Path | None = None,
+    num_samples: int | None = 32,
+    seq_len: int | None = None,
+    split: str = "calib",
+    input_names: Mapping[str, str] | None = None,
+) -> tuple[torch.Tensor, str]:
+    """Token blocks ``[N, L]`` (int64) and where they came from, checked before the model is loaded.
+
+    ``data``: a token-id file (``.safetensors`` with an int ``input_ids`` [N, L], ``.npy``) or a text file
+    (``.txt``, ``.jsonl`` with a ``text`` field, tokenized with ``model_dir``'s tokenizer.json); None: the
+    Wikipedia summaries of ``split`` (``"calib"`` or ``"eval"``). ``num_samples`` rows of ``seq_len`` tokens (a
+    token-id file keeps its own length when ``seq_len`` is None; text defaults to 256). Every id must be below
+    ``vocab_size`` and rows must fit the model's ``max_position_embeddings``; a :class:`~shardcal.errors.DataError`
+    names the file (or the option) otherwise.
+    """
+    import shardcal.data.calibration as data_mod
+
+    model_dir = Path(model_dir)
+    if num_samples is not None and num_samples < 1:
+        raise DataError(f"{input_name(input_names, 'num_samples')} must be >= 1, got {num_samples}")
+    if seq_len is not None and seq_len < 2:
+        raise DataError(f"{input_name(input_names, 'seq_len')} must be >= 2, got {seq_len}")
+    if data is not None:
+        path = Path(data)
+        tokenizer = _tokenizer(model_dir) if path.suffix.lower() in data_mod.TEXT_SUFFIXES else None
+        ids = data_mod.load_token_data(path, tokenizer, seq_len=seq_len, num_samples=num_samples, vocab_size=vocab_size)
+        source = str(path)
+    else:
+        ids = data_mod.token_blocks(
+            _tokenizer(model_dir), num_samples, seq_len or data_mod.DEFAULT_SEQ_LEN, split=split
+        )
+        if vocab_size is not None and int(ids.max()) >= vocab_size:
+            raise DataError(
+                f"{model_dir}: its tokenizer produces id {int(ids.max())}, beyond the model's vocab_size {vocab_size}"
+            )
+        source = f"{'held-out' if split == 'eval' else 'calibration'} Wikipedia summaries"
+    positions = text_field(raw_config(model_dir), "max_position_embeddings")
+    if isinstance(positions, int) and ids.shape[1] > positions:
+        raise DataError(
+            f"{source}: sequences of {ids.shape[1]} tokens exceed {model_dir}'s max_position_embeddings={positions} "
+            f"(pass a shorter {input_name(input_names, 'seq_len')})"
+        )
+    return ids, source
+
+
+def _tokenizer(model_dir: Path):
+    from ..io.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)

@@ -1,0 +1,200 @@
+"""``shardcal.calibrate_to_checkpoint``: the library call gives what ``shardcal calibrate`` gives (every exported byte,
+the report up to timings, on one rank and on two), what the primitives composed by hand give, and refuses before
+loading anything what the command refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardcal
+from shardcal.cli import main as cli
+from shardcal.errors import ConfigError, ExportError
+from shardcal.layerwise.options import CalibrationOptions
+from shardcal.models.checkpoint import CheckpointReader
+from shardcal.pipeline import calibrate as pipeline_calibrate
+
+from _dist import run_on_ranks
+from _tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPE = "w8a8-int8"
+#: Written beside the export by rank 0; its PNG bytes depend on the matplotlib build, so only its presence counts.
+PLOT = "calibration_sqnr.png"
+REPORT = "calibration_report.json"
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pipeline")
+    model_dir = make_tiny_checkpoint(root, "llama", seed=3)
+    ids = np.random.default_rng(0).integers(0, 256, size=(6, 16))
+    np.save(root / "ids.npy", ids)
+    return model_dir, root / "ids.npy"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file of an export, by name; the report's timings and the plot's bytes left out."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in (PLOT, REPORT)}
+
+
+def _untimed(value):
+    """A report dict without its ``seconds`` fields (wall-clock times differ from run to run)."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def _report(folder: Path) -> dict:
+    import json
+
+    return _untimed(json.loads((folder / REPORT).read_text()))
+
+
+def _cli_argv(model_dir: Path, data: Path, out: Path) -> list[str]:
+    argv = ["calibrate", model_dir, "--recipe", RECIPE, "--data", data, "--batch-size", 2, "--num-samples", 6]
+    return [str(a) for a in [*argv, "--out", out]]
+
+
+def _library(model_dir: Path, data: Path, out: Path, **kwargs) -> shardcal.PipelineResult:
+    return shardcal.calibrate_to_checkpoint(
+        model_dir,
+        out,
+        RECIPE,
+        data=data,
+        num_samples=6,
+        options=CalibrationOptions(batch_size=2, progress=False),
+        **kwargs,
+    )
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_data, tmp_path, capsys):
+    """On one rank: the library call's export is byte for byte the CLI's and that of load_pretrained + calibrate +
+    export_checkpoint composed by hand (the independent reference); the reports agree up to timings."""
+    from shardcal.calib.runner import calibrate
+    from shardcal.data.calibration import load_token_data
+    from shardcal.export import export_checkpoint
+    from shardcal.loading.sharded import load_pretrained
+
+    model_dir, data = model_and_data
+    assert cli.main(_cli_argv(model_dir, data, tmp_path / "cli")) == 0
+    printed = capsys.readouterr().out
+    result = _library(model_dir, data, tmp_path / "lib")
+    model = load_pretrained(model_dir)
+    report = calibrate(model, load_token_data(data), RECIPE, batch_size=2, progress=False)
+    export_checkpoint(model, tmp_path / "ref", recipe=RECIPE, report=report, tokenizer_dir=model_dir)
+
+    assert _files(tmp_path / "lib") == _files(tmp_path / "cli") == _files(tmp_path / "ref")
+    assert _report(tmp_path / "lib") == _report(tmp_path / "cli") == _report(tmp_path / "ref")
+    assert _untimed(result.report.to_dict()) == _report(tmp_path / "lib")
+    assert (result.out_dir, result.rank, result.world_size) == (tmp_path / "lib", 0, 1)
+    assert result.data_shape == (6, 16) and result.data_source == str(data) and result.recipe.name == RECIPE
+    assert len(result.peak_memory_mb) == 1 and result.peak_memory_mb[0] > 0
+    assert result.plot == (tmp_path / "lib" / PLOT if (tmp_path / "cli" / PLOT).exists() else None)
+    said = "\n".join(cli.calibrate_summary(result)) + "\n"  # what the command prints for it, up to times and paths
+    assert _masked(said, tmp_path / "lib") == _masked(printed, tmp_path / "cli")
+    assert "calibrated 2 layers on 6 x 16 tokens of " in said and "over 1 rank(s)" in said
+
+
+def _masked(text: str, out: Path) -> str:
+    import re
+
+    text = re.sub(r"in [0-9.]+ s;", "in T s;", text.replace(str(out), "OUT"))
+    return re.sub(r"peak memory per rank [0-9, ]+ MB", "peak memory per rank M MB", text)
+
+
+def _on_rank(model_dir: str, data: str, out: str, via: str) -> dict:
+    if via == "cli":
+        assert cli.main(_cli_argv(Path(model_dir), Path(data), Path(out))) == 0
+        return {}
+    result = _library(Path(model_dir), Path(data), Path(out))
+    return {"rank": result.rank, "world": result.world_size, "peaks": len(result.peak_memory_mb)}
+
+
+def test_two_rank_library_call_equals_the_command(model_and_data, tmp_path):
+    """On two ranks (a gloo group, as torchrun starts them): the same files, byte for byte, and the same report."""
+    model_dir, data = (str(p) for p in model_and_data)
+    run_on_ranks(2, _on_rank, model_dir, data, str(tmp_path / "cli"), "cli")
+    got = run_on_ranks(2, _on_rank, model_dir, data, str(tmp_path / "lib"), "lib")
+    assert got == [{"rank": 0, "world": 2, "peaks": 2}, {"rank": 1, "world": 2, "peaks": 2}]
+    files = _files(tmp_path / "lib")
+    assert sum(name.endswith(".safetensors") for name in files) == 2  # each rank wrote its own shard
+    assert files == _files(tmp_path / "cli")
+    assert _report(tmp_path / "lib") == _report(tmp_path / "cli")
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_the_calibration_checkpoint_is_removed_unless_kept(model_and_data, tmp_path):
+    model_dir, data = model_and_data
+    options = CalibrationOptions(batch_size=2, progress=False, checkpoint_dir=tmp_path / "ckpt")
+    kept = shardcal.calibrate_to_checkpoint(
+        model_dir, tmp_path / "a", RECIPE, data=data, num_samples=6, options=options, keep_checkpoint=True
+    )
+    assert kept.checkpoint_removed_bytes is None and (tmp_path / "ckpt" / "manifest.json").is_file()
+    removed = shardcal.calibrate_to_checkpoint(
+        model_dir, tmp_path / "b", RECIPE, data=data, num_samples=6, options=options
+    )
+    assert removed.checkpoint_removed_bytes > 0 and not (tmp_path / "ckpt").exists()
+    assert removed.checkpoint_dir == tmp_path / "ckpt"
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+
+
+@pytest.fixture
+def nothing_read(monkeypatch) -> list[str]:
+    """What the run read: the data, or any tensor of the checkpoint (headers are fine)."""
+    touched: list[str] = []
+    monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(CheckpointReader, "get", lambda *a, **k: touched.append("tensor"))
+    monkeypatch.setattr(CheckpointReader, "get_rows", lambda *a, **k: touched.append("tensor"))
+    return touched
+
+
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, ExportError, "{out}: exists and is not empty (pass overwrite=True to replace it)"),
+        ({"format": "gguf"}, ExportError, "format 'gguf': unknown export format (known: compressed-tensors)"),
+        ({"model_impl": "mine"}, ConfigError, "model_impl must be one of auto, shardcal, transformers, got 'mine'"),
+        (
+            {"overwrite": True, "out": "model"},
+            ExportError,
+            "out_dir {model} is the model directory {model}; write it elsewhere (refused even when overwriting is "
+            "allowed)",
+        ),
+    ],
+)
+def test_pre_checks_refuse_before_anything_is_read(model_and_data, tmp_path, nothing_read, kwargs, error, message):
+    """An existing export without overwrite, an unknown format or model class, an output over an input: refused
+    with the parameter's name before the data or any weight is read; the existing export is left as it was."""
+    model_dir, data = model_and_data
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    target = model_dir if kwargs.pop("out", None) == "model" else out
+    with pytest.raises(error) as info:
+        _library(model_dir, data, target, **kwargs)
+    assert str(info.value) == message.format(out=out, model=model_dir)
+    assert nothing_read == [] and (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_the_command_names_its_flags_in_the_same_refusals(model_and_data, tmp_path, nothing_read, capsys):
+    model_dir, data = model_and_data
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    argv = _cli_argv(model_dir, data, tmp_path / "out")
+    assert cli.main(argv) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {tmp_path / 'out'}: exists and is not empty (pass --overwrite to replace it)\n"
+    )
+    assert cli.main([*argv, "--overwrite", "--format", "gguf"]) == 2
+    assert capsys.readouterr().err == "error: --format 'gguf': unknown export format (known: compressed-tensors)\n"
+    assert nothing_read == []
