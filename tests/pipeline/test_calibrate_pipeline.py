@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_gguf_tokenizer import byte_level_tokenizer_json
 
 import shardcal
 from shardcal.cli import main as cli
-from shardcal.errors import ConfigError, ExportError
+from shardcal.errors import ConfigError, ExportError, TokenizerError
 from shardcal.layerwise.options import CalibrationOptions
 from shardcal.models.checkpoint import CheckpointReader
 from shardcal.pipeline import calibrate as pipeline_calibrate
@@ -198,3 +199,42 @@ def test_the_command_names_its_flags_in_the_same_refusals(model_and_data, tmp_pa
     assert cli.main([*argv, "--overwrite", "--format", "gguf"]) == 2
     assert capsys.readouterr().err == "error: --format 'gguf': unknown export format (known: compressed-tensors)\n"
     assert nothing_read == []
+
+
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize("data", [None, "docs.jsonl"], ids=["default-text", "jsonl"])
+def test_an_unsupported_tokenizer_is_refused_before_anything_is_read(model_and_data, tmp_path, nothing_read, data):
+    """Text data (the default summaries, a .jsonl) needs the model's tokenizer.json: one whose normalizer shardcal
+    cannot run is refused by the pre-checks, naming the file and the field, before data or weights are read."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(model_and_data[0], model_dir)
+    tokenizer = dict(byte_level_tokenizer_json(), normalizer={"type": "Foo"})
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    path = None if data is None else tmp_path / data
+    if path is not None:
+        path.write_text('{"text": "hello"}\n')
+    with pytest.raises(TokenizerError) as info:
+        shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "out", RECIPE, data=path)
+    assert str(info.value).startswith(f"{model_dir / 'tokenizer.json'}: field 'normalizer': normalizer type 'Foo'")
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="tokenizer.json: no such file"):
+        shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "out", RECIPE, data=path)
+    assert nothing_read == []
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_a_skipped_memory_check_is_said(model_and_data, tmp_path, monkeypatch):
+    """When the planner cannot model the run, calibration goes on and a warning says the check was skipped."""
+    from shardcal.errors import PlanError
+    from shardcal.plan import planner
+
+    def cannot(model_dir, impl="auto"):
+        raise PlanError(f"{model_dir}: no decoder layers the planner can find")
+
+    monkeypatch.setattr(planner, "check_plannable", cannot)
+    with pytest.warns(UserWarning, match="the memory check before loading was skipped: .*no decoder layers"):
+        _library(*model_and_data, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()

@@ -453,3 +453,27 @@ def test_mmap_threshold_from_the_environment(monkeypatch):
         hostmem.pin_mmap_threshold()
     monkeypatch.setenv("SHARDCAL_MMAP_THRESHOLD", str(hostmem.DEFAULT_MMAP_THRESHOLD))
     assert hostmem.pin_mmap_threshold() is (real("c") is not None) and called == ["c"]
+
+
+def test_plan_command_plans_a_model_only_transformers_runs(capsys, tmp_path):
+    """``shardcal plan`` on Phi-3 (no shardcal class) plans it from transformers' class, as calibrate does; the
+    bytes each rank reads are the checkpoint's, counted here from the safetensors header."""
+    pytest.importorskip("transformers")
+    from _hf_models import hf_model
+
+    hf_model("phi3").save_pretrained(tmp_path / "phi3")
+    status, out, err = run_cli(capsys, "plan", tmp_path / "phi3", "--recipe", "fp8", "--world-size", 2, "--json")
+    assert status == 0, err
+    plan = json.loads(out)
+    header = json.loads(_header_bytes(tmp_path / "phi3" / "model.safetensors"))
+    stored = sum(end - start for k, v in header.items() if k != "__metadata__" for start, end in [v["data_offsets"]])
+    read = [r["bytes_read"] for r in plan["ranks"]]
+    assert sum(read) >= stored and max(read) < stored  # every byte read at least once, no rank reads them all
+    status, out, err = run_cli(capsys, "plan", tmp_path / "phi3", "--recipe", "fp8", "--model-impl", "shardcal")
+    assert status == 2 and "model_type 'phi3' is not supported" in err, err
+
+
+def _header_bytes(path: Path) -> bytes:
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    return raw[8 : 8 + size]

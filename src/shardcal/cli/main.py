@@ -523,6 +523,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--probe", action="store_true", help="also estimate the time from a probe (one layer, one and three batches)"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    _model_impl_argument(parser)
 
 
 def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # noqa: F821
@@ -552,16 +553,18 @@ def _plan(args: argparse.Namespace) -> int:
     import shardcal.plan.planner as planning
 
     from ..calib.recipes import load_recipe
+    from ..loading.foreign import choose_impl
     from ..models.checkpoint import INDEX_NAME, SINGLE_NAME
     from ..plan.preflight import check_recipe_fits, meta_skeleton
 
     recipe = load_recipe(args.recipe)
-    planning.check_plannable(args.model_dir)
+    impl = choose_impl(Path(args.model_dir), args.model_impl)
+    planning.check_plannable(args.model_dir, impl)
     has_weights = any((Path(args.model_dir) / name).is_file() for name in (SINGLE_NAME, INDEX_NAME))
-    check_recipe_fits(meta_skeleton(args.model_dir, "shardcal", check_headers=has_weights), recipe)  # as calibrate
+    check_recipe_fits(meta_skeleton(args.model_dir, impl, check_headers=has_weights), recipe)  # as calibrate
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = _plan_settings(args, device)
-    source = planning.read_source(args.model_dir)
+    source = planning.read_source(args.model_dir, impl=impl)
     plan = planning.plan_source(source, recipe, settings, args.model_dir)
     here = (
         planning.local_budget(device) if device == "cpu" or torch.cuda.is_available() else planning.Budget(None, None)
@@ -574,6 +577,8 @@ def _plan(args: argparse.Namespace) -> int:
     )
     short = planning.shortfall(plan, budget)
     fix = planning.cheapest_fix(source, recipe, settings, budget) if short is not None else None
+    if args.probe and source.config is None:
+        raise UsageError(f"{args.model_dir}: --probe times shardcal's own model classes only (this one is {impl}'s)")
     if args.probe:
         from ..plan.probe import with_time
         from ..runtime.hostmem import pin_mmap_threshold

@@ -106,7 +106,9 @@ def calibrate_to_checkpoint(
         input_names=input_names,
     )  # fmt: skip
     if not force:
-        _refuse_before_loading(model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload)
+        _refuse_before_loading(
+            model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload, inputs.impl
+        )
     start = time.perf_counter()
     model = _load(model_dir, inputs, shard_root, cpu_offload)
     report = calibrate(model, ids, inputs.recipe, options)
@@ -130,12 +132,23 @@ def _refuse_before_loading(
     options: CalibrationOptions,
     shard_root: bool,
     cpu_offload: bool,
+    impl: str,
 ) -> None:
-    """The planner's check (collective): stop every rank before loading when the predicted peak does not fit."""
-    from ..plan.planner import check_before_loading, plannable
+    """The planner's check (collective): stop every rank before loading when the predicted peak does not fit; a
+    model the planner cannot build (it has no decoder layers the registry finds, say) runs with a warning."""
+    import warnings
 
-    if plannable(model_dir):  # a model type only transformers' class runs is not planned
-        check_before_loading(model_dir, recipe, data_shape, options, cpu_offload=cpu_offload, shard_root=shard_root)
+    from ..errors import ConfigError, PlanError
+    from ..plan.planner import check_before_loading, check_plannable
+
+    try:
+        check_plannable(model_dir, impl)
+    except (ConfigError, PlanError) as exc:  # a model the planner cannot build: say so, and run unchecked
+        warnings.warn(f"the memory check before loading was skipped: {exc}", stacklevel=2)
+        return
+    check_before_loading(
+        model_dir, recipe, data_shape, options, cpu_offload=cpu_offload, shard_root=shard_root, impl=impl
+    )
 
 
 def _load(model_dir: Path, inputs: CalibrationInputs, shard_root: bool, cpu_offload: bool) -> nn.Module:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..calib.recipes import Recipe, load_recipe
-from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError
+from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
 from ..export.format import DEFAULT_FORMAT, ExportFormat, get_format
 from ..loading.foreign import MODEL_IMPLS, choose_impl, raw_config, text_field
@@ -92,8 +92,23 @@ def check_calibration_inputs(
     check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
     if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
         check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
+    check_data_tokenizer(model_dir, data)
     check_destination(out_dir, overwrite, flag=input_name(input_names, "overwrite"))
     return CalibrationInputs(recipe, impl, vocab_size, export_format)
+
+
+def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None:
+    """When the data is text (the default Wikipedia summaries, or a ``.txt`` / ``.jsonl`` file), build the model
+    directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds, before any weight
+    or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the field."""
+    from ..data.calibration import TEXT_SUFFIXES
+    from ..io.tokenizer import check_tokenizer_file
+
+    if data is None or Path(data).suffix.lower() in TEXT_SUFFIXES:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: no such file (text data is tokenized with the model's tokenizer.json)")
+        check_tokenizer_file(path)
 
 
 def read_token_data(
