@@ -588,3 +588,20 @@ def test_weight_algorithms_beat_round_to_nearest_on_transformers_llama(algorithm
         calibrate(model, data, _algorithm_recipe(name, weight_only=True), batch_size=BATCH, progress=False)
         errors[name] = (hf_logits(model, data) - want).pow(2).mean().item()
     assert errors[algorithm] < errors["rtn"], errors
+
+
+def test_an_exclude_pattern_can_name_fused_experts(tmp_path):
+    """``exclude = ["model.layers.*.mlp.experts"]`` names transformers' fused 3-D experts as a whole: the pre-check
+    accepts it, and calibration quantizes every Linear of the layers but no expert (the module's own names say)."""
+    from shardcal.calib.recipes import parse_recipe
+    from shardcal.plan.preflight import check_recipe_fits
+
+    text = '[targets]\nexclude = ["model.layers.*.mlp.experts"]\n[weight]\nformat = "int8"\ngranularity = "channel"\n'
+    recipe = parse_recipe(text, "no-experts.toml")
+    model = hf_model("qwen3_moe")
+    linears = {n for n, m in model.model.layers.named_modules(prefix="model.layers") if isinstance(m, nn.Linear)}
+    quantized = check_recipe_fits(hf_model("qwen3_moe"), recipe)
+    assert quantized and not any(".experts" in n for n in quantized)
+    assert set(quantized) == {n for n in linears if not n.endswith("mlp.gate")}  # the routers never
+    calibrate(model, _data(), recipe, batch_size=BATCH, progress=False)
+    assert not any(".experts" in n for n in _amax(model))

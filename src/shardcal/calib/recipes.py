@@ -140,6 +140,10 @@ class Recipe:
     def all_excludes(self) -> tuple[str, ...]:
         return self.exclude + (DEFAULT_EXCLUDES if self.default_excludes else ())
 
+    def excludes(self, module_name: str) -> bool:
+        """Whether an exclude pattern names this module (a Linear, or fused experts as a whole)."""
+        return any(r.fullmatch(module_name) for r in self._exclude_re)
+
     def matches(self, module_name: str) -> bool:
         """Whether the Linear with this full name is quantized: an include matches and no exclude does."""
         return any(r.fullmatch(module_name) for r in self._include_re) and not any(
@@ -516,8 +520,8 @@ def _quantize_fused_experts(module: nn.Module, recipe: Recipe, prefix: str) -> l
     for name, sub in module.named_modules(prefix=prefix):
         if not any(p.dim() == 3 for p in sub.parameters(recurse=False)):
             continue
-        if not any(recipe.matches(f"{name}.0.{proj}") for proj in PROJECTIONS):
-            continue  # excluded as a whole: an unknown layout there is no error
+        if recipe.excludes(name) or not any(recipe.matches(f"{name}.0.{proj}") for proj in PROJECTIONS):
+            continue  # excluded as a whole (by its own name or every projection's): an unknown layout is no error
         if recipe.output is not None:
             raise RecipeError(f"{recipe.source or recipe.name}: fused experts {name!r} take no output quantizer")
         try:

@@ -80,7 +80,8 @@ def check_targets_fit(model: nn.Module, patterns: Sequence[TargetPattern]) -> li
 
 
 def _quantizable_names(model: nn.Module) -> list[str]:
-    """Every name a recipe's patterns can target: Linears, and the per-expert projections of fused experts."""
+    """Every name a recipe's patterns can target: Linears, fused experts (as a whole) and their per-expert
+    projections."""
     names = [name for name, sub in model.named_modules() if isinstance(sub, nn.Linear)]
     for name, sub in model.named_modules():
         shape = (
@@ -89,7 +90,7 @@ def _quantizable_names(model: nn.Module) -> list[str]:
             else None
         )
         if shape is not None:
-            names += [f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS]
+            names += [name, *(f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS)]
     return names
 
 
