@@ -22,12 +22,13 @@ from safetensors.torch import load_file, save_file
 from _tiny_models import make_tiny_checkpoint
 
 
-def _run_in_pty(argv: list[str], timeout: float = 240) -> tuple[int, list[str]]:
-    """Run ``argv`` with stdout and stderr on a pty; the exit status and the screen's lines."""
+def _run_in_pty(argv: list[str], timeout: float = 240, extra_env: dict | None = None) -> tuple[int, list[str]]:
+    """Run ``argv`` with stdout and stderr on a pty (``extra_env`` added to the environment); the exit status and
+    the screen's lines."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal has a size
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", COLUMNS="120", TERM="xterm")
+    env.update(OMP_NUM_THREADS="1", COLUMNS="120", TERM="xterm", **(extra_env or {}))
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, close_fds=True)
     os.close(slave)
     raw = b""
