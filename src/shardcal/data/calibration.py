@@ -19,7 +19,7 @@ import json
 import random
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +96,32 @@ def _stream(tokenizer: Any, texts: Iterable[str]) -> Iterator[int]:
         yield from separator
 
 
-def _blocks(ids: Iterator[int], n_blocks: int | None, seq_len: int) -> tuple[torch.Tensor, int]:
-    """Consecutive non-overlapping ``seq_len`` blocks from a token stream, and how many tokens at its end were
-    dropped (a last partial block; 0 when the stream was not read to its end)."""
-    wanted = None if n_blocks is None else n_blocks * seq_len
+def leading_special_ids(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer's template puts before a sequence (Gemma's, Llama 2's ``<bos>``; none for
+    GPT-2-style tokenizers), found by encoding one word with and without them."""
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        return []
+    try:
+        full, plain = list(encode("a", add_special_tokens=True)), list(encode("a", add_special_tokens=False))
+    except TypeError:  # a tokenizer without the keyword
+        return []
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def _blocks(
+    ids: Iterator[int], n_blocks: int | None, seq_len: int, lead: Sequence[int] = ()
+) -> tuple[torch.Tensor, int]:
+    """Consecutive non-overlapping blocks from a token stream, each ``lead`` (the tokenizer's leading special
+    tokens, such as BOS) followed by ``seq_len - len(lead)`` tokens of the stream, and how many tokens at its end
+    were dropped (a last partial block; 0 when the stream was not read to its end)."""
+    body = seq_len - len(lead)
+    if body < 1:
+        raise DataError(f"seq_len {seq_len} leaves no room after the tokenizer's leading tokens {list(lead)}")
+    wanted = None if n_blocks is None else n_blocks * body
     buffer: list[int] = []
     exhausted = True
     for index in ids:
@@ -107,9 +129,12 @@ def _blocks(ids: Iterator[int], n_blocks: int | None, seq_len: int) -> tuple[tor
         if wanted is not None and len(buffer) >= wanted:
             exhausted = False
             break
-    count = len(buffer) // seq_len if n_blocks is None else min(n_blocks, len(buffer) // seq_len)
-    dropped = len(buffer) - count * seq_len if exhausted else 0
-    return torch.tensor(buffer[: count * seq_len], dtype=torch.long).view(count, seq_len), dropped
+    count = len(buffer) // body if n_blocks is None else min(n_blocks, len(buffer) // body)
+    dropped = len(buffer) - count * body if exhausted else 0
+    rows = torch.tensor(buffer[: count * body], dtype=torch.long).view(count, body)
+    if lead:
+        rows = torch.cat([torch.tensor(list(lead), dtype=torch.long).expand(count, len(lead)), rows], dim=1)
+    return rows, dropped
 
 
 def _warn_dropped(path: Path, dropped: int, seq_len: int) -> None:
@@ -130,13 +155,15 @@ def token_blocks(tokenizer: Any, n_blocks: int, seq_len: int, split: str = "cali
     """``n_blocks`` x ``seq_len`` token ids (int64) from the Wikipedia summaries of ``split`` ("calib" or "eval").
 
     The split's articles are shuffled with ``seed`` (deterministic), tokenized, joined with the tokenizer's EOS
-    token and cut into consecutive blocks; only as many articles as needed are tokenized.
+    token and cut into consecutive blocks; only as many articles as needed are tokenized. Each block starts with
+    the special tokens the tokenizer's template puts before a sequence (the BOS Gemma and Llama 2 need; none for
+    GPT-2-style tokenizers such as SmolLM2's).
     """
     _check_counts(n_blocks, seq_len)
     path = wiki_summaries_path()
     texts = split_texts(load_wiki_texts(path), split)
     random.Random(seed).shuffle(texts)
-    blocks, _ = _blocks(_stream(tokenizer, texts), n_blocks, seq_len)
+    blocks, _ = _blocks(_stream(tokenizer, texts), n_blocks, seq_len, leading_special_ids(tokenizer))
     if blocks.shape[0] < n_blocks:
         raise DataError(
             f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for"
@@ -160,7 +187,8 @@ def load_token_data(
       token stream cut into ``seq_len`` blocks): the rows as stored; ``seq_len`` (when given) keeps the first
       ``seq_len`` columns and must not exceed L.
     * ``.txt`` (one document) or ``.jsonl`` (one JSON object with a string ``text`` per line; documents joined
-      with EOS): tokenized with ``tokenizer`` and cut into blocks of ``seq_len`` (default 256).
+      with EOS): tokenized with ``tokenizer`` and cut into blocks of ``seq_len`` (default 256), each led by the
+      tokenizer's leading special tokens (BOS where its template adds one).
 
     ``num_samples`` keeps at most that many rows (a file with fewer rows gives them all, with a warning; so does
     a token stream whose last partial block is left out). ``vocab_size`` checks that
@@ -186,7 +214,7 @@ def load_token_data(
             raise DataError(f"{path}: a text file needs a tokenizer (the model directory's tokenizer.json) to be read")
         seq_len = seq_len or DEFAULT_SEQ_LEN
         stream = _text_stream(tokenizer, _read_txt(path)) if suffix == ".txt" else _stream(tokenizer, _read_jsonl(path))
-        ids, dropped = _blocks(stream, num_samples, seq_len)
+        ids, dropped = _blocks(stream, num_samples, seq_len, leading_special_ids(tokenizer))
         if ids.shape[0] == 0:
             raise DataError(
                 f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length"
