@@ -292,8 +292,8 @@ def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
     lines = [
         f"calibrated {len(report.layers)} layers on {rows} x {length} tokens of {result.data_source} "
         f"with {result.recipe.name} over {result.world_size} rank(s) in {result.seconds:.1f} s; mean layer SQNR "
-        f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank "
-        f"{', '.join(f'{p:.0f}' for p in result.peak_memory_mb)} MB"
+        f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}",
+        memory_summary(result),
     ]
     if (moe_line := report.moe_summary()) is not None:
         lines.append(moe_line)
@@ -306,8 +306,22 @@ def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
     return lines
 
 
+def _mib_list(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values) + " MiB"
+
+
+def memory_summary(result: PipelineResult) -> str:  # noqa: F821
+    """``peak memory per rank: growth X MiB (planned Z MiB), process peak W MiB``: the measured growth over the
+    baseline taken after imports (what ``shardcal plan`` predicts), the plan's figure, and the process's peak."""
+    growth, peak = result.memory_growth_mib, result.process_peak_mib
+    if growth is None or peak is None:
+        return f"peak memory per rank: process peak {_mib_list(result.peak_memory_mb)}"
+    planned = "not planned" if result.planned_growth_mib is None else f"planned {_mib_list(result.planned_growth_mib)}"
+    return f"peak memory per rank: growth {_mib_list(growth)} ({planned}), process peak {_mib_list(peak)}"
+
+
 def torch_peak_memory_mb() -> float:
-    """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
+    """This process's peak resident memory (MiB), or the accelerator's peak allocation when on CUDA."""
     from ..pipeline.calibrate import torch_peak_memory_mb as peak
 
     return peak()
@@ -585,14 +599,16 @@ def _plan(args: argparse.Namespace) -> int:
 
         pin_mmap_threshold()  # the allocator setting calibrate's ranks run with (it changes their speed)
         with_time(plan, source.config, recipe, args.model_dir)
+    baseline = size_after_imports()
     if args.json:
         out = plan.to_dict()
         out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
         out["fits"] = None if budget.device is None and budget.host is None else short is None
         out["fix"] = fix
+        out["baseline_bytes"] = baseline
         print(json.dumps(out))
         return 0
-    print(planning.format_plan(plan))
+    print(planning.format_plan(plan, baseline=baseline))
     if short is not None:
         print("does not fit: " + planning.refusal_message(plan, short, fix).removesuffix("; --force runs anyway"))
     elif budget.device is not None or budget.host is not None:
@@ -600,6 +616,16 @@ def _plan(args: argparse.Namespace) -> int:
                  (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
         print("fits: " + ", ".join(known))
     return 0
+
+
+def size_after_imports() -> int | None:
+    """This process's resident size (bytes) with what a calibrating rank imports loaded: the baseline ``plan`` adds
+    to its predicted growth for the process peak (None where unknown)."""
+    import shardcal.pipeline.calibrate  # noqa: F401  (what calibrate's ranks have imported at their baseline)
+
+    from ..runtime.hostmem import rss_bytes
+
+    return rss_bytes()
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -814,7 +840,7 @@ def _demo(args: argparse.Namespace) -> int:
             f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)",
             f"{result['seconds']:.1f} s",
         ),
-        ("peak memory per rank", ", ".join(f"{p:.0f} MB" for p in result["peaks"])),
+        ("peak memory per rank", ", ".join(f"{p:.0f} MiB" for p in result["peaks"])),
         ("mean layer output SQNR", f"{result['mean_sqnr_db']:.1f} dB" if result["mean_sqnr_db"] is not None else "n/a"),
         ("output dir", str(out_dir)),
         ("report, plot", f"{out_dir / 'calibration_report.json'}, {out_dir / 'calibration_sqnr.png'}"),
