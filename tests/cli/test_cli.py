@@ -569,3 +569,43 @@ def test_calibrate_sqnr_tokens(capsys, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
     status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "bad", "--sqnr-tokens", -1)
     assert status == 2 and err == "error: --sqnr-tokens must be >= 0, got -1\n" and touched == []
+
+
+def test_ctrl_c_says_what_is_lost_without_a_checkpoint_dir_and_where_a_rerun_resumes_with_one(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C (KeyboardInterrupt) during the layers: exit 130 and one line — without ``--checkpoint-dir`` what is lost
+    and the flag that would keep it; with one, what it holds, and the rerun does resume there."""
+    from shardcal.calib import runner
+    from shardcal.runtime.faults import armed
+
+    np.save(tmp_path / "ids.npy", np.arange(4 * 16).reshape(4, 16) % 300)
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    calls, real = [], runner._calibrate_layer
+
+    def ctrl_c_at_the_second_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_calibrate_layer", ctrl_c_at_the_second_layer)
+    status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "a")
+    assert status == 130 and err.strip().splitlines()[-1] == (
+        "interrupted at layer 1 of 2: without --checkpoint-dir the 1 calibrated layer(s) are lost; rerun with "
+        "--checkpoint-dir DIR to resume from the last committed layer next time"
+    )
+    monkeypatch.setattr(runner, "_calibrate_layer", real)
+
+    def ctrl_c(completed_layers: int) -> None:
+        raise KeyboardInterrupt
+
+    ckpt = tmp_path / "ckpt"
+    with armed("calibrate.committed", ctrl_c):  # right after layer 1 is committed
+        status, _, err = run_cli(capsys, *argv, "--checkpoint-dir", ckpt, "--out", tmp_path / "b")
+    assert status == 130 and err.strip().splitlines()[-1] == (
+        f"interrupted at layer 1 of 2: 1 layer(s) are committed in {ckpt}; rerun the same command "
+        "(same --checkpoint-dir) to resume after layer 1"
+    )
+    status, _, err = run_cli(capsys, *argv, "--checkpoint-dir", ckpt, "--out", tmp_path / "b")
+    assert status == 0 and f"resuming after layer 1 of 2 from {ckpt}" in err

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError, ShardcalError, UsageError
+from ..errors import CalibrationInterrupted, DataError, ShardcalError, UsageError
 from ..layerwise.options import DEFAULT_SQNR_TOKENS
 
 EXIT_USER_ERROR = 2
@@ -935,6 +935,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_message(exc: KeyboardInterrupt) -> str:
+    """The line Ctrl-C ends a command with: plain ``interrupted``, or for a calibration how far it got, what is
+    lost, and where a rerun resumes (with ``--checkpoint-dir``) or how to keep it next time (without)."""
+    if not isinstance(exc, CalibrationInterrupted):
+        return "interrupted"
+    if exc.checkpoint_dir is None:
+        return (
+            f"{exc}: without --checkpoint-dir the {exc.done} calibrated layer(s) are lost; rerun with "
+            "--checkpoint-dir DIR to resume from the last committed layer next time"
+        )
+    if exc.committed == 0:
+        return f"{exc}: no layer was committed to {exc.checkpoint_dir} yet; a rerun starts at layer 0"
+    return (
+        f"{exc}: {exc.committed} layer(s) are committed in {exc.checkpoint_dir}; rerun the same command "
+        f"(same --checkpoint-dir) to resume after layer {exc.committed}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shardcal``; returns the exit status (0, or 2 for a user error)."""
     import warnings
@@ -951,7 +969,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = " ".join(str(exc).split("\n"))
             print(f"error: {message}", file=sys.stderr)
             return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
+        except KeyboardInterrupt as exc:
+            print(interrupted_message(exc), file=sys.stderr)
             return 130
     return int(status or 0)
