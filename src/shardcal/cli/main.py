@@ -861,6 +861,7 @@ def _weights_mb(folder: Path) -> float:
 
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
+    from ..calib.recipes import load_recipe
     from ..calib.runner import calibrate
     from ..data.calibration import token_blocks
     from ..data.perplexity import distributed_perplexity
@@ -884,7 +885,8 @@ def demo_job(options: dict) -> None:
     )
     peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
-        report.save_plot(Path(options["out"]) / "calibration_sqnr.png")
+        threshold = load_recipe(options["recipe"]).min_layer_sqnr_db
+        report.save_plot(Path(options["out"]) / "calibration_sqnr.png", threshold)
         Path(options["result"]).write_text(
             json.dumps(
                 {

@@ -137,7 +137,8 @@ def calibrate_to_checkpoint(
     baselines = all_gather_floats(reported_baseline_mib(baseline))
     plot, removed = None, None
     if rank == 0:
-        plot = report.save_plot(out_dir / PLOT_NAME) if out_dir.exists() else None
+        threshold = inputs.recipe.min_layer_sqnr_db
+        plot = report.save_plot(out_dir / PLOT_NAME, threshold) if out_dir.exists() else None
         if options.checkpoint_dir is not None and not keep_checkpoint:
             removed = remove_checkpoint(options.checkpoint_dir)
     return PipelineResult(out_dir, report, inputs.recipe, rank, world, (int(ids.shape[0]), int(ids.shape[1])),
