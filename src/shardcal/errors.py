@@ -77,6 +77,11 @@ class InsufficientMemoryError(ShardcalError):
     """The plan predicts more memory than the device or host has free (``calibrate`` stops before loading)."""
 
 
+class MissingDependencyError(ShardcalError):
+    """An optional package a command needs for this input is not installed (or too old); the message names the
+    package and the ``pip install`` command."""
+
+
 class CalibrationInterrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`shardcal.calibrate`: a :class:`KeyboardInterrupt` (code catching that still does) that
     says how far the run got — ``done`` of ``total`` layers calibrated, ``committed`` of them in ``checkpoint_dir``

@@ -609,3 +609,41 @@ def test_ctrl_c_says_what_is_lost_without_a_checkpoint_dir_and_where_a_rerun_res
     )
     status, _, err = run_cli(capsys, *argv, "--checkpoint-dir", ckpt, "--out", tmp_path / "b")
     assert status == 0 and f"resuming after layer 1 of 2 from {ckpt}" in err
+
+
+def test_eval_of_a_foreign_export_without_compressed_tensors_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """A compressed-tensors export of a model shardcal has no class for (loaded through transformers) with the
+    compressed-tensors package unimportable: one ``error:`` line naming it and the pip command, exit 2."""
+    import importlib.abc
+
+    pytest.importorskip("transformers")
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "compressed_tensors":
+                raise ImportError(f"{name} is blocked")
+            return None
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "compressed_tensors"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Block(), *sys.meta_path])
+    export = tmp_path / "phi3-w8a8"
+    export.mkdir()
+    config = {"model_type": "phi3", "vocab_size": 300, "quantization_config": {"quant_method": "compressed-tensors"}}
+    (export / "config.json").write_text(json.dumps(config))
+    np.save(tmp_path / "ids.npy", np.arange(8 * 8).reshape(8, 8) % 300)
+    status, out, err = run_cli(capsys, "eval", export, "--data", tmp_path / "ids.npy")
+    assert status == 2 and out == "" and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: {export}: transformers needs a package to load this checkpoint")
+    assert "compressed-tensors is not installed" in line and line.endswith("pip install 'compressed-tensors'")
+
+
+def test_a_requirement_transformers_states_becomes_the_pip_command(tmp_path):
+    """An ImportError of transformers' own (a version too old) becomes the same error, with its requirement."""
+    from shardcal.errors import MissingDependencyError
+    from shardcal.loading import foreign
+
+    error = foreign._missing_package(tmp_path, "compressed-tensors>=0.15.0 is required")
+    assert isinstance(error, MissingDependencyError)
+    assert str(error).endswith("compressed-tensors>=0.15.0 is required; pip install 'compressed-tensors>=0.15.0'")
