@@ -75,3 +75,22 @@ class CollectionCheckpointError(CalibrationCheckpointError):
 
 class InsufficientMemoryError(ShardcalError):
     """The plan predicts more memory than the device or host has free (``calibrate`` stops before loading)."""
+
+
+class MissingDependencyError(ShardcalError):
+    """An optional package a command needs for this input is not installed (or too old); the message names the
+    package and the ``pip install`` command."""
+
+
+class CalibrationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`shardcal.calibrate`: a :class:`KeyboardInterrupt` (code catching that still does) that
+    says how far the run got — ``done`` of ``total`` layers calibrated, ``committed`` of them in ``checkpoint_dir``
+    (None without one, when nothing is kept) — so that the command can say what was lost and where a rerun resumes.
+    """
+
+    def __init__(self, done: int, total: int, committed: int, checkpoint_dir: str | None) -> None:
+        super().__init__(done, total, committed, checkpoint_dir)  # the args rebuild it after pickling (a rank's queue)
+        self.done, self.total, self.committed, self.checkpoint_dir = done, total, committed, checkpoint_dir
+
+    def __str__(self) -> str:
+        return f"interrupted at layer {self.done} of {self.total}"

@@ -532,3 +532,30 @@ def test_a_rank_without_a_batch_is_said_once():
         "smaller batch size, or more samples, gives every rank work)"
     ]
     assert rank1 == []
+
+
+def test_the_sqnr_plot_draws_the_threshold_and_says_what_propagate_means():
+    """The recipe's ``[fallback] min_layer_sqnr_db`` as a labelled line (else the labelled 30 dB reference), the
+    title saying what the layers' inputs were, and at 30 layers at most 15 integer layer ticks."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from shardcal.calib.report import REFERENCE_SQNR_DB, CalibrationReport, LayerReport
+
+    layers = [LayerReport(name=f"model.layers.{i}", index=i, seconds=0.0, sqnr_db=30.0 + i % 7) for i in range(30)]
+    report = CalibrationReport(recipe="w8a8-int8", propagate="fp", world_size=1, num_batches=1, num_tokens=8)
+    report.layers = layers
+    for threshold, label in ((25.0, "fallback threshold 25 dB"), (None, f"{REFERENCE_SQNR_DB:g} dB reference")):
+        figure = report.sqnr_figure(threshold)
+        ax = figure.axes[0]
+        (line,) = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [threshold or REFERENCE_SQNR_DB] * 2]
+        assert line.get_label().startswith(label)
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [line.get_label()]
+        assert "inputs: full-precision outputs of the previous layer (propagate=fp)" in ax.get_title()
+        ticks = [t for t in ax.get_xticks() if 0 <= t <= 29]
+        assert 2 <= len(ticks) <= 15 and all(float(t).is_integer() for t in ticks)
+        plt.close(figure)
+    report.propagate = "qdq"
+    figure = report.sqnr_figure()
+    assert "inputs: quantized outputs of the previous layer (propagate=qdq)" in figure.axes[0].get_title()
+    plt.close(figure)

@@ -569,3 +569,81 @@ def test_calibrate_sqnr_tokens(capsys, tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline_calibrate, "read_token_data", lambda *a, **k: touched.append("data"))
     status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "bad", "--sqnr-tokens", -1)
     assert status == 2 and err == "error: --sqnr-tokens must be >= 0, got -1\n" and touched == []
+
+
+def test_ctrl_c_says_what_is_lost_without_a_checkpoint_dir_and_where_a_rerun_resumes_with_one(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C (KeyboardInterrupt) during the layers: exit 130 and one line — without ``--checkpoint-dir`` what is lost
+    and the flag that would keep it; with one, what it holds, and the rerun does resume there."""
+    from shardcal.calib import runner
+    from shardcal.runtime.faults import armed
+
+    np.save(tmp_path / "ids.npy", np.arange(4 * 16).reshape(4, 16) % 300)
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
+    calls, real = [], runner._calibrate_layer
+
+    def ctrl_c_at_the_second_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_calibrate_layer", ctrl_c_at_the_second_layer)
+    status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "a")
+    assert status == 130 and err.strip().splitlines()[-1] == (
+        "interrupted at layer 1 of 2: without --checkpoint-dir the 1 calibrated layer(s) are lost; rerun with "
+        "--checkpoint-dir DIR to resume from the last committed layer next time"
+    )
+    monkeypatch.setattr(runner, "_calibrate_layer", real)
+
+    def ctrl_c(completed_layers: int) -> None:
+        raise KeyboardInterrupt
+
+    ckpt = tmp_path / "ckpt"
+    with armed("calibrate.committed", ctrl_c):  # right after layer 1 is committed
+        status, _, err = run_cli(capsys, *argv, "--checkpoint-dir", ckpt, "--out", tmp_path / "b")
+    assert status == 130 and err.strip().splitlines()[-1] == (
+        f"interrupted at layer 1 of 2: 1 layer(s) are committed in {ckpt}; rerun the same command "
+        "(same --checkpoint-dir) to resume after layer 1"
+    )
+    status, _, err = run_cli(capsys, *argv, "--checkpoint-dir", ckpt, "--out", tmp_path / "b")
+    assert status == 0 and f"resuming after layer 1 of 2 from {ckpt}" in err
+
+
+def test_eval_of_a_foreign_export_without_compressed_tensors_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """A compressed-tensors export of a model shardcal has no class for (loaded through transformers) with the
+    compressed-tensors package unimportable: one ``error:`` line naming it and the pip command, exit 2."""
+    import importlib.abc
+
+    pytest.importorskip("transformers")
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "compressed_tensors":
+                raise ImportError(f"{name} is blocked")
+            return None
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "compressed_tensors"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Block(), *sys.meta_path])
+    export = tmp_path / "phi3-w8a8"
+    export.mkdir()
+    config = {"model_type": "phi3", "vocab_size": 300, "quantization_config": {"quant_method": "compressed-tensors"}}
+    (export / "config.json").write_text(json.dumps(config))
+    np.save(tmp_path / "ids.npy", np.arange(8 * 8).reshape(8, 8) % 300)
+    status, out, err = run_cli(capsys, "eval", export, "--data", tmp_path / "ids.npy")
+    assert status == 2 and out == "" and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: {export}: transformers needs a package to load this checkpoint")
+    assert "compressed-tensors is not installed" in line and line.endswith("pip install 'compressed-tensors'")
+
+
+def test_a_requirement_transformers_states_becomes_the_pip_command(tmp_path):
+    """An ImportError of transformers' own (a version too old) becomes the same error, with its requirement."""
+    from shardcal.errors import MissingDependencyError
+    from shardcal.loading import foreign
+
+    error = foreign._missing_package(tmp_path, "compressed-tensors>=0.15.0 is required")
+    assert isinstance(error, MissingDependencyError)
+    assert str(error).endswith("compressed-tensors>=0.15.0 is required; pip install 'compressed-tensors>=0.15.0'")

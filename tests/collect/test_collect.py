@@ -576,3 +576,25 @@ def test_collect_command(tmp_path, capsys):
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+def test_the_activation_plot_labels_at_most_15_integer_layers_at_30(monkeypatch):
+    """A 30-layer report: the line plot's and each heatmap's layer labels are integers, at most 15 of them."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from shardcal.collect.report import thinned_rows
+
+    report = collect_activations(_model(), _data(), TARGETS[:1], bins=BINS, batch_size=BATCH, progress=False)
+    layers = list(range(30))
+    monkeypatch.setattr(type(report), "layer_absmax", lambda self, pattern: {i: 1.0 + i for i in layers})
+    heat = (layers, [3, 1, 2], torch.rand(30, 3) + 0.1)
+    monkeypatch.setattr(type(report), "layer_channel_absmax", lambda self, pattern, channels=None: heat)
+    figure = report.activation_figure()
+    line, heatmap = figure.axes[0], figure.axes[1]
+    ticks = [t for t in line.get_xticks() if 0 <= t <= 29]
+    assert 2 <= len(ticks) <= 15 and all(float(t).is_integer() for t in ticks)
+    labels = [t.get_text() for t in heatmap.get_yticklabels()]
+    assert 2 <= len(labels) <= 15 and all(text.isdigit() for text in labels) and labels[0] == "0"
+    assert thinned_rows(12) == list(range(12)) and thinned_rows(30) == list(range(0, 30, 3))
+    plt.close(figure)

@@ -107,7 +107,34 @@ def _masked(text: str, out: Path) -> str:
     import re
 
     text = re.sub(r"in [0-9.]+ s;", "in T s;", text.replace(str(out), "OUT"))
-    return re.sub(r"peak memory per rank [0-9, ]+ MB", "peak memory per rank M MB", text)
+    return re.sub(r"peak memory per rank: .*", "peak memory per rank: M", text)
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_the_growth_reported_is_the_high_water_mark_over_the_baseline_after_imports(
+    model_and_data, tmp_path, monkeypatch
+):
+    """The growth is ``VmHWM`` at the end less ``VmRSS`` when the call began (the high-water mark restarted there),
+    the process peak their sum, the plan's figure beside them; the printed line names all three, in MiB."""
+    from shardcal.runtime import hostmem
+
+    model_dir, data = model_and_data
+    result = _library(model_dir, data, tmp_path / "real")
+    (growth,), (base,), (peak,) = result.memory_growth_mib, result.memory_baseline_mib, result.process_peak_mib
+    assert 0 < growth and 0 < base and peak == base + growth
+    assert peak <= hostmem.peak_rss_bytes() / 2**20  # the mark only rises after its restart at the baseline
+    assert result.planned_growth_mib is not None and result.planned_growth_mib[0] > 0
+
+    resets = []
+    monkeypatch.setattr(hostmem, "rss_bytes", lambda: 300 << 20)  # the size when the call begins
+    monkeypatch.setattr(hostmem, "peak_rss_bytes", lambda: 384 << 20)  # the high-water mark at the end
+    monkeypatch.setattr(hostmem, "reset_peak_rss", lambda: resets.append(1) or True)
+    result = _library(model_dir, data, tmp_path / "fake")
+    assert resets and result.memory_growth_mib == [84.0] and result.memory_baseline_mib == [300.0]
+    planned = result.planned_growth_mib[0]
+    line = cli.memory_summary(result)
+    assert line == f"peak memory per rank: growth 84 MiB (planned {planned:.0f} MiB), process peak 384 MiB"
+    assert line in cli.calibrate_summary(result)
 
 
 def _on_rank(model_dir: str, data: str, out: str, via: str) -> dict:

@@ -477,3 +477,19 @@ def _header_bytes(path: Path) -> bytes:
     raw = path.read_bytes()
     size = int.from_bytes(raw[:8], "little")
     return raw[8 : 8 + size]
+
+
+def test_plan_names_the_predicted_growth_and_the_process_peak_it_makes(capsys, tmp_path, monkeypatch):
+    """The PEAK row is a growth over the size after imports: the screen says so, in MiB, with the process peak it
+    makes with this process's baseline (what ``calibrate`` reports as measured); ``--json`` adds the baseline."""
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    monkeypatch.setattr(hostmem, "rss_bytes", lambda: 300 << 20)
+    argv = ("plan", folder, "--recipe", "w8a8-int8", "--num-samples", 4, "--seq-len", 8, "--host-memory", "1TB")
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    doc = json.loads(run_cli(capsys, *argv, "--json")[1])
+    assert doc["baseline_bytes"] == 300 << 20 and "peak_bytes_per_rank" in doc  # added, none renamed
+    growth = doc["peak_bytes_per_rank"] / 2**20
+    line = f"predicted growth per rank {growth:.1f} MiB (host memory over the process's size after imports); "
+    line += f"process peak ≈ {growth:.1f} + baseline 300.0 = {growth + 300:.1f} MiB"
+    assert line in out.splitlines()

@@ -263,8 +263,9 @@ def _default_sigint() -> None:
 
 
 def test_ctrl_c_at_random_layers_ends_cleanly(tmp_path):
-    """SIGINT to the process group (a terminal's Ctrl-C) of a 2-rank run at a random layer: "interrupted" on its
-    own line, exit 130, no traceback, nothing of ours left in the temp directory (2 times here; 10 under soak)."""
+    """SIGINT to the process group (a terminal's Ctrl-C) of a 2-rank run at a random layer: "interrupted at layer
+    ..." (rank 0's count, relayed by the launcher: where the rerun resumes) on its own line, exit 130, no traceback,
+    nothing of ours left in the temp directory (2 times here; 10 under soak)."""
     import random
 
     import numpy as np
@@ -286,7 +287,8 @@ def test_ctrl_c_at_random_layers_ends_cleanly(tmp_path):
         )  # fmt: skip
         assert acted is not None, "the run ended before it could be interrupted"
         lines = [line for line in err.splitlines() if line.strip()]
-        assert proc.returncode == 130 and lines[-1] == "interrupted", err[-2000:]
+        assert proc.returncode == 130 and lines[-1].startswith("interrupted at layer "), err[-2000:]
+        assert f" of {SLOW['num_hidden_layers']}: " in lines[-1] and f"committed in {ckpt}; rerun" in lines[-1]
         assert "Traceback" not in err and "Error" not in err and "leaked semaphore" not in err, err[-2000:]
         assert not [p.name for p in scratch.iterdir() if p.name.startswith("shardcal")], list(scratch.iterdir())
 

@@ -102,34 +102,69 @@ class CalibrationReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
-    def sqnr_figure(self) -> Any:
-        """A matplotlib Figure of per-layer SQNR (integer layer ticks); ImportError without matplotlib."""
+    def sqnr_figure(self, min_layer_sqnr_db: float | None = None) -> Any:
+        """A matplotlib Figure of per-layer SQNR (integer layer ticks, at most :data:`MAX_LAYER_TICKS`), with a
+        horizontal line at the recipe's ``[fallback] min_layer_sqnr_db`` when given (the layers under it were
+        recalibrated), else at :data:`REFERENCE_SQNR_DB` (labelled a reference), and a subtitle saying what each
+        layer's inputs were (:data:`PROPAGATE_MEANING`). ImportError without matplotlib."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
 
         xs = [layer_report.index for layer_report in self.layers if layer_report.sqnr_db is not None]
         ys = [layer_report.sqnr_db for layer_report in self.layers if layer_report.sqnr_db is not None]
-        fig, ax = plt.subplots(figsize=(8, 3.5))
+        fig, ax = plt.subplots(figsize=(8, 3.8))
         ax.plot(xs, ys, marker="o")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers, also for 2 of them
+        ax.xaxis.set_major_locator(layer_locator())  # layers are whole numbers, also for 2 of them
+        ax.axhline(**_threshold_line(min_layer_sqnr_db))
+        ax.legend(fontsize=8, loc="lower left")
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("output SQNR (dB)")
-        ax.set_title(f"{self.recipe}: per-layer output SQNR (propagate={self.propagate})")
+        inputs = PROPAGATE_MEANING.get(self.propagate, self.propagate)
+        ax.set_title(
+            f"{self.recipe}: per-layer output SQNR\ninputs: {inputs} (propagate={self.propagate})", fontsize=10
+        )
         ax.grid(alpha=0.3)
         fig.tight_layout()
         return fig
 
-    def save_plot(self, path: str | Path) -> Path | None:
-        """A PNG of per-layer SQNR, written atomically with the umask's permissions; None (nothing written) when
-        matplotlib is not installed."""
+    def save_plot(self, path: str | Path, min_layer_sqnr_db: float | None = None) -> Path | None:
+        """A PNG of per-layer SQNR (:meth:`sqnr_figure`: ``min_layer_sqnr_db`` is the recipe's fallback threshold),
+        written atomically with the umask's permissions; None (nothing written) when matplotlib is not installed."""
         try:
-            fig = self.sqnr_figure()
+            fig = self.sqnr_figure(min_layer_sqnr_db)
         except ImportError:
             return None
         return save_figure(fig, path)
+
+
+#: The SQNR plot's line when the recipe sets no ``[fallback] min_layer_sqnr_db``: a reference, not a rule (8-bit
+#: formats usually stay above it; a layer far under it is worth a look).
+REFERENCE_SQNR_DB = 30.0
+#: What ``propagate`` means for the SQNR plot's subtitle: the inputs each layer was calibrated and measured on.
+PROPAGATE_MEANING = {
+    "fp": "full-precision outputs of the previous layer",
+    "qdq": "quantized outputs of the previous layer",
+}
+#: The most layer labels a plot's axis shows (thinned to integer steps beyond it).
+MAX_LAYER_TICKS = 12
+
+
+def layer_locator() -> Any:
+    """A matplotlib tick locator for decoder-layer axes: integers only, at most :data:`MAX_LAYER_TICKS` of them."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(nbins=MAX_LAYER_TICKS - 1, integer=True, min_n_ticks=1)
+
+
+def _threshold_line(min_layer_sqnr_db: float | None) -> dict[str, Any]:
+    """``axhline`` keywords: the fallback threshold, or the reference line."""
+    if min_layer_sqnr_db is not None:
+        label = f"fallback threshold {min_layer_sqnr_db:g} dB (layers under it recalibrated)"
+        return {"y": min_layer_sqnr_db, "color": "tab:red", "linestyle": "--", "label": label}
+    label = f"{REFERENCE_SQNR_DB:g} dB reference (the recipe sets no fallback)"
+    return {"y": REFERENCE_SQNR_DB, "color": "tab:gray", "linestyle": ":", "label": label}
 
 
 def amax_summary(amax: torch.Tensor | None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from ..algorithms import LayerAlgorithm, make_algorithm
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
-from ..errors import ModelLayoutError
+from ..errors import CalibrationInterrupted, ModelLayoutError
 from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
@@ -411,12 +411,14 @@ def _calibrate(
         head_rows=head_rows if partial else None,
     )
     report_phase("calibrate: embedding")
+    committed = start  # the layers the checkpoint directory holds (0 without one)
     try:
         for step in steps:
             report_phase(f"calibrate {step.name}")
             if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
                 acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
                 _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                committed = step.index
                 fault_point("calibrate.committed", completed_layers=step.index)
             entry = _calibrate_layer(
                 step, recipe, group, options.calibrate_all_experts, local_sqnr, algorithm, propagate, feed
@@ -425,6 +427,9 @@ def _calibrate(
             if bar is not None:
                 bar.set_postfix_str(f"{entry.name} {entry.seconds:.2f}s")
                 bar.update(1)
+    except KeyboardInterrupt as exc:  # how far it got, for the message (see CalibrationInterrupted)
+        where = None if checkpoint is None else str(checkpoint.dir)
+        raise CalibrationInterrupted(len(report.layers), len(layers), committed, where) from exc
     finally:
         if bar is not None:  # closed before any message, so that an error starts on a line of its own
             bar.close()

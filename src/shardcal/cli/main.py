@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError, ShardcalError, UsageError
+from ..errors import CalibrationInterrupted, DataError, ShardcalError, UsageError
 from ..layerwise.options import DEFAULT_SQNR_TOKENS
 
 EXIT_USER_ERROR = 2
@@ -292,8 +292,8 @@ def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
     lines = [
         f"calibrated {len(report.layers)} layers on {rows} x {length} tokens of {result.data_source} "
         f"with {result.recipe.name} over {result.world_size} rank(s) in {result.seconds:.1f} s; mean layer SQNR "
-        f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}; peak memory per rank "
-        f"{', '.join(f'{p:.0f}' for p in result.peak_memory_mb)} MB"
+        f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}",
+        memory_summary(result),
     ]
     if (moe_line := report.moe_summary()) is not None:
         lines.append(moe_line)
@@ -306,8 +306,22 @@ def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
     return lines
 
 
+def _mib_list(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values) + " MiB"
+
+
+def memory_summary(result: PipelineResult) -> str:  # noqa: F821
+    """``peak memory per rank: growth X MiB (planned Z MiB), process peak W MiB``: the measured growth over the
+    baseline taken after imports (what ``shardcal plan`` predicts), the plan's figure, and the process's peak."""
+    growth, peak = result.memory_growth_mib, result.process_peak_mib
+    if growth is None or peak is None:
+        return f"peak memory per rank: process peak {_mib_list(result.peak_memory_mb)}"
+    planned = "not planned" if result.planned_growth_mib is None else f"planned {_mib_list(result.planned_growth_mib)}"
+    return f"peak memory per rank: growth {_mib_list(growth)} ({planned}), process peak {_mib_list(peak)}"
+
+
 def torch_peak_memory_mb() -> float:
-    """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
+    """This process's peak resident memory (MiB), or the accelerator's peak allocation when on CUDA."""
     from ..pipeline.calibrate import torch_peak_memory_mb as peak
 
     return peak()
@@ -585,14 +599,16 @@ def _plan(args: argparse.Namespace) -> int:
 
         pin_mmap_threshold()  # the allocator setting calibrate's ranks run with (it changes their speed)
         with_time(plan, source.config, recipe, args.model_dir)
+    baseline = size_after_imports()
     if args.json:
         out = plan.to_dict()
         out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
         out["fits"] = None if budget.device is None and budget.host is None else short is None
         out["fix"] = fix
+        out["baseline_bytes"] = baseline
         print(json.dumps(out))
         return 0
-    print(planning.format_plan(plan))
+    print(planning.format_plan(plan, baseline=baseline))
     if short is not None:
         print("does not fit: " + planning.refusal_message(plan, short, fix).removesuffix("; --force runs anyway"))
     elif budget.device is not None or budget.host is not None:
@@ -600,6 +616,16 @@ def _plan(args: argparse.Namespace) -> int:
                  (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
         print("fits: " + ", ".join(known))
     return 0
+
+
+def size_after_imports() -> int | None:
+    """This process's resident size (bytes) with what a calibrating rank imports loaded: the baseline ``plan`` adds
+    to its predicted growth for the process peak (None where unknown)."""
+    import shardcal.pipeline.calibrate  # noqa: F401  (what calibrate's ranks have imported at their baseline)
+
+    from ..runtime.hostmem import rss_bytes
+
+    return rss_bytes()
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -814,7 +840,7 @@ def _demo(args: argparse.Namespace) -> int:
             f"calibration time ({args.num_samples} x {args.seq_len} tokens, {args.nproc_per_node} ranks)",
             f"{result['seconds']:.1f} s",
         ),
-        ("peak memory per rank", ", ".join(f"{p:.0f} MB" for p in result["peaks"])),
+        ("peak memory per rank", ", ".join(f"{p:.0f} MiB" for p in result["peaks"])),
         ("mean layer output SQNR", f"{result['mean_sqnr_db']:.1f} dB" if result["mean_sqnr_db"] is not None else "n/a"),
         ("output dir", str(out_dir)),
         ("report, plot", f"{out_dir / 'calibration_report.json'}, {out_dir / 'calibration_sqnr.png'}"),
@@ -835,6 +861,7 @@ def _weights_mb(folder: Path) -> float:
 
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
+    from ..calib.recipes import load_recipe
     from ..calib.runner import calibrate
     from ..data.calibration import token_blocks
     from ..data.perplexity import distributed_perplexity
@@ -858,7 +885,8 @@ def demo_job(options: dict) -> None:
     )
     peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
-        report.save_plot(Path(options["out"]) / "calibration_sqnr.png")
+        threshold = load_recipe(options["recipe"]).min_layer_sqnr_db
+        report.save_plot(Path(options["out"]) / "calibration_sqnr.png", threshold)
         Path(options["result"]).write_text(
             json.dumps(
                 {
@@ -909,6 +937,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_message(exc: KeyboardInterrupt) -> str:
+    """The line Ctrl-C ends a command with: plain ``interrupted``, or for a calibration how far it got, what is
+    lost, and where a rerun resumes (with ``--checkpoint-dir``) or how to keep it next time (without)."""
+    if not isinstance(exc, CalibrationInterrupted):
+        return "interrupted"
+    if exc.checkpoint_dir is None:
+        return (
+            f"{exc}: without --checkpoint-dir the {exc.done} calibrated layer(s) are lost; rerun with "
+            "--checkpoint-dir DIR to resume from the last committed layer next time"
+        )
+    if exc.committed == 0:
+        return f"{exc}: no layer was committed to {exc.checkpoint_dir} yet; a rerun starts at layer 0"
+    return (
+        f"{exc}: {exc.committed} layer(s) are committed in {exc.checkpoint_dir}; rerun the same command "
+        f"(same --checkpoint-dir) to resume after layer {exc.committed}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``shardcal``; returns the exit status (0, or 2 for a user error)."""
     import warnings
@@ -925,7 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = " ".join(str(exc).split("\n"))
             print(f"error: {message}", file=sys.stderr)
             return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
+        except KeyboardInterrupt as exc:
+            print(interrupted_message(exc), file=sys.stderr)
             return 130
     return int(status or 0)

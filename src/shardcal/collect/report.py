@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..calib.report import save_figure
+from ..calib.report import MAX_LAYER_TICKS, layer_locator, save_figure
 from ..errors import CollectionError
 from ..layerwise.batches import Batch, data_fingerprint
 from ..runtime.distributed import all_reduce_, dp_group, world
@@ -213,18 +213,25 @@ class ActivationReport:
             raise CollectionError(f"{where}: corrupt activation report (missing or bad {exc})") from None
 
     def save_plot(self, path: str | Path) -> Path | None:
-        """A PNG: per-layer absmax of each target pattern, and per pattern a heatmap of its largest channels' absmax
-        (layers x the ``HEATMAP_CHANNELS`` channels with the largest absmax in any layer). None (nothing written)
-        when matplotlib is not installed."""
+        """A PNG of :meth:`activation_figure`, written atomically; None (nothing written) when matplotlib is not
+        installed."""
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            from matplotlib.colors import LogNorm
-            from matplotlib.ticker import MaxNLocator
+            fig = self.activation_figure()
         except ImportError:
             return None
+        return save_figure(fig, path)
+
+    def activation_figure(self) -> Any:
+        """A matplotlib Figure: per-layer absmax of each target pattern, and per pattern a heatmap of its largest
+        channels' absmax (layers x the ``HEATMAP_CHANNELS`` channels with the largest absmax in any layer). Layer
+        axes carry integer labels, at most :data:`~shardcal.calib.report.MAX_LAYER_TICKS` of them (thinned evenly
+        on deep models). ImportError without matplotlib."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+
         maps = [(p, m) for p in self.patterns if (m := self.layer_channel_absmax(p)) is not None][:MAX_HEATMAPS]
         fig, axes = plt.subplots(1 + len(maps), 1, figsize=(10, 3.2 + 2.8 * len(maps)), squeeze=False)
         ax = axes[0][0]
@@ -232,7 +239,7 @@ class ActivationReport:
             per_layer = self.layer_absmax(pattern)
             ax.plot(list(per_layer), list(per_layer.values()), marker="o", markersize=3, label=pattern)
         ax.set_yscale("log")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(layer_locator())
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("absmax")
         ax.set_title(f"per-layer absmax ({self.num_samples} samples, {self.num_tokens} tokens)")
@@ -244,13 +251,14 @@ class ActivationReport:
             norm = LogNorm(vmin=float(positive.min()), vmax=float(positive.max())) if positive.numel() else None
             image = ax.imshow(values.clamp(min=1e-12).numpy(), aspect="auto", cmap="viridis", norm=norm)
             ax.set_xticks(range(len(channels)), [str(c) for c in channels], rotation=90, fontsize=6)
-            ax.set_yticks(range(len(layers)), [str(i) for i in layers], fontsize=6)
+            rows = thinned_rows(len(layers))
+            ax.set_yticks(rows, [str(layers[i]) for i in rows], fontsize=7)
             ax.set_xlabel("channel (the largest)")
             ax.set_ylabel("layer")
             ax.set_title(f"{pattern}: absmax of its largest channels", fontsize=9)
             fig.colorbar(image, ax=ax)
         fig.tight_layout()
-        return save_figure(fig, path)
+        return fig
 
     def layer_absmax(self, pattern: str) -> dict[int, float]:
         """Layer -> the largest absmax of the pattern's targets in that layer."""
@@ -278,6 +286,15 @@ class ActivationReport:
 
 #: Heatmaps show this many channels, and at most this many patterns get one.
 HEATMAP_CHANNELS = 32
+
+
+def thinned_rows(count: int, most: int = MAX_LAYER_TICKS) -> list[int]:
+    """Row positions to label among ``count`` heatmap rows: every one up to ``most``, else every k-th (the
+    smallest whole step that keeps at most ``most`` labels), starting at row 0."""
+    step = max(1, -(-count // most))
+    return list(range(0, count, step))
+
+
 MAX_HEATMAPS = 4
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MissingDependencyError
 from ..models.config import SUPPORTED_MODEL_TYPES
 from ..runtime.fsutil import read_json_object
 
@@ -118,6 +118,48 @@ def load_transformers_sharded(model_dir: str | Path, **kwargs: Any) -> nn.Module
 
 def load_transformers_plain(model_dir: str | Path) -> nn.Module:
     """transformers' model for ``model_dir``, loaded by transformers itself (one process, the whole model)."""
+    require_quantization_package(model_dir)
     transformers, config = _transformers_config(Path(model_dir))
     cls = _architecture(transformers, config) or transformers.AutoModelForCausalLM
-    return cls.from_pretrained(model_dir).eval()
+    try:
+        return cls.from_pretrained(model_dir).eval()
+    except ImportError as exc:  # a package transformers needs for this checkpoint (a version too old, say)
+        raise _missing_package(model_dir, str(exc)) from None
+
+
+#: ``quantization_config.quant_method`` -> (the module transformers imports for it, its pip name).
+QUANTIZATION_PACKAGES = {"compressed-tensors": ("compressed_tensors", "compressed-tensors")}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module without a spec
+        return False
+
+
+def require_quantization_package(model_dir: str | Path) -> None:
+    """Raise :class:`~shardcal.errors.MissingDependencyError` (naming the package and the pip command) when
+    ``model_dir``'s ``quantization_config`` (a shardcal export: compressed-tensors) needs a package transformers
+    loads it with and it is not installed."""
+    quant = raw_config(model_dir).get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in QUANTIZATION_PACKAGES:
+        return
+    module, package = QUANTIZATION_PACKAGES[method]
+    if not _importable(module):
+        raise _missing_package(model_dir, f"{package} is not installed", package)
+
+
+def _missing_package(model_dir: str | Path, why: str, package: str | None = None) -> MissingDependencyError:
+    """The one-line error for a package transformers needs to load ``model_dir``: ``why``, and the pip command
+    (the requirement transformers states, e.g. ``compressed-tensors>=0.15.0``, when ``why`` names one)."""
+    import re
+
+    found = re.search(r"([A-Za-z0-9][A-Za-z0-9_.-]*(?:[<>=!~]=?[0-9][0-9A-Za-z.]*)+)", why)
+    requirement = found.group(1) if found else package
+    hint = f"pip install '{requirement}'" if requirement else "install the package it names"
+    return MissingDependencyError(
+        f"{model_dir}: transformers needs a package to load this checkpoint (a quantized export of a model shardcal "
+        f"has no class for): {' '.join(why.split())[:200]}; {hint}"
+    )

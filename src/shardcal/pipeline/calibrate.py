@@ -41,7 +41,12 @@ class PipelineResult:
     """What one rank's :func:`calibrate_to_checkpoint` did.
 
     ``seconds``: loading and calibration (not the export); ``peak_memory_mb``: every rank's peak (host RSS, or the
-    accelerator's peak allocation on CUDA), in rank order. ``checkpoint_dir``: ``options.checkpoint_dir``. ``plot``
+    accelerator's peak allocation on CUDA), in rank order, in MiB (2^20 bytes; the name predates the unit).
+    ``memory_growth_mib``: every rank's measured peak growth over its baseline (on CPU: the kernel's high-water mark
+    ``VmHWM``, restarted when the call begins, less the resident size then — after imports, the process group
+    joined — which is what the planner predicts); ``memory_baseline_mib``: those baselines (0 on CUDA, where both
+    figures are the accelerator's allocation); ``planned_growth_mib``: the planner's predicted peak per rank (None
+    with ``force``, or when the planner could not build the model). ``checkpoint_dir``: ``options.checkpoint_dir``. ``plot``
     and ``checkpoint_removed_bytes`` (the bytes freed by removing ``checkpoint_dir``) are rank 0's (None elsewhere,
     and when there is no plot / no checkpoint was removed).
     """
@@ -58,6 +63,16 @@ class PipelineResult:
     checkpoint_dir: str | Path | None = None
     plot: Path | None = None
     checkpoint_removed_bytes: int | None = None
+    memory_growth_mib: list[float] | None = None
+    memory_baseline_mib: list[float] | None = None
+    planned_growth_mib: list[float] | None = None
+
+    @property
+    def process_peak_mib(self) -> list[float] | None:
+        """Every rank's process peak since the call began: its baseline plus its growth (MiB)."""
+        if self.memory_growth_mib is None or self.memory_baseline_mib is None:
+            return None
+        return [b + g for b, g in zip(self.memory_baseline_mib, self.memory_growth_mib, strict=True)]
 
 
 def calibrate_to_checkpoint(
@@ -96,6 +111,7 @@ def calibrate_to_checkpoint(
     """
     options = options if options is not None else CalibrationOptions()
     rank, world = init_distributed()
+    baseline = memory_baseline()
     inputs = check_calibration_inputs(
         model_dir, out_dir, recipe, data=data, checkpoint_dir=options.checkpoint_dir, overwrite=overwrite,
         model_impl=model_impl, format=format, input_names=input_names,
@@ -105,8 +121,9 @@ def calibrate_to_checkpoint(
         model_dir, inputs.vocab_size, data=data, num_samples=num_samples, seq_len=seq_len, split="calib",
         input_names=input_names,
     )  # fmt: skip
+    planned = None
     if not force:
-        _refuse_before_loading(
+        planned = _refuse_before_loading(
             model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload, inputs.impl
         )
     start = time.perf_counter()
@@ -116,13 +133,17 @@ def calibrate_to_checkpoint(
     export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
                       overwrite=overwrite, format=inputs.export_format)  # fmt: skip
     peaks = all_gather_floats(torch_peak_memory_mb())
+    growth = all_gather_floats(memory_growth_mib(baseline))
+    baselines = all_gather_floats(reported_baseline_mib(baseline))
     plot, removed = None, None
     if rank == 0:
-        plot = report.save_plot(out_dir / PLOT_NAME) if out_dir.exists() else None
+        threshold = inputs.recipe.min_layer_sqnr_db
+        plot = report.save_plot(out_dir / PLOT_NAME, threshold) if out_dir.exists() else None
         if options.checkpoint_dir is not None and not keep_checkpoint:
             removed = remove_checkpoint(options.checkpoint_dir)
     return PipelineResult(out_dir, report, inputs.recipe, rank, world, (int(ids.shape[0]), int(ids.shape[1])),
-                          source, seconds, peaks, options.checkpoint_dir, plot, removed)  # fmt: skip
+                          source, seconds, peaks, options.checkpoint_dir, plot, removed, growth, baselines,
+                          planned)  # fmt: skip
 
 
 def _refuse_before_loading(
@@ -133,9 +154,10 @@ def _refuse_before_loading(
     shard_root: bool,
     cpu_offload: bool,
     impl: str,
-) -> None:
+) -> list[float] | None:
     """The planner's check (collective): stop every rank before loading when the predicted peak does not fit; a
-    model the planner cannot build (it has no decoder layers the registry finds, say) runs with a warning."""
+    model the planner cannot build (it has no decoder layers the registry finds, say) runs with a warning (None).
+    Returns every rank's predicted peak growth (MiB), in rank order."""
     import warnings
 
     from ..errors import ConfigError, PlanError
@@ -145,10 +167,11 @@ def _refuse_before_loading(
         check_plannable(model_dir, impl)
     except (ConfigError, PlanError) as exc:  # a model the planner cannot build: say so, and run unchecked
         warnings.warn(f"the memory check before loading was skipped: {exc}", stacklevel=2)
-        return
-    check_before_loading(
+        return None
+    plan = check_before_loading(
         model_dir, recipe, data_shape, options, cpu_offload=cpu_offload, shard_root=shard_root, impl=impl
     )
+    return [r.peak / 2**20 for r in sorted(plan.ranks, key=lambda r: r.rank)]
 
 
 def _load(model_dir: Path, inputs: CalibrationInputs, shard_root: bool, cpu_offload: bool) -> nn.Module:
@@ -160,8 +183,42 @@ def _load(model_dir: Path, inputs: CalibrationInputs, shard_root: bool, cpu_offl
     return load(model_dir, shard_root=shard_root, cpu_offload=cpu_offload)
 
 
+def _on_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def memory_baseline() -> int:
+    """This process's resident size now (``VmRSS``, bytes; 0 where unknown), what :func:`memory_growth_mib`
+    measures from; the high-water mark (and, when CUDA is initialized, the accelerator's peak) restarts here."""
+    from ..runtime.hostmem import reset_peak_rss, rss_bytes
+
+    if _on_cuda():
+        torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
+    return rss_bytes() or 0
+
+
+def reported_baseline_mib(baseline: int) -> float:
+    """The baseline :class:`PipelineResult` reports (MiB): ``baseline`` on CPU, 0 on CUDA (where the growth is the
+    accelerator's peak allocation)."""
+    return 0.0 if _on_cuda() else baseline / 2**20
+
+
+def memory_growth_mib(baseline: int) -> float:
+    """The peak growth (MiB) since :func:`memory_baseline` returned ``baseline``: what the planner predicts (on CPU
+    ``VmHWM - baseline``; on CUDA the peak allocation)."""
+    from ..runtime.hostmem import peak_rss_bytes
+
+    if _on_cuda():
+        return torch.cuda.max_memory_allocated() / 2**20
+    peak = peak_rss_bytes()
+    if peak is None:  # no /proc: the process peak since it started
+        return max(0.0, torch_peak_memory_mb() - baseline / 2**20)
+    return max(0, peak - baseline) / 2**20
+
+
 def torch_peak_memory_mb() -> float:
-    """This process's peak resident memory (MB), or the accelerator's peak allocation when on CUDA."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """This process's peak resident memory (MiB), or the accelerator's peak allocation when on CUDA."""
+    if _on_cuda():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1139,8 +1139,22 @@ _PART_LABELS = {
 }
 
 
-def format_plan(plan: CalibrationPlan, max_ranks: int = 4) -> str:
-    """The human-readable plan ``shardcal plan`` prints: parts and phases per rank, traffic, disk, time."""
+def growth_line(plan: CalibrationPlan, baseline: int | None) -> str:
+    """What the PEAK row means, in MiB: the predicted growth over a rank's size after imports, and the process peak
+    that makes with ``baseline`` (bytes; the resident size after imports, measured by the caller; None: unknown) —
+    the two figures ``shardcal calibrate`` reports as measured."""
+    growth = plan.peak_bytes_per_rank / 2**20
+    where = "device" if plan.settings.device != "cpu" else "host"
+    line = f"predicted growth per rank {growth:.1f} MiB ({where} memory over the process's size after imports)"
+    if baseline is None or plan.settings.device != "cpu":
+        return line
+    base = baseline / 2**20
+    return line + f"; process peak ≈ {growth:.1f} + baseline {base:.1f} = {growth + base:.1f} MiB"
+
+
+def format_plan(plan: CalibrationPlan, max_ranks: int = 4, baseline: int | None = None) -> str:
+    """The human-readable plan ``shardcal plan`` prints: parts and phases per rank, traffic, disk, time.
+    ``baseline``: the resident size after imports (bytes) that :func:`growth_line` adds to the PEAK."""
     s = plan.settings
     shown = plan.ranks if len(plan.ranks) <= max_ranks else [plan.ranks[0], plan.peak_rank]
     shown = list({r.rank: r for r in shown}.values())
@@ -1168,6 +1182,7 @@ def format_plan(plan: CalibrationPlan, max_ranks: int = 4) -> str:
     lines.append(f"{'bytes read from disk':38}" + "".join(f"{fmt_bytes(r.bytes_read):>13}" for r in shown))
     io, disk = plan.io, plan.disk
     lines += [
+        growth_line(plan, baseline),
         "",
         f"all-gather per layer: {fmt_bytes(io['allgather_bytes_per_layer'])} gathered, "
         f"{fmt_bytes(io['allgather_sent_per_layer_per_rank'])} sent by each rank "
