@@ -24,7 +24,7 @@ from ..algorithms import LayerAlgorithm, make_algorithm
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
 from ..errors import CalibrationInterrupted, ModelLayoutError
-from ..layerwise.batches import Batch, leading_rows, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.batches import Batch, leading_rows, model_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, fallback_unobserved, moe_blocks
 from ..layerwise.options import CalibrationOptions
@@ -354,13 +354,7 @@ def _calibrate(
         options = options.replace(propagate=algorithm.propagate)
     propagate = options.propagate
     layers = require_decoder_layers(model)
-    config = getattr(model, "config", None)
-    batches = make_batches(
-        data,
-        options.batch_size,
-        vocab_size=getattr(config, "vocab_size", None),
-        max_positions=getattr(config, "max_position_embeddings", None),
-    )
+    batches = model_batches(model, data, options.batch_size)
     rank, world_size = world()
     group = dp_group()
     mine = rank_batch_indices(len(batches), rank, world_size)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import CollectionCheckpointError, CollectionError
-from ..layerwise.batches import Batch, make_batches, rank_batch_indices, warn_idle_ranks
+from ..layerwise.batches import Batch, model_batches, rank_batch_indices, warn_idle_ranks
 from ..layerwise.inputs import CachedInputs
 from ..layerwise.moe import ExpertTokenMasks
 from ..layerwise.progress import progress_bar
@@ -117,13 +117,7 @@ def _plan(model: nn.Module, data: Any, targets: Any, options: CollectionOptions)
     layers = require_decoder_layers(model)
     resolved = resolve_targets(model, patterns, decoder_layer_prefix(model, layers), len(layers))
     options = options.resolved(model_dtype(model))
-    config = getattr(model, "config", None)
-    batches = make_batches(
-        data,
-        options.batch_size,
-        vocab_size=getattr(config, "vocab_size", None),
-        max_positions=getattr(config, "max_position_embeddings", None),
-    )
+    batches = model_batches(model, data, options.batch_size)
     rank, world_size = world()
     fingerprint = run_fingerprint(model, batches)
     settings = {"targets": [t.name for t in resolved], "patterns": [p.text for p in patterns], **options.fingerprint()}

@@ -69,6 +69,18 @@ def _as_int_tensor(value: Any, where: str) -> torch.Tensor:
     return value.long()
 
 
+def model_batches(model: Any, data: Any, batch_size: int) -> list[Batch]:
+    """:func:`make_batches` checked against the model: its config's ``vocab_size`` and ``max_position_embeddings``
+    (either left unchecked when the model has no such config field)."""
+    config = getattr(model, "config", None)
+    return make_batches(
+        data,
+        batch_size,
+        vocab_size=getattr(config, "vocab_size", None),
+        max_positions=getattr(config, "max_position_embeddings", None),
+    )
+
+
 def make_batches(
     data: Any, batch_size: int, vocab_size: int | None = None, max_positions: int | None = None
 ) -> list[Batch]:
