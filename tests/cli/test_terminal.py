@@ -83,8 +83,10 @@ def test_a_two_rank_calibration_under_a_terminal(tmp_path):
     assert len(bars) == 1 and "3/3" in bars[0], lines  # one bar (rank 0's), finished
     summary = [line for line in lines if line.startswith("calibrated 3 layers on 8 x 16 tokens")]
     assert len(summary) == 1 and "over 2 rank(s)" in summary[0], lines
+    memory = [line for line in lines if line.startswith("peak memory per rank: growth ")]
+    assert len(memory) == 1 and "process peak" in memory[0], lines
     assert lines[-1] == f"exported -> {tmp_path / 'out'} (plot: calibration_sqnr.png)", lines
-    assert len(lines) == 3, lines  # nothing else: no warning from rank 1, no teardown noise
+    assert len(lines) == 4, lines  # nothing else: no warning from rank 1, no teardown noise
 
 
 def test_an_error_mid_run_starts_its_own_line(tmp_path):

@@ -107,7 +107,7 @@ def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None
     if data is None or Path(data).suffix.lower() in TEXT_SUFFIXES:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"{path}: no such file (text data is tokenized with the model's tokenizer.json)")
+            raise TokenizerError(f"{model_dir}: no tokenizer.json (needed to tokenize text for this model)")
         check_tokenizer_file(path)
 
 
