@@ -135,6 +135,14 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: f
     return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 
+def fresh_ranks(world_size: int) -> None:
+    """The next ``run_on_ranks(world_size, ...)`` starts new processes: for measurements (resident memory) that
+    an earlier test's allocations, kept by the allocator in a pooled process, would hide."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
 @atexit.register
 def _close_all() -> None:
     for pool in list(_POOLS.values()):
