@@ -11,7 +11,7 @@ from typing import Any
 
 from .tokenizer_normalizers import replacer
 from .tokenizer_pretokenizers import CHAR_TO_BYTE
-from .tokenizer_spec import Spec, utf8
+from .tokenizer_spec import Spec, metaspace_settings, utf8
 
 Chain = Callable[[list[str]], list[str]]
 
@@ -150,12 +150,7 @@ def _strip(content: str, start: int, stop: int) -> Chain:
 
 
 def _metaspace(spec: Spec, value: dict[str, Any], where: str) -> Chain:
-    rep = spec.char(value, "replacement", where)
-    scheme = value.get("prepend_scheme")
-    if scheme is None:
-        scheme = "never" if value.get("add_prefix_space") is False else "always"
-    if scheme not in ("always", "first", "never"):
-        spec.fail(f"field '{where}.prepend_scheme' must be 'always', 'first' or 'never', got {scheme!r}")
+    rep, scheme = metaspace_settings(spec, value, where)
 
     def decode(tokens: list[str]) -> list[str]:
         out = []

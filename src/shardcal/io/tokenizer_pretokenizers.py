@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .tokenizer_spec import WHITESPACE_CLASS, Spec, utf8
+from .tokenizer_spec import WHITESPACE_CLASS, Spec, metaspace_settings, utf8
 
 Step = Callable[[list[str], bool], tuple[list[str], bool]]
 
@@ -124,12 +124,7 @@ def byte_level_steps(spec: Spec, value: dict[str, Any], where: str) -> list[Step
 
 def metaspace_step(spec: Spec, value: dict[str, Any], where: str) -> Step:
     """Metaspace: spaces become the replacement character, prepended per ``prepend_scheme``, split before each."""
-    rep = spec.char(value, "replacement", where)
-    scheme = value.get("prepend_scheme")
-    if scheme is None:
-        scheme = "never" if value.get("add_prefix_space") is False else "always"
-    if scheme not in ("always", "first", "never"):
-        spec.fail(f"field '{where}.prepend_scheme' must be 'always', 'first' or 'never', got {scheme!r}")
+    rep, scheme = metaspace_settings(spec, value, where)
     if not isinstance(value.get("add_prefix_space", True), bool):
         spec.fail(f"field '{where}.add_prefix_space' must be true or false")
     split = spec.flag(value, "split", where, True)

@@ -117,3 +117,15 @@ def utf8(text: str) -> bytes:
 def byte_token(byte: int) -> str:
     """The byte-fallback token of a byte value, as ``tokenizers`` spells it: ``<0x0A>``."""
     return f"<0x{byte:02X}>"
+
+
+def metaspace_settings(spec: Spec, value: dict[str, Any], where: str) -> tuple[str, str]:
+    """A Metaspace component's ``(replacement, prepend_scheme)`` (the pre-tokenizer's and the decoder's alike):
+    without ``prepend_scheme``, the older ``add_prefix_space`` decides ("always" unless it is false)."""
+    rep = spec.char(value, "replacement", where)
+    scheme = value.get("prepend_scheme")
+    if scheme is None:
+        scheme = "never" if value.get("add_prefix_space") is False else "always"
+    if scheme not in ("always", "first", "never"):
+        spec.fail(f"field '{where}.prepend_scheme' must be 'always', 'first' or 'never', got {scheme!r}")
+    return rep, scheme
