@@ -1,0 +1,68 @@
+"""Hadamard rotations: orthonormal Hadamard matrices, block-diagonal ones for sizes that are not powers of two,
+randomized signs from a seed, and applying them to the last dimension of a tensor block by block.
+
+A rotation ``Q`` here is always orthonormal (``Q @ Q.T = I``), built in float64 and deterministic: the same size,
+block and seed give the same bits on every rank and every machine (the signs come from a CPU ``torch.Generator``),
+so a rotation folded into sharded weights is the same at any world size. A size that is not a power of two (SmolLM2's
+576 = 9 x 64) gets a block-diagonal Hadamard of the largest power-of-two block that divides it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is a positive power of two."""
+    return n > 0 and n & (n - 1) == 0
+
+
+def largest_power_of_two_block(n: int, limit: int | None = None) -> int:
+    """The largest power of two dividing ``n`` (at most ``limit`` when given): the block of a block Hadamard."""
+    if n <= 0:
+        raise ValueError(f"rotation size must be positive, got {n}")
+    block = n & -n
+    if limit is not None:
+        if not is_power_of_two(limit):
+            raise ValueError(f"rotation block limit must be a power of two, got {limit}")
+        block = min(block, limit)
+    return block
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two): entries ``±1/sqrt(n)``."""
+    if not is_power_of_two(n):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return (h / h.shape[0] ** 0.5).to(dtype)
+
+
+def random_signs(n: int, seed: int) -> torch.Tensor:
+    """``n`` float64 values ``±1`` drawn from a CPU generator seeded with ``seed`` (the same on every machine)."""
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    bits = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int64)
+    return (bits * 2 - 1).to(torch.float64)
+
+
+def block_hadamard(n: int, block: int | None = None, seed: int | None = None) -> torch.Tensor:
+    """The ``[n, n]`` float64 rotation ``diag(s) @ blockdiag(H_b, ..., H_b)``: Hadamard blocks of size ``block``
+    (default: the largest power of two dividing ``n``), preceded by random signs ``s`` when ``seed`` is given
+    (a randomized Hadamard, as in QuaRot). Orthonormal; ``x @ Q`` rotates row vectors ``x``."""
+    block = largest_power_of_two_block(n) if block is None else block
+    if not is_power_of_two(block) or n % block:
+        raise ValueError(f"rotation block {block} must be a power of two dividing the size {n}")
+    q = torch.block_diag(*[hadamard_matrix(block)] * (n // block))
+    if seed is not None:
+        q = random_signs(n, seed)[:, None] * q
+    return q
+
+
+def rotate_last_dim(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``x @ q`` over the last dimension, computed in float64 and returned in ``x``'s dtype."""
+    if x.shape[-1] != q.shape[0]:
+        raise ValueError(
+            f"cannot rotate a last dimension of {x.shape[-1]} with a [{q.shape[0]}, {q.shape[1]}] rotation"
+        )
+    return (x.to(torch.float64) @ q).to(x.dtype)

@@ -1,0 +1,57 @@
+"""Hadamard rotations against hand-written matrices and the defining properties."""
+
+import pytest
+import torch
+
+from shardcal.quant.hadamard import (
+    block_hadamard,
+    hadamard_matrix,
+    largest_power_of_two_block,
+    random_signs,
+    rotate_last_dim,
+)
+
+
+def test_hadamard_of_four_is_the_written_matrix():
+    expected = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=torch.float64) / 2
+    assert torch.equal(hadamard_matrix(4), expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 256])
+def test_hadamard_is_orthonormal_with_equal_magnitudes(n):
+    h = hadamard_matrix(n)
+    assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(h.abs(), torch.full((n, n), n**-0.5, dtype=torch.float64))
+
+
+def test_non_power_of_two_sizes_use_blocks():
+    assert largest_power_of_two_block(576) == 64
+    assert largest_power_of_two_block(640) == 128
+    assert largest_power_of_two_block(576, limit=16) == 16
+    q = block_hadamard(576)
+    assert torch.allclose(q @ q.T, torch.eye(576, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(q[:64, :64], hadamard_matrix(64))
+    assert torch.count_nonzero(q[:64, 64:]) == 0
+    with pytest.raises(ValueError, match="power-of-two size, got 576"):
+        hadamard_matrix(576)
+    with pytest.raises(ValueError, match="dividing the size 576"):
+        block_hadamard(576, block=128)
+
+
+def test_randomized_hadamard_is_seeded_and_orthonormal():
+    a, b, c = block_hadamard(128, seed=7), block_hadamard(128, seed=7), block_hadamard(128, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.allclose(a @ a.T, torch.eye(128, dtype=torch.float64), atol=1e-12)
+    signs = random_signs(128, 7)
+    assert set(signs.tolist()) == {-1.0, 1.0}
+    assert torch.equal(a, signs[:, None] * hadamard_matrix(128))
+
+
+def test_rotation_spreads_an_outlier_channel_and_preserves_norms():
+    x = torch.zeros(3, 64)
+    x[:, 5] = 100.0
+    y = rotate_last_dim(x, hadamard_matrix(64))
+    assert torch.allclose(y.abs(), torch.full_like(y, 100.0 / 8))
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1))
+    with pytest.raises(ValueError, match="last dimension of 64"):
+        rotate_last_dim(x, hadamard_matrix(32))
