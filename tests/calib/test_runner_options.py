@@ -51,23 +51,24 @@ def _amax(model) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ sqnr_tokens
 def _hand_sqnr(model: CausalLM, sequences: int) -> list[float | None]:
     """Per layer, SQNR of the calibrated layer (quantizers on vs off) on the fp inputs of the first sequences, run
-    on their own (one batch of them)."""
+    on their own, in the runner's batches (the same matmul shapes, so the same bits on every CPU's kernels)."""
     if sequences == 0:
         return [None] * len(model.model.layers)
-    out = []
+    signal = [0.0] * len(model.model.layers)
+    noise = [0.0] * len(model.model.layers)
     with torch.no_grad():
-        x = model.model.embed(IDS[:sequences])
-        kwargs = dict(position_embeddings=x.position_embeddings, attention_mask=x.attention_mask)
-        hidden = x.hidden_states
-        for layer in model.model.layers:
-            with quantizer_mode(layer, "disabled"):
-                ref = layer(hidden, **kwargs)
-            quantized = layer(hidden, **kwargs)
-            signal = float(ref.double().pow(2).sum())
-            noise = float((quantized.double() - ref.double()).pow(2).sum())
-            out.append(10.0 * math.log10(signal / noise))
-            hidden = ref
-    return out
+        for start in range(0, sequences, BATCH):
+            x = model.model.embed(IDS[start : min(start + BATCH, sequences)])
+            kwargs = dict(position_embeddings=x.position_embeddings, attention_mask=x.attention_mask)
+            hidden = x.hidden_states
+            for i, layer in enumerate(model.model.layers):
+                with quantizer_mode(layer, "disabled"):
+                    ref = layer(hidden, **kwargs)
+                quantized = layer(hidden, **kwargs)
+                signal[i] += float(ref.double().pow(2).sum())
+                noise[i] += float((quantized.double() - ref.double()).pow(2).sum())
+                hidden = ref
+    return [10.0 * math.log10(s / n) for s, n in zip(signal, noise)]
 
 
 def _sqnr_run(sqnr_tokens: int, wrap: bool) -> list[float | None]:

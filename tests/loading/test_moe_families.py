@@ -31,6 +31,7 @@ from shardcal.quant.session import iter_quantizers
 from shardcal.sharding.fsdp2 import fsdp2_wrap
 
 from _dist import run_on_ranks
+from _numerics import FLOAT_RTOL
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
@@ -139,6 +140,12 @@ def _reference_amax(family: str, data: torch.Tensor, names: list[str], monkeypat
     return seen
 
 
+def _agree(name: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+    if name.endswith("weight_quantizer"):
+        return torch.equal(got, want)
+    return got.shape == want.shape and bool(((got - want).abs() <= FLOAT_RTOL * want.abs()).all())
+
+
 @pytest.mark.parametrize("family", HF_MOE_FAMILIES)
 def test_amax_equals_hooks_on_the_models_own_forward(family, monkeypatch):
     data = _data()
@@ -147,8 +154,11 @@ def test_amax_equals_hooks_on_the_models_own_forward(family, monkeypatch):
     got = _amax(model)
     want = _reference_amax(family, data, list(got), monkeypatch)
     assert got.keys() == want.keys()
-    bad = [n for n in got if not torch.equal(got[n], want[n])]
-    assert not bad, (len(bad), bad[:3])
+    # Exact where shardcal runs the model's own shapes. Expert inputs, and everything after the first MoE layer, come
+    # through per-expert matmuls where the model's forward multiplies the fused gate_up: the same products summed
+    # in another kernel's order, exact on some CPUs only (AVX-512), so those agree to float32 rounding.
+    bad = [n for n in got if not _agree(n, got[n], want[n])]
+    assert not bad, (len(bad), bad[:3], [float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in bad[:3]])
     # GPT-OSS: 2 MoE layers; DeepSeek: 3 layers, the first dense (first_k_dense_replace=1)
     assert sum(".mlp.experts." in n for n in got) == 2 * 4 * 3 * 2  # layers x experts x projections x (w, in)
     assert not [n for n in got if ".mlp.gate." in n or ".mlp.router." in n]  # routers are never quantized
