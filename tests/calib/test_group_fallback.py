@@ -112,3 +112,62 @@ def test_export_time_quantization_fits_too(tmp_path):
     data = _data(seed=4)
     with torch.no_grad():
         assert torch.equal(from_pretrained(a)(data), from_pretrained(b)(data))
+
+
+# ----------------------------------------------------------------------------------------------- MoE experts
+
+G64 = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 64\n'
+G32 = G64.replace("group_size = 64", "group_size = 32")
+MIXED = (
+    r"recipe 'g64' gives the projections of 'model\.layers\.0\.{block}\.experts' different weight group sizes "
+    r"\({gate} group 64 of in_features 64, .*{down} group 32 of in_features 32.*\); transformers and vLLM load one "
+    r"quantization scheme for all of a model's experts, so this export would not load; fix: group_size = 32, which "
+    r"divides every projection's width"
+)
+
+
+def _moe(family: str) -> CausalLM:
+    cfg = dict(TINY_CONFIGS[family], num_hidden_layers=1)
+    cfg["intermediate_size" if family == "mixtral" else "moe_intermediate_size"] = 32
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model, seed=0)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("family", "block", "gate", "down"),
+    [("qwen3_moe", "mlp", "gate_proj", "down_proj"), ("mixtral", "block_sparse_moe", "w1", "w2")],
+)
+def test_experts_with_mixed_group_sizes_are_refused_before_calibrating(family, block, gate, down):
+    model = _moe(family)
+    with pytest.raises(RecipeError, match=MIXED.format(block=block, gate=gate, down=down)):
+        calibrate(model, _data(), parse_recipe(G64, "g64.toml", "g64"), batch_size=2, progress=False)
+    assert quantized_modules(model) == []  # refused before any quantizer was attached or calibrated
+
+
+def test_transformers_fused_experts_with_mixed_group_sizes_are_refused():
+    pytest.importorskip("transformers")
+    from _hf_models import hf_model
+
+    model = hf_model("qwen3_moe", num_hidden_layers=1)
+    match = MIXED.format(block="mlp", gate="gate_proj", down="down_proj")
+    with pytest.raises(RecipeError, match=match):
+        calibrate(model, _data(), parse_recipe(G64, "g64.toml", "g64"), batch_size=2, progress=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_experts_with_one_group_size_reload_in_transformers(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    transformers = pytest.importorskip("transformers")
+    from _numerics import FLOAT_RTOL
+
+    model = _moe("qwen3_moe")
+    calibrate(model, _data(), parse_recipe(G32, "g32.toml"), batch_size=2, progress=False)
+    data = _data(seed=4)
+    with torch.no_grad():
+        want = model(data)
+    out = export_checkpoint(model, tmp_path / "g32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(data).logits
+    assert float((got - want).abs().max()) <= FLOAT_RTOL * float(want.abs().max())

@@ -59,7 +59,7 @@ from torch import nn
 
 from ..algorithms import validate_algorithm
 from ..errors import RecipeError
-from ..quant.experts import PROJECTIONS, attach_expert_quantizers, iter_projections
+from ..quant.experts import PROJECTIONS, attach_expert_quantizers, fused_experts_shape, iter_projections
 from ..quant.kv_cache import attach_kv_cache_quantizers
 from ..quant.linear import QuantLinear
 from ..quant.spec import QuantizerSpec
@@ -88,6 +88,10 @@ _FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
 VLLM_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)
 _TARGET_KEYS = ("include", "exclude", "default_excludes")
 _QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
+#: A per-expert projection's full name: ``(experts module).(expert index).(projection)`` — shardcal's own MoE
+#: blocks (``mlp.experts.3.gate_proj``, Mixtral's ``block_sparse_moe.experts.3.w1``) and fused experts, whose
+#: per-expert quantizers are named so too (:mod:`shardcal.quant.experts`).
+_EXPERT_PROJECTION = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)$")
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -481,6 +485,7 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
         for name, sub in module.named_modules(prefix=prefix)
         if isinstance(sub, nn.Linear) and recipe.matches(name) and recipe.quantizes_linears
     ]
+    _check_experts_share_one_weight_scheme(module, recipe, prefix, targets)
     for name, sub in targets:
         if isinstance(sub, QuantLinear):
             continue
@@ -496,6 +501,64 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
     if not recipe.quantizes_linears:
         return []
     return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
+
+
+def _weight_group(spec: QuantizerSpec | None) -> int | str | None:
+    if spec is None:
+        return None
+    return spec.group_size if spec.granularity == "group" else spec.granularity
+
+
+def _check_experts_share_one_weight_scheme(
+    module: nn.Module, recipe: Recipe, prefix: str, targets: list[tuple[str, nn.Module]]
+) -> None:
+    """A :class:`RecipeError` when the group fallback gives one experts module's projections different weight
+    group sizes: transformers (``get_experts_scheme``) and vLLM's fused MoE methods load one scheme for all of a
+    model's experts (one group size for w13 and w2). Checked before anything is calibrated."""
+    if recipe.weight is None or not recipe.quantizes_linears:
+        return
+    found: dict[str, dict[str, tuple[int | str | None, int]]] = {}
+    for name, sub in targets:
+        m = _EXPERT_PROJECTION.match(name)
+        if m is not None:
+            spec = recipe.weight_spec(name, sub.in_features)
+            found.setdefault(m.group(1), {})[m.group(3)] = (_weight_group(spec), sub.in_features)
+    for name, sub in module.named_modules(prefix=prefix):
+        shape = fused_experts_shape(sub, name, strict=False)
+        if shape is None or recipe.excludes(name):
+            continue
+        _, hidden, inter = shape
+        widths = {"gate_proj": hidden, "up_proj": hidden, "down_proj": inter}
+        for proj in PROJECTIONS:
+            full = f"{name}.0.{proj}"
+            if recipe.matches(full):
+                spec = recipe.weight_spec(full, widths[proj])
+                found.setdefault(name, {})[proj] = (_weight_group(spec), widths[proj])
+    for experts, projections in found.items():
+        if len({group for group, _ in projections.values()}) > 1:
+            raise RecipeError(_mixed_expert_schemes_message(recipe, experts, projections))
+
+
+def _mixed_expert_schemes_message(
+    recipe: Recipe, experts: str, projections: Mapping[str, tuple[int | str | None, int]]
+) -> str:
+    """Why an experts module's projections cannot get different weight group sizes, and the group size that fits."""
+    parts = ", ".join(
+        f"{proj} {'group ' + str(group) if isinstance(group, int) else group} of in_features {width}"
+        for proj, (group, width) in projections.items()
+    )
+    asked = recipe.weight.group_size or 0
+    fits = [s for s in VLLM_GROUP_SIZES if s <= asked and all(width % s == 0 for _, width in projections.values())]
+    fix = (
+        f"fix: group_size = {fits[0]}, which divides every projection's width"
+        if fits
+        else "no group size vLLM accepts up to the recipe's divides every projection's width; fix: granularity = \"channel\""
+    )
+    return (
+        f"{recipe.source or recipe.name}: recipe {recipe.name!r} gives the projections of {experts!r} different "
+        f"weight group sizes ({parts}); transformers and vLLM load one quantization scheme for all of a model's "
+        f"experts, so this export would not load; {fix}"
+    )
 
 
 def weight_fallbacks(module: nn.Module, recipe: Recipe, prefix: str = "") -> dict[str, int | str]:
