@@ -560,7 +560,9 @@ def test_collect_command(tmp_path, capsys):
     cases = [
         (["--out", out], "already holds an activation report"),
         (["--out", other, "--stats", "median"], "unknown statistic 'median'"),
-        (["--out", other, "--bins", 0], "--bins must be >= 1, got 0"),
+        (["--out", other, "--bins", 0], "--bins must be an integer >= 1, got 0"),
+        (["--out", other, "--top-k", -1], "--top-k must be an integer >= 0, got -1"),
+        (["--out", other, "--batch-size", 0], "--batch-size must be an integer >= 1, got 0"),
         (["--out", other, "--targets", "model.layers.*:weights"], "unknown tensor selector ':weights'"),
         (["--out", other, "--targets", "model.layers.*.mlp.nothing:input"], "matches no module of"),  # the skeleton
         (["--out", other, "--targets", "model.norm:output"], "outside the decoder layers"),

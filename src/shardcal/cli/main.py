@@ -20,10 +20,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import CalibrationInterrupted, DataError, ShardcalError, UsageError
+from ..errors import CalibrationInterrupted, CollectionError, DataError, ShardcalError, UsageError
 from ..layerwise.options import DEFAULT_SQNR_TOKENS
+
+if TYPE_CHECKING:
+    from ..collect.options import CollectionOptions
 
 EXIT_USER_ERROR = 2
 DEMO_PROMPT = "The capital of France is"
@@ -397,9 +400,8 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     ``(model implementation, vocab_size)``."""
     from ..collect.checkpoint import CollectionCheckpoint
     from ..collect.report import REPORT_JSON
-    from ..collect.runner import parse_stats
     from ..collect.targets import parse_targets
-    from ..errors import CalibrationCheckpointError, CollectionError
+    from ..errors import CalibrationCheckpointError
     from ..loading.foreign import choose_impl, raw_config, text_field
     from ..models.config import load_config
     from ..plan.preflight import check_targets_fit, meta_skeleton
@@ -407,15 +409,7 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     patterns = parse_targets(args.targets)
-    if args.stats is not None:
-        parse_stats(args.stats)
-    for flag, value, low in (
-        ("--bins", args.bins, 1),
-        ("--top-k", args.top_k, 0),
-        ("--batch-size", args.batch_size, 1),
-    ):
-        if value < low:
-            raise CollectionError(f"{flag} must be >= {low}, got {value}")
+    collection_options(args)  # the library's checks of --stats, --bins, --top-k, --batch-size, --save-dtype
     protected = {"the model directory": model_dir, "the data file": args.data}
     check_apart(out_dir, "--out", protected, CollectionError)
     if out_dir.exists() and not out_dir.is_dir():
@@ -436,6 +430,37 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     return impl, vocab_size
 
 
+#: ``CollectionOptions`` fields set from ``shardcal collect``'s flags: field -> flag (the library's errors name the
+#: field; the command's name the flag).
+COLLECT_FLAGS: dict[str, str] = {
+    "stats": "--stats",
+    "bins": "--bins",
+    "top_k": "--top-k",
+    "save_dtype": "--save-dtype",
+    "batch_size": "--batch-size",
+    "checkpoint_dir": "--checkpoint-dir",
+}
+
+
+def collection_options(args: argparse.Namespace, progress: bool = False) -> CollectionOptions:
+    """The :class:`~shardcal.collect.options.CollectionOptions` that ``shardcal collect``'s flags ask for, checked
+    by the library once; a bad value's error names its flag."""
+    from ..collect.options import CollectionOptions
+
+    fields = {field: getattr(args, field.replace("-", "_")) for field in COLLECT_FLAGS}
+    if fields["stats"] is None:
+        del fields["stats"]  # the library's default: every statistic
+    save_dir = Path(args.out) / "activations" if args.save_activations else None
+    try:
+        return CollectionOptions(**fields, save_dir=save_dir, progress=progress)
+    except CollectionError as exc:
+        message = str(exc)
+        field = next((f for f in COLLECT_FLAGS if message.startswith(f"{f} ")), None)
+        if field is None:
+            raise
+        raise CollectionError(COLLECT_FLAGS[field] + message[len(field) :]) from None
+
+
 def collect_job(options: dict) -> dict:
     """One rank's part of ``shardcal collect`` (also what ``--nproc-per-node`` runs in each process)."""
     from ..collect.checkpoint import remove_checkpoint
@@ -453,19 +478,7 @@ def collect_job(options: dict) -> dict:
     start = time.perf_counter()
     load = load_pretrained if impl == "shardcal" else load_transformers_sharded
     model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
-    report = collect_activations(
-        model,
-        ids,
-        args.targets,
-        save_dir=out_dir / "activations" if args.save_activations else None,
-        save_dtype=args.save_dtype,
-        batch_size=args.batch_size,
-        bins=args.bins,
-        top_k=args.top_k,
-        checkpoint_dir=args.checkpoint_dir,
-        progress=rank == 0,
-        **({"stats": args.stats} if args.stats is not None else {}),
-    )
+    report = collect_activations(model, ids, args.targets, collection_options(args, progress=rank == 0))
     seconds = time.perf_counter() - start
     if rank == 0:
         report.save(out_dir)
