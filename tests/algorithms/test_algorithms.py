@@ -50,11 +50,14 @@ def _data(n: int = 5, seq: int = 16, seed: int = 1) -> torch.Tensor:
 
 
 def _recipe(algorithm: str, weight_only: bool = True, **params) -> object:
-    """A test recipe: int4 groups of 32 weight-only (tiny hidden sizes; ``symmetric=False``: asymmetric), or W8A8
-    int8 per-tensor inputs."""
+    """A test recipe: int4 groups of 32 weight-only (tiny hidden sizes; ``symmetric=False``: asymmetric), W8A8 int8
+    per-tensor inputs, or (``nvfp4=True``) nvfp4 weights and inputs."""
     symmetric = params.pop("symmetric", True)
+    nvfp4 = params.pop("nvfp4", False)  # nvfp4 weights and inputs instead
     extra = "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in params.items())
-    if weight_only:
+    if nvfp4:
+        quant = '[weight]\nformat = "nvfp4"\n[input]\nformat = "nvfp4"\n'
+    elif weight_only:
         quant = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\nobserver = "mse"\n'
         quant += "" if symmetric else "symmetric = false\n"
     else:
@@ -322,6 +325,42 @@ def test_asymmetric_gptq_beats_asymmetric_rtn_and_symmetric_gptq(act_order):
     assert errors["gptq", False] < errors["gptq", True] and errors["rtn", False] < errors["rtn", True], errors
 
 
+@pytest.mark.parametrize("options", [{}, {"act_order": True}, {"static_groups": True}])
+def test_nvfp4_gptq_beats_round_to_nearest_and_exports_its_own_blocks(options):
+    """FP4-aware GPTQ: each block of 16 columns is rounded to E2M1 with the FP8 block scale of its columns as
+    updated so far; the quantizer, which derives block scales from the weight it gets, reproduces the result, and
+    the global amax is kept. Reference: the output error of round to nearest (the quantizer on the weight)."""
+    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.quant.formats import E2M1_MAX, nvfp4_global_scale
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 256, generator=g) * 0.05
+    x = _correlated_inputs(4096, 256)
+    quantizer = TensorQuantizer(QuantizerSpec("nvfp4"), (96, 256))
+    quantizer.calibrate_from(weight)
+    amax = quantizer.amax.clone()
+    info: dict = {}
+    q = gptq_quantize(weight, x.double().T @ x.double(), quantizer, info=info, **options)
+    err = lambda w: (x @ (w - weight).T).pow(2).sum().item()
+    assert err(q) < 0.4 * err(quantizer(weight)), (err(q), err(quantizer(weight)))  # 0.25-0.27 measured
+    assert torch.equal(quantizer(q), q) and torch.equal(quantizer.amax, amax)
+    assert 0.0 <= info["nvfp4_requantized"] < 0.01
+    # every value is an E2M1 code times its block's scale: at most 8 magnitudes per block of 16
+    blocks = q.reshape(96, 16, 16).abs()
+    scale = blocks.amax(dim=-1, keepdim=True) / E2M1_MAX
+    codes = blocks / scale
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert torch.allclose(codes, grid[(codes.unsqueeze(-1) - grid).abs().argmin(-1)], atol=1e-5)
+    assert float(nvfp4_global_scale(amax)) == pytest.approx(448 * 6 / float(weight.abs().max()))
+
+
+def test_nvfp4_gptq_refuses_scale_refits_and_hessian_scale_search():
+    for extra in ("refit_scales = 1", 'scale_search = "hessian"'):
+        recipe = parse_recipe(f'[weight]\nformat = "nvfp4"\n[algorithm]\nname = "gptq"\n{extra}\n', "t.toml")
+        with pytest.raises(RecipeError, match="nvfp4 block scales follow the weight"):
+            calibrate(_model(), _data(n=2), recipe, batch_size=2, progress=False)
+
+
 def test_asymmetric_gptq_refuses_scale_refits():
     with pytest.raises(RecipeError, match="refit_scales needs symmetric weights"):
         calibrate(_model(), _data(n=2), _recipe("gptq", symmetric=False, refit_scales=1), batch_size=2,
@@ -446,6 +485,9 @@ CASES = [
         "qwen2_moe",
         {"symmetric": False, "act_order": True, "scale_search": '"hessian"', "refine_sweeps": 1},
     ),
+    # FP4-aware GPTQ: block scales from the updated columns on the solving rank (weights broadcast); static blocks
+    ("gptq", True, "llama", {"nvfp4": True}),
+    ("gptq", True, "qwen2_moe", {"nvfp4": True, "act_order": True}),
 ]
 
 
@@ -550,7 +592,3 @@ def test_shipped_recipes_and_parameter_errors():
         with pytest.raises(RecipeError, match=key.replace(".", r"\.")) as info:
             parse_recipe(f'[weight]\nformat = "int8"\n[algorithm]\n{table}\n', "bad.toml")
         assert "bad.toml" in str(info.value)
-    model = _model()
-    nvfp4 = parse_recipe('[weight]\nformat = "nvfp4"\n[algorithm]\nname = "gptq"\n', "nvfp4-gptq.toml")
-    with pytest.raises(RecipeError, match="gptq supports"):
-        calibrate(model, _data(), nvfp4, progress=False)

@@ -33,7 +33,9 @@ def test_load_by_path_and_passthrough(tmp_path):
     assert r.name == "mine" and r.weight.axis == 0 and load_recipe(str(f)) == r and load_recipe(r) is r
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe(tmp_path / "missing.toml")
-    with pytest.raises(RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, .*nvfp4, w4a16, .*w8a8-int8"):
+    with pytest.raises(
+        RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, .*nvfp4, nvfp4-gptq, w4a16, .*w8a8-int8"
+    ):
         load_recipe("w3a3")
 
 

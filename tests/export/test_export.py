@@ -25,7 +25,17 @@ from _tiny_models import TINY_CONFIGS, randomize_
 
 pytestmark = pytest.mark.numerics
 
-RECIPES = ("w8a8-int8", "fp8", "w4a16", "nvfp4", "fp8-dynamic", "w8a8-int8-dynamic", "w4a16-asym", "w8a16-asym")
+RECIPES = (
+    "w8a8-int8",
+    "fp8",
+    "w4a16",
+    "nvfp4",
+    "nvfp4-gptq",
+    "fp8-dynamic",
+    "w8a8-int8-dynamic",
+    "w4a16-asym",
+    "w8a16-asym",
+)
 #: Not shipped: a shipped recipe with asymmetric weights (``[weight] symmetric = false``).
 ASYMMETRIC = {"w4a16-asym": {}, "w8a16-asym": {"format": "int8", "granularity": "channel", "axis": 0}}
 # in_features 128 / 256: multiples of w4a16's group of 128 and of nvfp4's blocks of 16
@@ -35,6 +45,7 @@ FORMAT = {
     "fp8": "float-quantized",
     "w4a16": "pack-quantized",
     "nvfp4": "nvfp4-pack-quantized",
+    "nvfp4-gptq": "nvfp4-pack-quantized",
     "fp8-dynamic": "float-quantized",
     "w8a8-int8-dynamic": "int-quantized",
     "w4a16-asym": "pack-quantized",
@@ -163,6 +174,7 @@ def test_export_layout(recipe, exported):
         "fp8": {"weight"},
         "w4a16": {"weight_packed", "weight_shape"},
         "nvfp4": {"weight_packed", "weight_global_scale"},
+        "nvfp4-gptq": {"weight_packed", "weight_global_scale"},
         "fp8-dynamic": {"weight"},
         "w8a8-int8-dynamic": {"weight"},
         "w4a16-asym": {"weight_packed", "weight_shape", "weight_zero_point"},
@@ -173,6 +185,7 @@ def test_export_layout(recipe, exported):
         "fp8": {"input_scale"},
         "w4a16": set(),
         "nvfp4": {"input_global_scale"},
+        "nvfp4-gptq": {"input_global_scale"},
         "fp8-dynamic": set(),
         "w8a8-int8-dynamic": set(),
         "w4a16-asym": set(),

@@ -38,9 +38,18 @@ import torch
 
 from ..errors import NumericsError, RecipeError
 from ..layerwise.options import PROPAGATE_MODES
-from ..quant.formats import FORMATS, qparams, round_to_fp8_e4m3
+from ..quant.formats import (
+    FORMATS,
+    fake_quantize,
+    nvfp4_block_scales,
+    nvfp4_global_scale,
+    qparams,
+    round_e2m1,
+    round_to_fp8_e4m3,
+)
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
+from ..quant.spec import NVFP4_BLOCK_SIZE
 from ..runtime.distributed import all_gather_strings, broadcast_, group_rank_size
 from ..runtime.params import SpecError, boolean, integer, number, one_of, table_or_none
 from .awq import AWQ
@@ -60,10 +69,10 @@ SOLVE_HESSIAN_COPIES, SOLVE_WEIGHT_BYTES = 9, 4
 
 
 def check_quantizer(q: TensorQuantizer, name: str) -> None:
-    """GPTQ needs static per-element scales: int or fp8 formats, weight amax calibrated."""
+    """GPTQ needs a calibrated weight amax and a format it can round column by column: int, fp8 or nvfp4."""
     spec = q.spec
-    if FORMATS[spec.format].kind not in ("int", "fp8"):
-        raise RecipeError(f"{name}: gptq supports int8, int4 and fp8_e4m3 weights, not {spec.format!r}")
+    if FORMATS[spec.format].kind not in ("int", "fp8", "nvfp4"):
+        raise RecipeError(f"{name}: gptq supports int8, int4, fp8_e4m3 and nvfp4 weights, not {spec.format!r}")
     if not q.calibrated or q.amax is None:
         raise RecipeError(f"{name}: gptq needs a calibrated static weight quantizer")
 
@@ -77,8 +86,18 @@ def _quantize_column(
     if zero_point is not None:
         return torch.clamp(torch.round(w / scale), f.qmin - zero_point, f.qmax - zero_point) * scale
     scaled = torch.clamp(w / scale, f.qmin, f.qmax)
+    if f.kind == "nvfp4":  # ``scale``: the element's block scale over the global scale
+        return round_e2m1(scaled) * scale
     q = torch.round(scaled) if f.kind == "int" else round_to_fp8_e4m3(scaled)
     return q * scale
+
+
+def _nvfp4_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per element of ``w`` [out, cols] (cols a multiple of 16): the effective nvfp4 scale (FP8 block scale over the
+    global scale) of its block of 16 columns, as ``formats.fake_quantize`` derives it from these values."""
+    blocks = w.unflatten(-1, (w.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE))
+    eff = nvfp4_block_scales(blocks, global_scale) / global_scale
+    return eff.expand(blocks.shape).flatten(-2).contiguous()
 
 
 def _upper_cholesky_of_inverse(h: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -142,14 +161,26 @@ def gptq_quantize(
     without (per-group granularity, no ``act_order``) each group's scales are computed with the recipe's observer
     when GPTQ reaches the group, from the group's columns as updated so far, and stored in the quantizer. Either
     way ``quantizer(result) == result``. Returns a tensor of ``weight``'s dtype and device.
+
+    nvfp4 (FP4-aware GPTQ): the global scale comes from the calibrated amax; each block of 16 columns gets its FP8
+    block scale from its columns as updated so far when GPTQ reaches it (from the original weight with
+    ``act_order`` or ``static_groups``). The quantizer derives block scales from the weight it is given, so a block
+    whose largest value GPTQ moved below the top code would be rescaled: the result is passed through the
+    quantizer once more (``info["nvfp4_requantized"]``: the fraction of elements that changed there).
     """
     check_quantizer(quantizer, quantizer.name)
     fmt = quantizer.spec.format
+    nvfp4 = FORMATS[fmt].kind == "nvfp4"
     w = weight.detach().float()
-    group = quantizer.layout.group_size if not static_groups and not act_order else None
+    fixed = static_groups or act_order
+    group = None if fixed else NVFP4_BLOCK_SIZE if nvfp4 else quantizer.layout.group_size
     if group is not None:
         block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
-    scale, zp = element_qparams(quantizer, w)
+    if nvfp4:
+        global_scale = nvfp4_global_scale(quantizer.amax.detach().to(w.device))
+        scale, zp = _nvfp4_scales(w, global_scale), None
+    else:
+        scale, zp = element_qparams(quantizer, w)
     h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
     out, n = w.shape
     dead = torch.diag(h) == 0
@@ -162,9 +193,13 @@ def gptq_quantize(
         w, scale, h = w[:, perm], scale[:, perm], h[perm][:, perm]
         zp = zp[:, perm] if zp is not None else None
     small = w.device.type == "cpu" and out * block_size <= 1 << 20 and n <= 8192
-    amax = quantizer.amax.detach().clone() if group is not None else None
+    amax = quantizer.amax.detach().clone() if group is not None and not nvfp4 else None
     amin = quantizer.amin.detach().clone() if group is not None and quantizer.amin is not None else None
-    group_spec = dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None) if group else None
+    group_spec = (
+        dataclasses.replace(quantizer.spec, granularity="channel", axis=0, group_size=None)
+        if group and not nvfp4
+        else None
+    )
     with threads(1 if small else None):
         hinv, used = _inverse_hessian_factor(h, percdamp)
         hinv = hinv.float()
@@ -180,7 +215,9 @@ def gptq_quantize(
             err1 = torch.empty_like(w1)
             diag = h1.diagonal().tolist()
             for i in range(i2 - i1):
-                if group is not None and (i1 + i) % group == 0:
+                if nvfp4 and group is not None and (i1 + i) % group == 0:
+                    st[i1 + i : i1 + i + group] = _nvfp4_scales(w1[i : i + group].T, global_scale).T
+                elif group is not None and (i1 + i) % group == 0:
                     g = (i1 + i) // group
                     hi, lo = _group_range(group_spec, w1[i : i + group].T)
                     amax[:, g] = hi.reshape(-1).to(amax.device)
@@ -203,7 +240,13 @@ def gptq_quantize(
     q = qt.T
     if perm is not None:
         q = q[:, torch.argsort(perm)]
-    return q.contiguous().to(weight.dtype)
+    q = q.contiguous()
+    if nvfp4:
+        settled = fake_quantize(q, quantizer.amax, quantizer.spec, quantizer.layout)
+        if info is not None:
+            info["nvfp4_requantized"] = float((settled != q).float().mean())
+        q = settled
+    return q.to(weight.dtype)
 
 
 def _gptq_memory(context: LayerPlanContext) -> AlgorithmMemory:
@@ -305,7 +348,7 @@ class GPTQ(LayerAlgorithm):
             return
         for n, m in targets:
             check_quantizer(m.weight_quantizer, n)
-            self._check_asymmetric(m.weight_quantizer, n)
+            self._check_options(m.weight_quantizer, n)
         stats = InputStats({n: (m, "input") for n, m in targets}, {"gram"}).collect(step).merge(group)
         rank, size = group_rank_size(group)
         damping: dict[str, float] = {}
@@ -337,9 +380,14 @@ class GPTQ(LayerAlgorithm):
                 if m.weight_quantizer.amin is not None:
                     broadcast_(m.weight_quantizer.amin, k % size, group)
 
-    def _check_asymmetric(self, q: TensorQuantizer, name: str) -> None:
+    def _check_options(self, q: TensorQuantizer, name: str) -> None:
         if not q.spec.symmetric and self.params["refit_scales"]:
             raise RecipeError(f"{name}: gptq's refit_scales needs symmetric weights (symmetric = true)")
+        if q.spec.format == "nvfp4" and (self.params["refit_scales"] or self.params["scale_search"] != "observer"):
+            raise RecipeError(
+                f"{name}: nvfp4 block scales follow the weight, so gptq's refit_scales and scale_search = "
+                "'hessian' do not apply to nvfp4 weights; leave them at their defaults"
+            )
 
     def _gptq(
         self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]
