@@ -99,7 +99,7 @@ GEMMA3: dict[str, list[tuple[str, str, dict]]] = {
         ("w4a16-awq-gptq", "w4a16-awq-gptq", {}),
         ("w4a16-awq-gptq-asym", "w4a16-awq-gptq-asym", {}),
     ],
-    "nvfp4": [("nvfp4", "nvfp4", {})],
+    "nvfp4": [("nvfp4", "nvfp4", {}), ("nvfp4-gptq", "nvfp4-gptq", {}), ("nvfp4-sq-gptq", "nvfp4-sq-gptq", {})],
 }
 #: --model -> (what the table calls it, its scheme table, perplexity batch).
 MODELS = {"smollm2": ("SmolLM2-135M", SHARDCAL, 8), "gemma3-270m": ("Gemma-3-270M", GEMMA3, 2)}

@@ -488,6 +488,7 @@ CASES = [
     # FP4-aware GPTQ: block scales from the updated columns on the solving rank (weights broadcast); static blocks
     ("gptq", True, "llama", {"nvfp4": True}),
     ("gptq", True, "qwen2_moe", {"nvfp4": True, "act_order": True}),
+    ("gptq", True, "llama", {"nvfp4": True, "act_order": True, "smooth": '{ name = "smoothquant", alpha = 0.5 }'}),
 ]
 
 

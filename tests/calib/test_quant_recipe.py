@@ -34,7 +34,8 @@ def test_load_by_path_and_passthrough(tmp_path):
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe(tmp_path / "missing.toml")
     with pytest.raises(
-        RecipeError, match=r"unknown recipe 'w3a3' \(shipped: fp8, .*nvfp4, nvfp4-gptq, w4a16, .*w8a8-int8"
+        RecipeError,
+        match=r"unknown recipe 'w3a3' \(shipped: fp8, .*nvfp4, nvfp4-gptq, nvfp4-sq-gptq, w4a16, .*w8a8-int8",
     ):
         load_recipe("w3a3")
 
