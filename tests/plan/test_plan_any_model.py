@@ -137,7 +137,7 @@ def test_bytes_read_of_models_shardcal_has_no_class_for(tmp_path, family):
 
 
 @pytest.mark.usefixtures("single_process_group")
-@pytest.mark.parametrize("family", ["phi3", "llava"])  # DeepSeek-V3 / GPT-OSS: see docs/scaling.md
+@pytest.mark.parametrize("family", FOREIGN)
 def test_export_size_of_models_shardcal_has_no_class_for(tmp_path, family):
     from shardcal import calibrate
     from shardcal.export import export_checkpoint

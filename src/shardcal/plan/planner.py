@@ -568,13 +568,15 @@ def batch_rows(num_samples: int, batch_size: int) -> list[int]:
 
 
 def _export_view(params: list[Param], st: ModelStructure) -> list[Param]:
-    """The parameters as the export stores them: a fused experts parameter as its per-expert tensors."""
+    """The tensors as the export stores them: a fused experts parameter (weights, GPT-OSS's biases) as its per-expert
+    tensors, then the model's persistent buffers (whole, in their unit)."""
     out = []
     for p in params:
         if p.name not in st.fused:
             out.append(p)
             continue
         out += [Param(n, shape, p.dtype, p.file_dtype, p.unit, p.sharded) for n, shape in st.fused[p.name]]
+    out += [Param(n, shape, dtype, dtype, st.unit_of(n), False) for n, shape, dtype in st.buffers]
     return out
 
 

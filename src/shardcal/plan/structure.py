@@ -20,7 +20,7 @@ from ..algorithms.memory import PlannedSmoothing
 from ..errors import PlanError
 from ..loading.build import router_weight_names
 from ..quant.experts import PROJECTIONS, fused_experts_shape
-from ..sharding.fsdp2 import fsdp2_units
+from ..sharding.fsdp2 import fsdp2_units, persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
 
 ROOT = "<root>"
@@ -76,6 +76,9 @@ class ModelStructure:
     fused: dict[str, list[tuple[str, tuple[int, ...]]]]
     model: nn.Module = field(repr=False)
     _smoothings: dict[int, list[PlannedSmoothing]] = field(default_factory=dict, repr=False)
+    #: The model's persistent buffers ``(name, shape, dtype)`` (DeepSeek-V3's router correction bias): the export
+    #: stores them beside the parameters.
+    buffers: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -164,6 +167,13 @@ def _linears(model: nn.Module, layer_prefix: str) -> tuple[list[Linear], dict[st
                     (f"{name}.{e}.{p}.weight", (out_f, in_f))
                 )
         fused[f"{name}.gate_up_proj"], fused[f"{name}.down_proj"] = stored["gate_up_proj"], stored["down_proj"]
+        for leaf, projections in (("gate_up_proj_bias", ("gate_proj", "up_proj")), ("down_proj_bias", ("down_proj",))):
+            if isinstance(getattr(module, leaf, None), nn.Parameter):  # GPT-OSS: stored per expert as well
+                fused[f"{name}.{leaf}"] = [
+                    (f"{name}.{e}.{p}.bias", (hidden if p == "down_proj" else inter,))
+                    for e in range(experts)
+                    for p in projections
+                ]
     return out, fused
 
 
@@ -192,7 +202,8 @@ def read_structure(model: nn.Module, model_type: str, *, hidden_size: int | None
     units = {n: _unit_of(n, prefix, side) for n, _ in params}
     linears, fused = _linears(model, prefix)
     dtypes = {n: p.dtype for n, p in model.named_parameters()} if built_dtypes else None
+    buffers = [(n, tuple(int(d) for d in b.shape), b.dtype) for n, b in persistent_buffers(model).items()]
     return ModelStructure(
         model_type, hidden, heads, head_dim, prefix, [_layer_shape(layer, hidden) for layer in layers], params,
-        dtypes, linears, units, side, router_weight_names(model), fused, model,
+        dtypes, linears, units, side, router_weight_names(model), fused, model, buffers=buffers,
     )  # fmt: skip
