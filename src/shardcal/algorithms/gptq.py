@@ -38,15 +38,7 @@ import torch
 
 from ..errors import NumericsError, RecipeError
 from ..layerwise.options import PROPAGATE_MODES
-from ..quant.formats import (
-    FORMATS,
-    fake_quantize,
-    nvfp4_block_scales,
-    nvfp4_global_scale,
-    qparams,
-    round_e2m1,
-    round_to_fp8_e4m3,
-)
+from ..quant.formats import FORMATS, fake_quantize, nvfp4_global_scale, qparams, round_e2m1, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import NVFP4_BLOCK_SIZE
@@ -55,7 +47,7 @@ from ..runtime.params import SpecError, boolean, integer, number, one_of, table_
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
-from .scales import clip_search_amax, element_qparams, refine_rounding, refit_scales
+from .scales import clip_search_amax, element_qparams, nvfp4_element_scales, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
 
@@ -90,14 +82,6 @@ def _quantize_column(
         return round_e2m1(scaled) * scale
     q = torch.round(scaled) if f.kind == "int" else round_to_fp8_e4m3(scaled)
     return q * scale
-
-
-def _nvfp4_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Per element of ``w`` [out, cols] (cols a multiple of 16): the effective nvfp4 scale (FP8 block scale over the
-    global scale) of its block of 16 columns, as ``formats.fake_quantize`` derives it from these values."""
-    blocks = w.unflatten(-1, (w.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE))
-    eff = nvfp4_block_scales(blocks, global_scale) / global_scale
-    return eff.expand(blocks.shape).flatten(-2).contiguous()
 
 
 def _upper_cholesky_of_inverse(h: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -176,11 +160,7 @@ def gptq_quantize(
     group = None if fixed else NVFP4_BLOCK_SIZE if nvfp4 else quantizer.layout.group_size
     if group is not None:
         block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
-    if nvfp4:
-        global_scale = nvfp4_global_scale(quantizer.amax.detach().to(w.device))
-        scale, zp = _nvfp4_scales(w, global_scale), None
-    else:
-        scale, zp = element_qparams(quantizer, w)
+    scale, zp = element_qparams(quantizer, w)
     h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
     out, n = w.shape
     dead = torch.diag(h) == 0
@@ -200,6 +180,7 @@ def gptq_quantize(
         if group and not nvfp4
         else None
     )
+    global_scale = nvfp4_global_scale(quantizer.amax.detach().to(w.device)) if nvfp4 else None
     with threads(1 if small else None):
         hinv, used = _inverse_hessian_factor(h, percdamp)
         hinv = hinv.float()
@@ -215,9 +196,9 @@ def gptq_quantize(
             err1 = torch.empty_like(w1)
             diag = h1.diagonal().tolist()
             for i in range(i2 - i1):
-                if nvfp4 and group is not None and (i1 + i) % group == 0:
-                    st[i1 + i : i1 + i + group] = _nvfp4_scales(w1[i : i + group].T, global_scale).T
-                elif group is not None and (i1 + i) % group == 0:
+                if group is not None and (i1 + i) % group == 0 and nvfp4:  # the block's scales, from its columns
+                    st[i1 + i : i1 + i + group] = nvfp4_element_scales(w1[i : i + group].T, global_scale).T
+                elif group is not None and (i1 + i) % group == 0:  # the group's range, with the recipe's observer
                     g = (i1 + i) // group
                     hi, lo = _group_range(group_spec, w1[i : i + group].T)
                     amax[:, g] = hi.reshape(-1).to(amax.device)

@@ -25,12 +25,24 @@ import math
 
 import torch
 
-from ..quant.formats import FORMATS, fake_quantize, qparams, scale_from_amax
+from ..quant.formats import FORMATS, fake_quantize, nvfp4_block_scales, nvfp4_global_scale, qparams, scale_from_amax
 from ..quant.quantizer import TensorQuantizer
+from ..quant.spec import NVFP4_BLOCK_SIZE
+
+
+def nvfp4_element_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per element of ``w`` [out, cols] (cols a multiple of 16): the effective nvfp4 scale (FP8 block scale over the
+    global scale) of its block of 16 columns, as ``formats.fake_quantize`` derives it from these values."""
+    blocks = w.unflatten(-1, (w.shape[-1] // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE))
+    eff = nvfp4_block_scales(blocks, global_scale) / global_scale
+    return eff.expand(blocks.shape).flatten(-2).contiguous()
 
 
 def element_qparams(q: TensorQuantizer, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The quantizer's scale (and zero point, asymmetric) for every element of ``weight`` (float32, its shape)."""
+    """The quantizer's scale (and zero point, asymmetric) for every element of ``weight`` (float32, its shape);
+    nvfp4: the block scales ``weight`` itself gets (over the global scale of the calibrated amax), no zero point."""
+    if q.spec.format == "nvfp4":
+        return nvfp4_element_scales(weight, nvfp4_global_scale(q.amax.detach().to(weight.device))), None
     lay = q.layout
     arranged = lay.arrange(weight)
 

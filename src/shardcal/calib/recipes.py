@@ -504,6 +504,7 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
 
 
 def _weight_group(spec: QuantizerSpec | None) -> int | str | None:
+    """A weight spec's group size, or its granularity when it has no groups (``"channel"``); None: no spec."""
     if spec is None:
         return None
     return spec.group_size if spec.granularity == "group" else spec.granularity
@@ -573,7 +574,7 @@ def weight_fallbacks(module: nn.Module, recipe: Recipe, prefix: str = "") -> dic
         found += [(f"{name}.{e}.{p}", q.weight_quantizer) for e, p, q in iter_projections(sub)]  # fused experts
         for full, used in found:
             if used is not None and used.spec != spec:
-                out[full] = used.spec.group_size if used.spec.granularity == "group" else used.spec.granularity
+                out[full] = _weight_group(used.spec)
     return out
 
 

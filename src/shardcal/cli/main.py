@@ -447,7 +447,7 @@ def collection_options(args: argparse.Namespace, progress: bool = False) -> Coll
     by the library once; a bad value's error names its flag."""
     from ..collect.options import CollectionOptions
 
-    fields = {field: getattr(args, field.replace("-", "_")) for field in COLLECT_FLAGS}
+    fields = {field: getattr(args, field) for field in COLLECT_FLAGS}
     if fields["stats"] is None:
         del fields["stats"]  # the library's default: every statistic
     save_dir = Path(args.out) / "activations" if args.save_activations else None

@@ -388,7 +388,7 @@ def _entries_for(
     return entries
 
 
-def _stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's own persistent buffers (DeepSeek-V3's ``e_score_correction_bias``), stored like parameters;
     shardcal's quantizers keep their state in buffers too, which are exported as scales instead."""
     out = {}
@@ -426,7 +426,7 @@ def build_plan(
             "first, or pass a weight-only recipe to quantize at export"
         )
     params: dict[str, torch.Tensor] = dict(model.named_parameters())  # tied: once, under their first name
-    params.update(_stored_buffers(model))
+    params.update(stored_buffers(model))
     fused = {
         n: layout for n, m in model.named_modules() if (layout := fused_experts_layout(m, n, strict=False)) is not None
     }

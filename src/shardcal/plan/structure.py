@@ -18,9 +18,10 @@ from torch import nn
 from ..algorithms.mappings import KINDS, layer_smoothings
 from ..algorithms.memory import PlannedSmoothing
 from ..errors import PlanError
+from ..export.plan import stored_buffers
 from ..loading.build import router_weight_names
 from ..quant.experts import PROJECTIONS, fused_experts_shape
-from ..sharding.fsdp2 import fsdp2_units, persistent_buffers
+from ..sharding.fsdp2 import fsdp2_units
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
 
 ROOT = "<root>"
@@ -202,7 +203,7 @@ def read_structure(model: nn.Module, model_type: str, *, hidden_size: int | None
     units = {n: _unit_of(n, prefix, side) for n, _ in params}
     linears, fused = _linears(model, prefix)
     dtypes = {n: p.dtype for n, p in model.named_parameters()} if built_dtypes else None
-    buffers = [(n, tuple(int(d) for d in b.shape), b.dtype) for n, b in persistent_buffers(model).items()]
+    buffers = [(n, tuple(int(d) for d in b.shape), b.dtype) for n, b in stored_buffers(model).items()]
     return ModelStructure(
         model_type, hidden, heads, head_dim, prefix, [_layer_shape(layer, hidden) for layer in layers], params,
         dtypes, linears, units, side, router_weight_names(model), fused, model, buffers=buffers,
