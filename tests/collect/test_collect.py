@@ -559,7 +559,7 @@ def test_collect_command(tmp_path, capsys):
     other = tmp_path / "other"
     cases = [
         (["--out", out], "already holds an activation report"),
-        (["--out", other, "--stats", "median"], "unknown statistic 'median'"),
+        (["--out", other, "--stats", "median"], "--stats: unknown statistic 'median'"),
         (["--out", other, "--bins", 0], "--bins must be an integer >= 1, got 0"),
         (["--out", other, "--top-k", -1], "--top-k must be an integer >= 0, got -1"),
         (["--out", other, "--batch-size", 0], "--batch-size must be an integer >= 1, got 0"),

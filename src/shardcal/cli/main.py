@@ -455,7 +455,7 @@ def collection_options(args: argparse.Namespace, progress: bool = False) -> Coll
         return CollectionOptions(**fields, save_dir=save_dir, progress=progress)
     except CollectionError as exc:
         message = str(exc)
-        field = next((f for f in COLLECT_FLAGS if message.startswith(f"{f} ")), None)
+        field = next((f for f in COLLECT_FLAGS if message.startswith((f"{f} ", f"{f}:"))), None)
         if field is None:
             raise
         raise CollectionError(COLLECT_FLAGS[field] + message[len(field) :]) from None
