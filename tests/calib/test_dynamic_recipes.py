@@ -163,3 +163,36 @@ def test_no_activation_statistics_and_a_full_precision_observing_pass(recipe):
     inputs = [q for n, q in report.layers[0].quantizers.items() if n.endswith("input_quantizer")]
     assert inputs and all(s == {"dynamic": True} for s in inputs)
     assert torch.equal(seen[0], seen_fp[0]) and torch.equal(seen[1], seen_fp[1])
+
+
+def _rows_seen_by_layer_1(model: CausalLM, data: torch.Tensor, recipe: str, **options) -> tuple[int, object]:
+    rows: list[int] = []
+    hook = model.model.layers[1].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    report = calibrate(model, data, load_recipe(recipe), batch_size=2, progress=False, **options)
+    hook.remove()
+    return sum(rows), report
+
+
+def test_a_recipe_that_observes_nothing_runs_only_the_sqnr_sequences():
+    """Round to nearest with dynamic inputs reads no statistic from the data: only the SQNR sequences (the first 2
+    of 8 here) pass through the layers, and the result is the one those sequences alone give. A recipe with static
+    inputs, or an MoE model (its report counts every token's routing), runs all of them."""
+    data = _data(n=8)
+    model = _model()
+    seen, report = _rows_seen_by_layer_1(model, data, "fp8-dynamic", sqnr_tokens=32)
+    assert seen == 2 * 2  # the observing pass and the SQNR pass, on the 2 sequences
+    assert report.num_tokens == 8 * 16 and report.num_batches == 4  # the report describes the user's data
+    alone = _model()
+    _, want = _rows_seen_by_layer_1(alone, data[:2], "fp8-dynamic", sqnr_tokens=32)
+    assert [r.sqnr_db for r in report.layers] == [r.sqnr_db for r in want.layers]
+    for (name, q), (_, r) in zip(iter_quantizers(model), iter_quantizers(alone)):
+        if q.amax is not None:
+            assert torch.equal(q.amax, r.amax), name
+    for name, p in model.named_parameters():  # weights: per-channel max scales of the weights themselves
+        if name.endswith("proj.weight"):
+            q = dict(iter_quantizers(model))[name.replace(".weight", ".weight_quantizer")]
+            assert torch.equal(q.amax.reshape(-1), p.detach().abs().amax(dim=1)), name
+    assert _rows_seen_by_layer_1(_model(), data, "fp8", sqnr_tokens=32)[0] >= 8  # static inputs observe every row
+    moe = CausalLM(ModelConfig.from_dict(dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=2)))
+    randomize_(moe, seed=0)
+    assert _rows_seen_by_layer_1(moe.eval(), data, "fp8-dynamic", sqnr_tokens=32)[0] >= 8

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardcal.algorithms import ALGORITHMS, GPTQ, LayerAlgorithm, SmoothQuant
+from shardcal.algorithms.autoround import TUNE_BYTES_PER_WEIGHT, AutoRound
 from shardcal.algorithms.awq import AWQ
 from shardcal.algorithms.memory import AlgorithmMemory, LayerPlanContext, memory_model_of
 from shardcal.calib.recipes import recipe_from_dict
@@ -35,8 +36,9 @@ class OwnModel(LayerAlgorithm):
         return AlgorithmMemory(cls.name, collect=1000 * len(context.linears))
 
 
-def _recipe(name: str):
-    return recipe_from_dict({"name": f"int8-{name}", "weight": {"format": "int8"}, "algorithm": {"name": name}})
+def _recipe(name: str, **params):
+    algorithm = {"name": name, **params}
+    return recipe_from_dict({"name": f"int8-{name}", "weight": {"format": "int8"}, "algorithm": algorithm})
 
 
 def _plan(tmp_path: Path, recipe):
@@ -48,7 +50,7 @@ def _plan(tmp_path: Path, recipe):
 
 
 def test_the_built_in_classes_state_their_own_models():
-    for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ):
+    for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ, AutoRound):
         assert memory_model_of(cls) is not None, cls
     assert memory_model_of(NoModel) is None  # inheriting round to nearest's zero is not stating a model
 
@@ -66,3 +68,18 @@ def test_an_algorithm_with_its_own_model_is_planned_with_it(tmp_path, monkeypatc
     plan = _plan(tmp_path, _recipe(OwnModel.name))
     assert plan.ranks[0].parts["algorithm_state"] == 1000 * 7  # q, k, v, o, gate, up, down
     assert _plan(tmp_path, _recipe("rtn")).ranks[0].parts["algorithm_state"] == 0
+
+
+def test_autoround_plans_its_targets_tuned_state_and_graph(tmp_path):
+    """The full-precision targets of the rank's tokens, the tuned state per quantized weight element and the
+    autograd graph of one step's batches: more batches per step, more memory."""
+    cfg = TINY_CONFIGS["llama"]
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    q = cfg["num_attention_heads"] * cfg.get("head_dim", h // cfg["num_attention_heads"])
+    kv = cfg["num_key_value_heads"] * cfg.get("head_dim", h // cfg["num_attention_heads"])
+    weights = h * q + 2 * h * kv + q * h + 3 * h * f
+    one = _plan(tmp_path, _recipe("autoround")).ranks[0].parts["algorithm_state"]
+    four = _plan(tmp_path, _recipe("autoround", batches_per_iter=4)).ranks[0].parts["algorithm_state"]
+    targets = 4 * 8 * h * 4  # one rank: 4 sequences of 8 tokens, float32
+    assert one > targets + TUNE_BYTES_PER_WEIGHT * weights
+    assert four > one

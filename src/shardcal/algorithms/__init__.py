@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import RecipeError
 from ..runtime.params import SpecError
+from .autoround import AutoRound
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .gptq import GPTQ
@@ -22,6 +23,7 @@ __all__ = [
     "ALGORITHMS",
     "AWQ",
     "GPTQ",
+    "AutoRound",
     "LayerAlgorithm",
     "SmoothQuant",
     "make_algorithm",
@@ -30,7 +32,9 @@ __all__ = [
 ]
 
 #: Recipe name -> algorithm class.
-ALGORITHMS: dict[str, type[LayerAlgorithm]] = {cls.name: cls for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ)}
+ALGORITHMS: dict[str, type[LayerAlgorithm]] = {
+    cls.name: cls for cls in (LayerAlgorithm, SmoothQuant, AWQ, GPTQ, AutoRound)
+}
 
 
 def register_algorithm(cls: type[LayerAlgorithm]) -> type[LayerAlgorithm]:

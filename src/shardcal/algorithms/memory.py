@@ -52,7 +52,7 @@ class PlannedSmoothing:
 @dataclass(frozen=True)
 class LayerPlanContext:
     """One decoder layer as the planner sees it, on one rank: the quantized Linears (module order), every foldable
-    pair of every kind (filter by kind), and the run's world size, this rank and its number of batches."""
+    pair of every kind (filter by kind), the run's world size, this rank, its number of batches and their size."""
 
     layer: int
     linears: tuple[PlannedLinear, ...]
@@ -60,6 +60,11 @@ class LayerPlanContext:
     world_size: int
     rank: int
     local_batches: int
+    #: This rank's tokens (its batches' rows x sequence length), the model's hidden size, and the largest live
+    #: intermediates of one batch's forward through the layer (bytes; the planner's forward model).
+    local_tokens: int = 0
+    hidden_size: int = 0
+    batch_forward: int = 0
 
     def smoothings_of(self, kinds: tuple[str, ...]) -> list[PlannedSmoothing]:
         """The pairs of the given kinds, in layer order."""

@@ -30,7 +30,7 @@ from ..layerwise.moe import AllExpertsObserve, ExpertTokenMasks, RoutingCounts, 
 from ..layerwise.options import CalibrationOptions
 from ..layerwise.progress import progress_bar
 from ..layerwise.resume import announce_resume, resume_point
-from ..layerwise.steps import LayerStep, layer_steps
+from ..layerwise.steps import LayerStep, first_rows, layer_steps
 from ..quant.experts import (
     calibrate_expert_weights,
     detach_expert_quantizers,
@@ -357,11 +357,16 @@ def _calibrate(
     batches = model_batches(model, data, options.batch_size)
     rank, world_size = world()
     group = dp_group()
-    mine = rank_batch_indices(len(batches), rank, world_size)
-    local_batches = [batches[i] for i in mine]
     sample = leading_rows(batches, options.sqnr_tokens)  # the SQNR sequences: {global batch: its first rows}
+    run_batches = batches
+    if sample and _reads_no_data(layers, recipe, algorithm, feed_given=activation_report is not None):
+        # nothing observes the data: only the SQNR sequences need to pass through the layers
+        run_batches = [first_rows(batches[i], rows) for i, rows in sorted(sample.items())]
+        sample = {i: b.input_ids.shape[0] for i, b in enumerate(run_batches)}
+    mine = rank_batch_indices(len(run_batches), rank, world_size)
+    local_batches = [run_batches[i] for i in mine]
     local_sqnr = {j: sample[i] for j, i in enumerate(mine) if i in sample}
-    partial = any(rows < batches[i].input_ids.shape[0] for i, rows in sample.items())  # the same on every rank
+    partial = any(rows < run_batches[i].input_ids.shape[0] for i, rows in sample.items())  # the same on every rank
     head_rows = {j: rows for j, rows in local_sqnr.items() if rows < local_batches[j].input_ids.shape[0]}
     prefix = decoder_layer_prefix(model, layers)
     names = [f"{prefix}.{i}" for i in range(len(layers))]
@@ -433,6 +438,20 @@ def _calibrate(
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
     return report
+
+
+def _reads_no_data(layers: nn.ModuleList, recipe: Recipe, algorithm: LayerAlgorithm, feed_given: bool) -> bool:
+    """Whether no result of the run depends on the data beyond the SQNR sequences: round to nearest, every activation
+    quantizer dynamic (or none) and no KV-cache quantizer, also in the fallback recipe, no activation report, and no
+    MoE layer (whose report counts the routing of every token)."""
+    if type(algorithm) is not LayerAlgorithm or feed_given:
+        return False
+    r: Recipe | None = recipe
+    while r is not None:
+        if r.kv_cache is not None or any(not s.dynamic for role, s in r.specs.items() if role != "weight"):
+            return False
+        r = r.fallback
+    return not any(moe_blocks(layer) or any(expert_projections(m) for m in layer.modules()) for layer in layers)
 
 
 def _resume(

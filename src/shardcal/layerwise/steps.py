@@ -17,14 +17,15 @@ inputs. There is no forward patching and no mode flag on the layers: the caller 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from ..errors import NumericsError, UsageError
+from ..errors import ModelLayoutError, NumericsError, UsageError
 from ..quant.tokens import real_tokens_of
 from ..runtime.distributed import all_gather_floats
 from ..sharding.fsdp2 import layer_unsharded
@@ -59,6 +60,8 @@ class LayerStep:
     call_extras: Callable[[CachedInputs], dict[str, Any]] | None = field(default=None, repr=False)
     #: Per (batch index, rows), the model's arguments for the batch's first rows alone (see :meth:`forward`).
     heads: dict[tuple[int, int], CachedInputs] = field(default_factory=dict, repr=False)
+    #: The global number of each cached batch (the same batch has the same number at every world size).
+    batch_numbers: list[int] = field(default_factory=list, repr=False)
 
     def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
         """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
@@ -77,6 +80,29 @@ class LayerStep:
         with torch.no_grad(), real_tokens_of(x.token_mask):
             return call_layer(self.layer, self.name, x.hidden_states.to(self.device), call)
 
+    def forward_with(self, i: int, parameters: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run the layer's own forward on cached batch ``i`` with autograd on and the named parameters (names
+        relative to the layer, e.g. ``"mlp.down_proj.weight"``) replaced by the given tensors, so gradients flow to
+        them (``torch.func.functional_call``; the layer's parameters are untouched). The layer is gathered for the
+        whole step, so the FSDP2 unit's own hooks are bypassed: no gather, and no gradient reduction."""
+        x = self.inputs[i]
+        call = x.call_of(self.index).to(self.device)
+        if self.call_extras is not None:
+            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(x)}, call.hidden_keyword)
+        own = _OwnForward(self.layer)
+        replaced = {f"layer.{name}": t for name, t in parameters.items()}
+        with torch.enable_grad(), real_tokens_of(x.token_mask):
+            hidden = x.hidden_states.to(self.device)
+            if call.hidden_keyword is not None:
+                args, kwargs = call.args, {**call.kwargs, call.hidden_keyword: hidden}
+            else:
+                args, kwargs = (hidden, *call.args), call.kwargs
+            out = functional_call(own, replaced, args, kwargs, strict=False)
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if not isinstance(first, torch.Tensor) or first.shape != hidden.shape:
+            raise ModelLayoutError(f"{self.name}: the decoder layer did not return the hidden states")
+        return first
+
     def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
         """Run the layer on every cached batch; with ``keep_outputs`` remember the outputs as the next inputs.
 
@@ -92,6 +118,17 @@ class LayerStep:
 
     def invalidate_outputs(self) -> None:
         self.outputs = None
+
+
+class _OwnForward(nn.Module):
+    """Calls the wrapped layer's ``forward`` itself, not the module (whose FSDP2 hooks would run)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer.forward(*args, **kwargs)
 
 
 def layer_steps(
@@ -132,18 +169,20 @@ def layer_steps(
     prefix = decoder_layer_prefix(model, layers)
     numbers = list(batch_numbers) if batch_numbers is not None else list(range(len(batches)))
     wanted = sorted(head_rows or {})
-    first_rows = [_first_rows(batches[i], head_rows[i]) for i in wanted] if head_rows else []
+    heads_of = [first_rows(batches[i], head_rows[i]) for i in wanted] if head_rows else []
     if initial_inputs is None:  # one call: a model whose layers' arguments are recorded groups them once
-        embedded = embed_batches(model, [*batches, *first_rows], device, cache_device)
+        embedded = embed_batches(model, [*batches, *heads_of], device, cache_device)
         inputs, embedded = embedded[: len(batches)], embedded[len(batches) :]
     else:
         inputs = initial_inputs
-        embedded = embed_batches(model, first_rows, device, cache_device) if head_rows is not None else []
+        embedded = embed_batches(model, heads_of, device, cache_device) if head_rows is not None else []
     heads = {(i, head_rows[i]): x.with_hidden(torch.empty(0)) for i, x in zip(wanted, embedded)}  # calls only
     for index in range(start, len(layers)):
         layer = layers[index]
         with layer_unsharded(layer):
-            step = LayerStep(index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads)
+            step = LayerStep(
+                index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads, batch_numbers=numbers
+            )
             yield step
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
@@ -153,7 +192,7 @@ def layer_steps(
         del step, outputs
 
 
-def _first_rows(batch: Batch, rows: int) -> Batch:
+def first_rows(batch: Batch, rows: int) -> Batch:
     """The batch's first ``rows`` sequences, padded as in the batch (its mask kept even where they need none)."""
     mask = None if batch.attention_mask is None else batch.attention_mask[:rows]
     return Batch(batch.input_ids[:rows], mask)

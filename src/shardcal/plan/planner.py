@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -723,18 +723,21 @@ class _Model:
         return self._memo(("wobs", self.kind_of[i]), lambda: max(
             (weight_observer_bytes(t, self.dtype) for t in self.targets_of[i]), default=0))  # fmt: skip
 
-    def algorithm_state(self, i: int, rank: int, local_batches: int) -> AlgorithmMemory:
-        """The memory layer ``i``'s algorithm holds on ``rank`` (computed once per layer structure)."""
+    def algorithm_state(self, i: int, rank: int, local_rows: Sequence[int]) -> AlgorithmMemory:
+        """The memory layer ``i``'s algorithm holds on ``rank``, whose batches have ``local_rows`` rows (computed
+        once per layer structure)."""
 
         def compute() -> AlgorithmMemory:
             j = self.example[self.kind_of[i]]
             context = LayerPlanContext(
                 j, tuple(planned_linear(t) for t in self.targets_of[j]), tuple(self.st.smoothings(j)),
-                self.s.world_size, rank, local_batches,
+                self.s.world_size, rank, len(local_rows), sum(local_rows) * self.s.seq_len, self.st.hidden_size,
+                self.forward(j, max(local_rows, default=0), True),
             )  # fmt: skip
             return self.memory_model(context, self.algorithm)
 
-        return self._memo(("algo", self.kind_of[i], rank % self.s.world_size, local_batches), compute)
+        key = ("algo", self.kind_of[i], rank % self.s.world_size, tuple(local_rows))
+        return self._memo(key, compute)
 
     def gather_peak(self, unit: str) -> int:
         g, world = self.gathered[unit], self.s.world_size
@@ -787,7 +790,7 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     for i in m.last_of_kind:
         unit = m.layer_names[i]
         base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
-        algo = m.algorithm_state(i, rank, len(mine))
+        algo = m.algorithm_state(i, rank, my_rows)
         fwd, fwd_q = m.forward(i, biggest, False), m.forward(i, biggest, True)
         one = hidden_cache + rotary + reference
         two = one + hidden_cache
@@ -844,7 +847,7 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
 
 def _allreduce_bytes(m: _Model, i: int) -> int:
     """Bytes all-reduced while layer ``i`` is calibrated: observer statistics and the algorithm's merged sums."""
-    algo = m.algorithm_state(i, 0, 1)
+    algo = m.algorithm_state(i, 0, m.rows[:1])
     return m.observers(i) + (algo.merge // 2 if m.s.world_size > 1 else algo.merge)
 
 

@@ -1,0 +1,276 @@
+"""AutoRound: each weight's rounding and clipping tuned by signed gradient descent on the decoder layer's output
+(SignRound, Cheng et al., 2023: arXiv 2309.05516).
+
+Per gathered decoder layer, for every QuantLinear with an integer weight quantizer (int4 / int8, symmetric or
+asymmetric, per channel or per group):
+
+* the parameters: a rounding offset ``V`` per weight element in ``[-0.5, 0.5]`` (start 0: round to nearest) and,
+  with ``clip``, a factor per scale in ``[min_clip, 1]`` on the calibrated amax (and one on the amin, asymmetric;
+  start 1: the recipe observer's range);
+* the weight the layer computes with: ``clamp(round(W / s + V), lo, hi) * s``, ``s`` from the clipped range, rounding
+  through a straight-through estimator;
+* the loss: the squared error of the layer's output against its full-precision output on the same cached inputs
+  (real tokens only, every other quantizer off), one forward and backward of the whole layer per batch;
+* the step: ``iters`` steps of ``p -= lr_t * sign(grad)`` with ``lr_t`` decaying linearly from ``lr`` (default
+  ``1 / iters``) to 0, each on ``batches_per_iter`` batches drawn without replacement from a seeded permutation of
+  the run's global batch numbers (epoch after epoch).
+
+Exact across ranks: each drawn batch's gradient is computed by the rank that holds it (the same shapes at every
+world size), scaled by a power of two common to all ranks (from the all-reduced maximum) and rounded to an
+integer-valued float64 (:data:`FIXED_BITS` bits), so the all-reduced sum — and its sign — is the same bits at any
+world size and in any order. Every rank applies the same update, so weights and scales stay identical without a
+broadcast. The result is the quantizer's own fake quantization of the tuned weight with the tuned amax (export keeps
+the recipe's layout); the runner writes the weights back into the shards and checkpoints them (resumable like GPTQ).
+
+Recipe: ``[algorithm] name = "autoround"``, ``iters`` (64), ``lr`` (0: ``1 / iters``), ``batches_per_iter`` (1),
+``clip`` (true), ``min_clip`` (0.5), ``seed`` (0), ``propagate`` ("qdq").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import RecipeError
+from ..layerwise.options import PROPAGATE_MODES
+from ..layerwise.steps import LayerStep
+from ..quant.formats import FORMATS, qparams
+from ..quant.linear import QuantLinear
+from ..quant.quantizer import QuantMode, TensorQuantizer
+from ..quant.session import quantizer_mode
+from ..runtime.distributed import all_reduce_, all_reduce_many_
+from ..runtime.params import boolean, integer, number, one_of
+from .base import LayerAlgorithm
+from .memory import AlgorithmMemory, LayerPlanContext
+
+#: Bits of the fixed-point gradient: the largest |gradient| of a tensor becomes about 2**FIXED_BITS, so sums of up
+#: to 2**(52 - FIXED_BITS) batches stay exact integers in float64.
+FIXED_BITS = 40
+#: Bytes per weight element while a layer is tuned (measured): the float32 weight copy, V, the clip factors' share,
+#: the tuned weight and its autograd temporaries, V's gradient, the float64 fixed-point gradient and its sum.
+TUNE_BYTES_PER_WEIGHT = 44
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """``round(x)`` forward, the identity backward (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+class _TunedWeight:
+    """One Linear's tuned parameters and the weight they give (differentiable, and final)."""
+
+    def __init__(self, name: str, module: QuantLinear, clip: bool):
+        q = module.weight_quantizer
+        self.name, self.module, self.quantizer = name, module, q
+        self.weight = module.weight.detach().float()
+        self.layout, self.fmt = q.layout, q.spec.format
+        self.amax = q.amax.detach().float().to(self.weight.device, copy=True)
+        self.amin = None if q.amin is None else q.amin.detach().float().to(self.weight.device, copy=True)
+        self.v = torch.zeros_like(self.weight, requires_grad=True)
+        self.params = [self.v]
+        self.hi = self.lo = None
+        if clip:
+            self.hi = torch.ones_like(self.amax, requires_grad=True)
+            self.params.append(self.hi)
+            if self.amin is not None:
+                self.lo = torch.ones_like(self.amin, requires_grad=True)
+                self.params.append(self.lo)
+
+    def _range(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        amax = self.amax if self.hi is None else self.amax * self.hi
+        if self.amin is None:
+            return amax, None
+        return amax, self.amin if self.lo is None else self.amin * self.lo
+
+    def quantized(self) -> torch.Tensor:
+        """The fake-quantized weight under the current parameters, differentiable in them."""
+        f, lay = FORMATS[self.fmt], self.layout
+        amax, amin = self._range()
+        a, v = lay.arrange(self.weight), lay.arrange(self.v)
+        if amin is None:
+            scale = torch.clamp(lay.broadcast(amax), min=torch.finfo(torch.float32).tiny) / f.qmax
+            codes = torch.clamp(_round_ste(a / scale + v), f.qmin, f.qmax)
+        else:
+            hi, lo = torch.clamp(lay.broadcast(amax), min=0.0), torch.clamp(lay.broadcast(amin), max=0.0)
+            scale = torch.clamp((hi - lo) / (f.qmax - f.qmin), min=torch.finfo(torch.float32).tiny)
+            zp = torch.clamp(f.qmin - _round_ste(lo / scale), f.qmin, f.qmax)
+            codes = torch.clamp(_round_ste(a / scale + v), f.qmin - zp, f.qmax - zp)
+        return lay.restore(codes * scale)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Store the tuned amax in the quantizer and the tuned weight in the Linear: exactly what the quantizer's
+        fake quantization of it gives (the scales come from the stored amax, as in ``formats.fake_quantize``)."""
+        amax, amin = self._range()
+        q = self.quantizer
+        q.set_amax(amax.to(q.amax.device), None if amin is None else amin.to(q.amax.device))
+        f, lay = FORMATS[self.fmt], self.layout
+        amin_b = None if q.amin is None else lay.broadcast(q.amin.float().to(self.weight.device))
+        scale, zp = qparams(lay.broadcast(q.amax.float().to(self.weight.device)), amin_b, self.fmt)
+        a, v = lay.arrange(self.weight), lay.arrange(self.v.detach())
+        lo, hi = (f.qmin, f.qmax) if zp is None else (f.qmin - zp, f.qmax - zp)
+        codes = torch.clamp(torch.round(a / scale + v), lo, hi)
+        self.module.weight.copy_(lay.restore(codes * scale).to(self.module.weight.dtype))
+
+    @torch.no_grad()
+    def step(self, signs: list[torch.Tensor], lr: float, min_clip: float) -> None:
+        for p, s in zip(self.params, signs):
+            p.sub_(s.to(p.dtype), alpha=lr)
+        self.v.clamp_(-0.5, 0.5)
+        for p in self.params[1:]:
+            p.clamp_(min_clip, 1.0)
+
+
+def check_quantizer(q: TensorQuantizer, name: str) -> None:
+    """AutoRound tunes static integer weight quantizers that were calibrated (per tensor, channel or group)."""
+    if FORMATS[q.spec.format].kind != "int":
+        raise RecipeError(f"{name}: autoround supports int4 and int8 weights, not {q.spec.format!r}")
+    if q.spec.dynamic or not q.calibrated or q.amax is None:
+        raise RecipeError(f"{name}: autoround needs a calibrated static weight quantizer")
+
+
+def batch_schedule(num_batches: int, iters: int, per_iter: int, seed: int, layer: int) -> list[list[int]]:
+    """The global batch numbers each step uses: a seeded permutation of all batches, drawn ``per_iter`` at a time,
+    a new permutation each epoch; the same at every world size."""
+    if num_batches == 0:
+        return [[] for _ in range(iters)]
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    order: list[int] = []
+    out = []
+    for _ in range(iters):
+        chosen = []
+        for _ in range(min(per_iter, num_batches)):
+            if not order:
+                order = torch.randperm(num_batches, generator=gen).tolist()
+            chosen.append(order.pop(0))
+        out.append(chosen)
+    return out
+
+
+def _fixed_point_sum(per_batch: list[list[torch.Tensor]], shapes: list[torch.Size], group: Any) -> list[torch.Tensor]:
+    """The sum over every rank's batches of each gradient (float64), exact to ``2**-FIXED_BITS`` of its largest
+    term and the same bits in any order: each term is scaled by a power of two common to all ranks (from the
+    all-reduced maximum) and rounded to an integer before summing (collective: two all-reduces, also for a rank
+    with no batch)."""
+    maxima = torch.zeros(len(shapes), dtype=torch.float64)
+    for grads in per_batch:
+        for k, g in enumerate(grads):
+            maxima[k] = max(float(maxima[k]), float(g.abs().max()))
+    all_reduce_(maxima, "max", group)
+    sums = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    exponents = [
+        0 if top == 0.0 or not math.isfinite(top) else FIXED_BITS - math.frexp(top)[1] for top in maxima.tolist()
+    ]
+    for k, exponent in enumerate(exponents):
+        scale = torch.tensor(exponent, dtype=torch.int32)  # the largest term becomes < 2**FIXED_BITS
+        for grads in per_batch:
+            sums[k] += torch.ldexp(grads[k].double().cpu(), scale).round_()
+    all_reduce_many_(sums, "sum", group, dtype=torch.float64)
+    return [torch.ldexp(s, torch.tensor(-e, dtype=torch.int32)) for s, e in zip(sums, exponents)]
+
+
+class AutoRound(LayerAlgorithm):
+    """See the module docstring."""
+
+    name = "autoround"
+    schema = {
+        "iters": (64, integer(1)),
+        "lr": (0.0, number(0.0, 1.0)),
+        "batches_per_iter": (1, integer(1)),
+        "clip": (True, boolean),
+        "min_clip": (0.5, number(0.0, 1.0, lo_open=True)),
+        "seed": (0, integer(0)),
+        "propagate": ("qdq", one_of(*PROPAGATE_MODES)),
+    }
+    changes_weights = True
+    default_propagate = "qdq"
+
+    def __init__(self, params: Mapping[str, Any] | None = None):
+        super().__init__(params)
+        self._losses: dict[str, list[float]] = {}
+
+    @classmethod
+    def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
+        """The full-precision outputs of this rank's batches (the targets, one more activation cache), the tuned
+        state of every quantized weight of the layer (:data:`TUNE_BYTES_PER_WEIGHT` per element), and the
+        autograd graph of ``batches_per_iter`` batches' forward (the saved activations: about three times a
+        forward's largest intermediates)."""
+        weights = sum(lin.in_features * lin.out_features for lin in context.linears if lin.weight is not None)
+        if not weights:
+            return AlgorithmMemory(cls.name)
+        targets = context.local_tokens * context.hidden_size * 4
+        graph = 3 * params.get("batches_per_iter", 1) * context.batch_forward
+        return AlgorithmMemory(cls.name, solve=targets + TUNE_BYTES_PER_WEIGHT * weights + graph)
+
+    def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
+        tuned = [
+            _TunedWeight(n, m, self.params["clip"])
+            for n, m in step.layer.named_modules(prefix=step.name)
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None and not _check(m.weight_quantizer, n)
+        ]
+        if not tuned:
+            return
+        names = _parameter_names(step, tuned)
+        count = torch.tensor([float(len(step.inputs))], dtype=torch.float64)
+        all_reduce_(count, "sum", group)
+        iters, per_iter = self.params["iters"], self.params["batches_per_iter"]
+        lr = self.params["lr"] or 1.0 / iters
+        schedule = batch_schedule(int(count), iters, per_iter, self.params["seed"], step.index)
+        local = {number: i for i, number in enumerate(step.batch_numbers or range(len(step.inputs)))}
+        params = [p for t in tuned for p in t.params]
+        shapes = [p.shape for p in params]
+        losses = []
+        with quantizer_mode(step.layer, QuantMode.DISABLED):
+            wanted = sorted({local[b] for chosen in schedule for b in chosen if b in local})
+            targets = {i: step.forward(i).to(step.cache_device) for i in wanted}
+            for t, chosen in enumerate(schedule):
+                per_batch, loss = [], torch.zeros(1, dtype=torch.float64)
+                for b in chosen:
+                    if b not in local:
+                        continue
+                    i = local[b]
+                    out = step.forward_with(i, {names[k]: w.quantized() for k, w in enumerate(tuned)})
+                    err = _masked_error(out, targets[i].to(out.device), step.inputs[i].token_mask)
+                    per_batch.append(list(torch.autograd.grad(err, params)))
+                    loss += float(err.detach())
+                sums = _fixed_point_sum(per_batch, shapes, group)
+                all_reduce_(loss, "sum", group)
+                losses.append(float(loss))
+                signs = [torch.sign(s) for s in sums]
+                rate = lr * (1.0 - t / iters)
+                offset = 0
+                for w in tuned:
+                    w.step(signs[offset : offset + len(w.params)], rate, self.params["min_clip"])
+                    offset += len(w.params)
+        for w in tuned:
+            w.finish()
+        self._losses[step.name] = [losses[0], losses[-1]]
+
+    def layer_report(self, step: Any) -> dict[str, Any]:
+        """The summed squared output error of the first and the last step's batches (before each step's update)."""
+        if step.name not in self._losses:
+            return {}
+        first, last = self._losses[step.name]
+        return {"autoround_loss": {"first": first, "last": last}}
+
+
+def _check(q: TensorQuantizer, name: str) -> bool:
+    check_quantizer(q, name)
+    return False
+
+
+def _parameter_names(step: LayerStep, tuned: list[_TunedWeight]) -> list[str]:
+    """Each tuned Linear's weight name relative to the layer (what ``step.forward_with`` replaces)."""
+    prefix = f"{step.name}."
+    return [f"{t.name[len(prefix) :]}.weight" if t.name.startswith(prefix) else "weight" for t in tuned]
+
+
+def _masked_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The summed squared error over real tokens (float32; ``mask`` [B, L], None: every position)."""
+    diff = (out.float() - target.float()).pow(2)
+    if mask is not None:
+        diff = diff * mask.to(diff.device, diff.dtype).unsqueeze(-1)
+    return diff.sum()
