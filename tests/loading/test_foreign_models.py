@@ -546,14 +546,15 @@ def test_cli_model_impl_errors_are_one_line(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------------- algorithms
 
 
-def _algorithm_recipe(algorithm: str, weight_only: bool, exclude: str = ""):
+def _algorithm_recipe(algorithm: str, weight_only: bool, exclude: str = "", **params):
     targets = f'[targets]\nexclude = ["{exclude}"]\n' if exclude else ""
     quant = targets + (
         '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 16\n'
         if weight_only
         else '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
     )
-    return parse_recipe(f'{quant}[algorithm]\nname = "{algorithm}"\n', f"{algorithm}.toml")
+    extra = "".join(f"{k} = {v}\n" for k, v in params.items())
+    return parse_recipe(f'{quant}[algorithm]\nname = "{algorithm}"\n{extra}', f"{algorithm}.toml")
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "gemma3", "qwen3_moe"])
@@ -578,14 +579,21 @@ def test_smoothquant_folds_into_transformers_layers_keeping_their_function(famil
     torch.testing.assert_close(hf_logits(model, data), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
-def test_weight_algorithms_beat_round_to_nearest_on_transformers_llama(algorithm):
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("llama", {}), ("gemma3", {"head_dim": 32})],  # Gemma-3-270M's shape: heads x head_dim (128) != hidden (64)
+)
+@pytest.mark.parametrize("algorithm", ["gptq", "awq", "autoround"])
+def test_weight_algorithms_beat_round_to_nearest_on_transformers_models(algorithm, family, overrides):
+    """On Gemma no norm can take a scale (x * (1 + w)): AWQ's pairs are v -> o and up -> down only, and the clipping
+    of q / k / v reads their own inputs, not o_proj's."""
     data = _data(n=12)
-    want = hf_logits(hf_model("llama"), data)
+    want = hf_logits(hf_model(family, **overrides), data)
     errors = {}
     for name in ("rtn", algorithm):
-        model = hf_model("llama")
-        calibrate(model, data, _algorithm_recipe(name, weight_only=True), batch_size=BATCH, progress=False)
+        model = hf_model(family, **overrides)
+        params = {"iters": 16} if name == "autoround" else {}
+        calibrate(model, data, _algorithm_recipe(name, weight_only=True, **params), batch_size=BATCH, progress=False)
         errors[name] = (hf_logits(model, data) - want).pow(2).mean().item()
     assert errors[algorithm] < errors["rtn"], errors
 

@@ -163,7 +163,8 @@ class AWQ(LayerAlgorithm):
         covered = {id(c): m.key for m in smoothings for c in m.consumers}
         points = {m.key: m.point for m in smoothings}
         if self.params["clip"]:
-            points.update({n: (m, "input") for n, m in linears if id(m) not in covered})
+            # keyed apart from the pairs: a pair's key is its producer's name, which may be a Linear's (v_proj)
+            points.update({f"{n}:input": (m, "input") for n, m in linears if id(m) not in covered})
         self._clip_hessians = {}
         if not points:
             return
@@ -181,7 +182,7 @@ class AWQ(LayerAlgorithm):
         self.ratios[step.name] = ratios
         if self.params["clip"]:
             for n, lin in linears:
-                key = covered.get(id(lin), n)
+                key = covered.get(id(lin), f"{n}:input")
                 h = stats[key].hessian().float()
                 if key in cols:  # the consumer now sees x / s: H -> diag(1/s) H diag(1/s)
                     inv = 1.0 / cols[key]
