@@ -560,7 +560,7 @@ def _algorithm_recipe(algorithm: str, weight_only: bool, exclude: str = "", **pa
 @pytest.mark.parametrize("family", ["llama", "phi3", "gemma3", "qwen3_moe"])
 def test_smoothquant_folds_into_transformers_layers_keeping_their_function(family):
     """Norm -> Linear pairs found by duck typing (a norm whose output scales with its weight; Phi-3's fused qkv and
-    gate_up; Gemma's pre-feedforward norm): folding leaves the full-precision function unchanged."""
+    gate_up; Gemma's (1 + w) norms, its pre-feedforward norm): folding leaves the full-precision function unchanged."""
     from shardcal.quant.session import set_quantizer_mode
 
     data = _data()
@@ -571,10 +571,10 @@ def test_smoothquant_folds_into_transformers_layers_keeping_their_function(famil
     recipe = _algorithm_recipe("smoothquant", weight_only=False, exclude="*.experts.*")
     calibrate(model, data, recipe, batch_size=BATCH, progress=False)
     changed = [n for n, p in model.named_parameters() if n in norms and not torch.equal(p, norms[n])]
-    if family in ("llama", "phi3", "qwen3_moe"):
-        assert any("input_layernorm" in n for n in changed), changed
-    if family == "gemma3":  # Gemma norms compute x * (1 + w): nothing is folded into them
-        assert not changed, changed
+    assert any("input_layernorm" in n for n in changed), changed
+    if family == "gemma3":  # Gemma norms compute x * (1 + w): 1 + w is divided by the scales; the MLP's is pre_feedforward's
+        assert any("pre_feedforward_layernorm" in n for n in changed), changed
+        assert not any("post_attention_layernorm" in n for n in changed), changed
     set_quantizer_mode(model, "disabled")
     torch.testing.assert_close(hf_logits(model, data), want, rtol=1e-4, atol=1e-4)
 

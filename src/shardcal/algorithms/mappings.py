@@ -23,7 +23,8 @@ V channel is therefore shared by the ``num_heads / num_kv_heads`` o_proj columns
 columns are combined (max of maxima, mean of means). ``up_down``: ``act(gate(x)) * up(x)`` is linear in
 ``up(x)``'s channels, so dividing up's rows scales down_proj's inputs channel by channel.
 
-Only RMSNorm / LayerNorm producers are used (``y = w * norm(x) [+ b]``); a layer with other names is skipped.
+Only normalisation producers are used whose output is ``(c + w) * norm(x) [+ b]`` with ``c`` 0 (RMSNorm, LayerNorm)
+or 1 (Gemma's norms: ``c + w`` is divided by ``s``); a layer with other names is skipped.
 """
 
 from __future__ import annotations
@@ -41,27 +42,37 @@ KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
 
 
 def _is_norm(module: nn.Module | None) -> bool:
-    """A normalisation whose output is ``weight * f(x) [+ bias]`` — what folding a scale into it needs.
+    """A normalisation a scale can be folded into (see :func:`norm_offset`)."""
+    return norm_offset(module) is not None
+
+
+#: The weight offsets a norm may compute with: ``w * f(x)`` (Llama, LayerNorm) and ``(1 + w) * f(x)`` (Gemma).
+NORM_OFFSETS = (0.0, 1.0)
+
+
+def norm_offset(module: nn.Module | None) -> float | None:
+    """``c`` when ``module`` is a normalisation whose output is ``(c + weight) * f(x) [+ bias]``, ``c`` in
+    :data:`NORM_OFFSETS` — what folding a scale into it needs — else None.
 
     Duck typed: a 1-D ``weight`` (and optional 1-D ``bias``) and nothing else of its own, and the output scales with
-    the weight (probed once on a tiny input: doubling the weight doubles ``output - bias``). Gemma's
-    ``x * (1 + weight)`` norms fail the probe and are left alone.
+    ``c + weight`` (probed on a tiny input: doubling ``c + weight`` doubles ``output - bias``). Gemma's
+    ``x * (1 + weight)`` norms have ``c = 1``.
     """
     if module is None:
-        return False
+        return None
     if isinstance(module, (RMSNorm, nn.LayerNorm)):
-        return getattr(module, "weight", None) is not None
+        return 0.0 if getattr(module, "weight", None) is not None else None
     own = dict(module.named_parameters(recurse=False))
     weight, bias = own.get("weight"), own.get("bias")
     if weight is None or weight.dim() != 1 or set(own) - {"weight", "bias"} or any(True for _ in module.children()):
-        return False
+        return None
     if bias is not None and bias.shape != weight.shape:
-        return False
-    return _scales_with_weight(module, weight, bias)
+        return None
+    return next((c for c in NORM_OFFSETS if _scales_with_weight(module, weight, bias, c)), None)
 
 
 @torch.no_grad()
-def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, offset: float) -> bool:
     if weight.is_meta:  # a skeleton (the planner): probe a CPU copy with unit weights and zero bias
         module = copy.deepcopy(module).to_empty(device="cpu")
         weight = module.weight.fill_(1.0)
@@ -69,10 +80,10 @@ def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Ten
     x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
     saved = weight.detach().clone()
     try:
-        offset = 0.0 if bias is None else bias.detach()
-        first = module(x) - offset
-        weight.mul_(2.0)
-        second = module(x) - offset
+        base = 0.0 if bias is None else bias.detach()
+        first = module(x) - base
+        weight.mul_(2.0).add_(offset)  # c + w' = 2 (c + w)
+        second = module(x) - base
     except Exception:
         return False
     finally:
@@ -130,7 +141,9 @@ class Smoothing:
         s = s.float()
         src = self.source
         if self.source_is_norm:
-            _scale_(src.weight, 1.0 / s.to(src.weight.device))
+            offset = norm_offset(src)
+            inv = 1.0 / s.to(src.weight.device)
+            src.weight.copy_(((src.weight.float() + offset) * inv - offset).to(src.weight.dtype))  # c + w -> (c + w) / s
             if getattr(src, "bias", None) is not None:
                 _scale_(src.bias, 1.0 / s.to(src.bias.device))
         else:
