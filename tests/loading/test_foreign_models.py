@@ -572,7 +572,9 @@ def test_smoothquant_folds_into_transformers_layers_keeping_their_function(famil
     calibrate(model, data, recipe, batch_size=BATCH, progress=False)
     changed = [n for n, p in model.named_parameters() if n in norms and not torch.equal(p, norms[n])]
     assert any("input_layernorm" in n for n in changed), changed
-    if family == "gemma3":  # Gemma norms compute x * (1 + w): 1 + w is divided by the scales; the MLP's is pre_feedforward's
+    if (
+        family == "gemma3"
+    ):  # Gemma norms compute x * (1 + w): 1 + w is divided by the scales; the MLP's is pre_feedforward's
         assert any("pre_feedforward_layernorm" in n for n in changed), changed
         assert not any("post_attention_layernorm" in n for n in changed), changed
     set_quantizer_mode(model, "disabled")

@@ -143,7 +143,9 @@ class Smoothing:
         if self.source_is_norm:
             offset = norm_offset(src)
             inv = 1.0 / s.to(src.weight.device)
-            src.weight.copy_(((src.weight.float() + offset) * inv - offset).to(src.weight.dtype))  # c + w -> (c + w) / s
+            src.weight.copy_(
+                ((src.weight.float() + offset) * inv - offset).to(src.weight.dtype)
+            )  # c + w -> (c + w) / s
             if getattr(src, "bias", None) is not None:
                 _scale_(src.bias, 1.0 / s.to(src.bias.device))
         else:
