@@ -206,11 +206,14 @@ class AutoRound(LayerAlgorithm):
         return AlgorithmMemory(cls.name, solve=targets + TUNE_BYTES_PER_WEIGHT * weights + graph)
 
     def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
-        tuned = [
-            _TunedWeight(n, m, self.params["clip"])
+        linears = [
+            (n, m)
             for n, m in step.layer.named_modules(prefix=step.name)
-            if isinstance(m, QuantLinear) and m.weight_quantizer is not None and not _check(m.weight_quantizer, n)
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None
         ]
+        for n, m in linears:
+            check_quantizer(m.weight_quantizer, n)
+        tuned = [_TunedWeight(n, m, self.params["clip"]) for n, m in linears]
         if not tuned:
             return
         names = _parameter_names(step, tuned)
@@ -255,11 +258,6 @@ class AutoRound(LayerAlgorithm):
             return {}
         first, last = self._losses[step.name]
         return {"autoround_loss": {"first": first, "last": last}}
-
-
-def _check(q: TensorQuantizer, name: str) -> bool:
-    check_quantizer(q, name)
-    return False
 
 
 def _parameter_names(step: LayerStep, tuned: list[_TunedWeight]) -> list[str]:
