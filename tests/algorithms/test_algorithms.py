@@ -20,18 +20,9 @@ from shardcal.sharding.fsdp2 import fsdp2_wrap
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=3)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is faster (OpenMP overhead dominates small kernels), as in the gloo workers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(cfg: dict = LLAMA, seed: int = 0, outliers: bool = False) -> CausalLM:

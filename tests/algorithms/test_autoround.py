@@ -22,17 +22,9 @@ from shardcal.sharding.fsdp2 import fsdp2_wrap
 from _dist import run_on_ranks
 from _tiny_models import TINY_CONFIGS, randomize_
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 LLAMA = dict(TINY_CONFIGS["llama"], num_hidden_layers=2)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(cfg: dict = LLAMA, seed: int = 0) -> CausalLM:

@@ -30,7 +30,7 @@ or 1 (Gemma's norms: ``c + w`` is divided by ``s``); a layer with other names is
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -101,10 +101,15 @@ class Smoothing:
     consumers: list[nn.Linear]
     point: tuple[nn.Module, str]  # where the consumers' input statistics are captured
     index: torch.Tensor | None = None  # consumer input channel -> producer channel (v_o); None: identity
+    #: The producer's :func:`norm_offset` (None: a Linear), probed once.
+    offset: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offset = norm_offset(self.source)
 
     @property
     def source_is_norm(self) -> bool:
-        return _is_norm(self.source)
+        return self.offset is not None
 
     @property
     def dim(self) -> int:
@@ -141,11 +146,8 @@ class Smoothing:
         s = s.float()
         src = self.source
         if self.source_is_norm:
-            offset = norm_offset(src)
-            inv = 1.0 / s.to(src.weight.device)
-            src.weight.copy_(
-                ((src.weight.float() + offset) * inv - offset).to(src.weight.dtype)
-            )  # c + w -> (c + w) / s
+            c, inv = self.offset, 1.0 / s.to(src.weight.device)
+            src.weight.copy_(((src.weight.float() + c) * inv - c).to(src.weight.dtype))  # c + w -> (c + w) / s
             if getattr(src, "bias", None) is not None:
                 _scale_(src.bias, 1.0 / s.to(src.bias.device))
         else:

@@ -23,7 +23,7 @@ layer run is a collective.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +83,9 @@ def move(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def call_layer(layer: nn.Module, name: str, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    """Run ``layer`` with ``hidden`` in place of the hidden states; return its hidden-states output.
+def call_layer(layer: Callable[..., Any], name: str, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    """Run ``layer`` (the module, or a callable standing for its forward) with ``hidden`` in place of the hidden
+    states; return its hidden-states output.
 
     A layer may return the hidden states or a tuple/list whose first element they are; anything else is an error
     naming the layer.

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..errors import ModelLayoutError, NumericsError, UsageError
+from ..errors import NumericsError, UsageError
 from ..quant.tokens import real_tokens_of
 from ..runtime.distributed import all_gather_floats
 from ..sharding.fsdp2 import layer_unsharded
@@ -74,11 +74,16 @@ class LayerStep:
                 raise UsageError(f"{self.name}: the first {rows} rows of batch {i} were not embedded on their own "
                                  f"(layer_steps(head_rows={{{i}: {rows}}}))")  # fmt: skip
             x = head.with_hidden(x.hidden_states[:rows])
-        call = x.call_of(self.index).to(self.device)
-        if self.call_extras is not None:
-            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(x)}, call.hidden_keyword)
         with torch.no_grad(), real_tokens_of(x.token_mask):
-            return call_layer(self.layer, self.name, x.hidden_states.to(self.device), call)
+            return call_layer(self.layer, self.name, x.hidden_states.to(self.device), self._call(x))
+
+    def _call(self, x: CachedInputs) -> LayerCall:
+        """What the layer is called with for batch ``x`` besides the hidden states: the model's arguments and
+        :attr:`call_extras`, on the compute device."""
+        call = x.call_of(self.index).to(self.device)
+        if self.call_extras is None:
+            return call
+        return LayerCall(call.args, {**call.kwargs, **self.call_extras(x)}, call.hidden_keyword)
 
     def forward_with(self, i: int, parameters: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Run the layer's own forward on cached batch ``i`` with autograd on and the named parameters (names
@@ -86,22 +91,14 @@ class LayerStep:
         them (``torch.func.functional_call``; the layer's parameters are untouched). The layer is gathered for the
         whole step, so the FSDP2 unit's own hooks are bypassed: no gather, and no gradient reduction."""
         x = self.inputs[i]
-        call = x.call_of(self.index).to(self.device)
-        if self.call_extras is not None:
-            call = LayerCall(call.args, {**call.kwargs, **self.call_extras(x)}, call.hidden_keyword)
         own = _OwnForward(self.layer)
         replaced = {f"layer.{name}": t for name, t in parameters.items()}
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(own, replaced, args, kwargs, strict=False)
+
         with torch.enable_grad(), real_tokens_of(x.token_mask):
-            hidden = x.hidden_states.to(self.device)
-            if call.hidden_keyword is not None:
-                args, kwargs = call.args, {**call.kwargs, call.hidden_keyword: hidden}
-            else:
-                args, kwargs = (hidden, *call.args), call.kwargs
-            out = functional_call(own, replaced, args, kwargs, strict=False)
-        first = out[0] if isinstance(out, (tuple, list)) and out else out
-        if not isinstance(first, torch.Tensor) or first.shape != hidden.shape:
-            raise ModelLayoutError(f"{self.name}: the decoder layer did not return the hidden states")
-        return first
+            return call_layer(run, self.name, x.hidden_states.to(self.device), self._call(x))
 
     def forward_all(self, keep_outputs: bool = True) -> list[torch.Tensor] | None:
         """Run the layer on every cached batch; with ``keep_outputs`` remember the outputs as the next inputs.
