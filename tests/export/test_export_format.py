@@ -49,14 +49,18 @@ class RenamedConfig:
     def module_format(self, weight, input):
         return COMPRESSED_TENSORS.module_format(weight, input)
 
-    def module_tensors(self, module_format, weight, input, out_features, in_features):
-        return COMPRESSED_TENSORS.module_tensors(module_format, weight, input, out_features, in_features)
+    def module_tensors(self, module_format, weight, input, out_features, in_features, input_rotation=None):
+        return COMPRESSED_TENSORS.module_tensors(
+            module_format, weight, input, out_features, in_features, input_rotation
+        )
 
-    def encode_module(self, module_format, weight_quantizer, weight, input_quantizer):
-        return COMPRESSED_TENSORS.encode_module(module_format, weight_quantizer, weight, input_quantizer)
+    def encode_module(self, module_format, weight_quantizer, weight, input_quantizer, input_rotation=None):
+        return COMPRESSED_TENSORS.encode_module(
+            module_format, weight_quantizer, weight, input_quantizer, input_rotation
+        )
 
-    def config(self, schemes, ignore, kv_cache):
-        return COMPRESSED_TENSORS.config(schemes, ignore, kv_cache)
+    def config(self, schemes, ignore, kv_cache, rotations=None):
+        return COMPRESSED_TENSORS.config(schemes, ignore, kv_cache, rotations)
 
 
 @pytest.fixture(scope="module")

@@ -55,3 +55,36 @@ def test_rotation_spreads_an_outlier_channel_and_preserves_norms():
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1))
     with pytest.raises(ValueError, match="last dimension of 64"):
         rotate_last_dim(x, hadamard_matrix(32))
+
+
+@pytest.mark.parametrize("block", [2, 16, 64])
+def test_fast_transform_equals_compressed_tensors_hadamard_blocks(block):
+    """``hadamard_blocks`` is ``x`` times the block diagonal of compressed-tensors' deterministic Hadamard matrix
+    (divided by sqrt(block), as its transforms do), and undoes itself."""
+    ct_hadamard = pytest.importorskip("compressed_tensors.transform.utils.hadamard")
+    from shardcal.quant.hadamard import hadamard_blocks
+
+    h = ct_hadamard.deterministic_hadamard_matrix(block, torch.float64, torch.device("cpu")) / block**0.5
+    x = torch.randn(3, 5, 4 * block, dtype=torch.float64, generator=torch.Generator().manual_seed(block))
+    expected = x @ torch.block_diag(*[h] * 4)
+    assert torch.allclose(hadamard_blocks(x, block), expected, atol=1e-12)
+    assert torch.allclose(hadamard_blocks(hadamard_blocks(x, block), block), x, atol=1e-12)
+
+
+def test_fast_transform_rows_do_not_depend_on_the_other_rows():
+    """Row by row, a slice of rows, or all rows at once: the same bits (FSDP2 shards a weight's rows)."""
+    from shardcal.quant.hadamard import hadamard_blocks
+
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(0))
+    whole = hadamard_blocks(x, 128)
+    assert torch.equal(torch.cat([hadamard_blocks(x[i : i + 1], 128) for i in range(7)]), whole)
+    assert torch.equal(hadamard_blocks(x[3:], 128), whole[3:])
+
+
+def test_fast_transform_refuses_blocks_that_do_not_fit():
+    from shardcal.quant.hadamard import hadamard_blocks
+
+    with pytest.raises(ValueError, match="rotation block 48 must be a power of two dividing"):
+        hadamard_blocks(torch.zeros(2, 96), 48)
+    with pytest.raises(ValueError, match="dividing the last dimension 96"):
+        hadamard_blocks(torch.zeros(2, 96), 64)

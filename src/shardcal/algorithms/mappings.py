@@ -213,7 +213,17 @@ def warn_no_pairs(algorithm: str, layer_name: str, warned: set[str]) -> None:
 
 
 def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: str = "") -> list[Smoothing]:
-    """The foldable pairs of ``layer`` of the given kinds, in the order attn_in, v_o, mlp_in, up_down."""
+    """The foldable pairs of ``layer`` of the given kinds, in the order attn_in, v_o, mlp_in, up_down. A pair whose
+    consumers rotate their inputs (a recipe's ``[rotation]``) is left out: scales on the producer's channels do not
+    fold into a weight whose input channels are rotated."""
+    return [s for s in _layer_smoothings(layer, kinds, prefix) if not any(_rotates(c) for c in s.consumers)]
+
+
+def _rotates(linear: nn.Module) -> bool:
+    return getattr(linear, "input_rotation", None) is not None
+
+
+def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> list[Smoothing]:
     out: list[Smoothing] = []
     names = {id(m): n for n, m in layer.named_modules(prefix=prefix)}
     attn = getattr(layer, "self_attn", None)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..layerwise.moe import ExpertTokenMasks
+from ..quant.linear import rotated_input
 from ..quant.session import quantizer_mode
 from ..quant.tokens import real_positions
 from ..runtime.distributed import all_reduce_many_
@@ -126,6 +127,7 @@ class InputStats:
         self.sample_tokens = sample_tokens
         self.stats: dict[str, PointStats] = {}
         self._cache: dict[int, list] = {}
+        self._rotated: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __getitem__(self, key: str) -> PointStats:
         return self.stats[key]
@@ -189,6 +191,18 @@ class InputStats:
                 entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly over batches
             s.gram.add(entry[2])
 
+    def _record_input(self, key: str, module: nn.Module, x: torch.Tensor) -> None:
+        """A Linear's input as its weight sees it: rotated when the Linear rotates its inputs (once per tensor and
+        block, shared by q/k/v)."""
+        block = getattr(module, "input_rotation", None)
+        if block is not None:
+            entry = self._rotated.get((id(x), block))
+            if entry is None or entry[0] is not x:
+                entry = (x, rotated_input(module, x.detach()))
+                self._rotated[(id(x), block)] = entry
+            x = entry[1]
+        self._record(key, x)
+
     def collect(self, step: Any, keep_outputs: bool = False) -> InputStats:
         """Run ``step.layer`` over this rank's cached batches (quantizers disabled) and record the statistics; with
         ``keep_outputs`` the layer's outputs are kept as ``step.outputs`` (its full-precision outputs, the next
@@ -200,13 +214,15 @@ class InputStats:
             stack.enter_context(ExpertTokenMasks(step.layer))
             for key, (module, where) in self.points.items():
                 if where == "input":
-                    hook = module.register_forward_pre_hook(lambda m, args, key=key: self._record(key, args[0]))
+                    hook = module.register_forward_pre_hook(
+                        lambda m, args, key=key: self._record_input(key, m, args[0])
+                    )
                 else:
                     hook = module.register_forward_hook(lambda m, args, out, key=key: self._record(key, out))
                 stack.callback(hook.remove)
             for i in range(len(step.inputs)):
                 out = step.forward(i)  # declares the batch's token mask (shardcal.quant.tokens)
-                self._cache = {}
+                self._cache, self._rotated = {}, {}
                 if keep_outputs:
                     outputs.append(out.to(step.cache_device))
         if keep_outputs:

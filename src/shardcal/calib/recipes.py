@@ -27,6 +27,11 @@
     format = "fp8_e4m3"          # the only format (vLLM's FP8 KV cache)
     observer = "max"             # max | percentile | mse, as for [input]
 
+    [rotation]                   # optional: an online Hadamard rotation of the inputs of some targeted Linears
+    type = "hadamard"            # the only type: deterministic Sylvester blocks (vLLM's fast Hadamard kernel)
+    block = 128                  # the block size: a power of two dividing each rotated Linear's in_features
+    include = ["*.down_proj"]    # which targeted Linears (patterns as in [targets]); exclude = [...] too
+
     [fallback]                   # optional: decoder layers whose output SQNR is under the floor are recalibrated
     min_layer_sqnr_db = 25.0     # with [fallback.weight] / [fallback.input] (same keys as above) instead,
     [fallback.weight]            # or kept in full precision with full_precision = true
@@ -61,7 +66,7 @@ from ..algorithms import validate_algorithm
 from ..errors import RecipeError
 from ..quant.experts import PROJECTIONS, attach_expert_quantizers, fused_experts_shape, iter_projections
 from ..quant.kv_cache import attach_kv_cache_quantizers
-from ..quant.linear import QuantLinear
+from ..quant.linear import QuantLinear, rotate_inputs
 from ..quant.spec import QuantizerSpec
 from ..runtime.params import SpecError, is_finite_number
 
@@ -81,7 +86,19 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
 )
 
 ROLES: tuple[str, ...] = ("weight", "input", "output")
-_TOP_KEYS = ("name", "description", "targets", "algorithm", "group_size_fallback", "kv_cache", "fallback") + ROLES
+_TOP_KEYS = (
+    "name",
+    "description",
+    "targets",
+    "algorithm",
+    "group_size_fallback",
+    "kv_cache",
+    "rotation",
+    "fallback",
+) + ROLES
+_ROTATION_KEYS = ("type", "block", "include", "exclude")
+#: The rotation types a recipe may name: ``hadamard`` (compressed-tensors' deterministic Sylvester Hadamard).
+ROTATION_TYPES: tuple[str, ...] = ("hadamard",)
 _FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
 #: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
 #: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
@@ -99,6 +116,38 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     if pattern.startswith("re:"):
         return re.compile(pattern[3:])
     return re.compile(fnmatch.translate(pattern))
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """``[rotation]``: the targeted Linears whose names match ``include`` (and no ``exclude``) compute
+    ``(x H) (W H)^T`` instead of ``x W^T``, ``H`` the orthonormal block-diagonal Sylvester Hadamard with blocks of
+    ``block`` (:func:`shardcal.quant.hadamard.hadamard_blocks`): ``W H`` is folded into the weight before it is
+    calibrated, ``x H`` is computed online, before the input quantizer. Exported as compressed-tensors'
+    ``transform_config`` (``input`` online, ``weight_input`` fused)."""
+
+    block: int
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    type: str = "hadamard"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "_include_re", [compile_pattern(p) for p in self.include])
+        object.__setattr__(self, "_exclude_re", [compile_pattern(p) for p in self.exclude])
+
+    def __hash__(self) -> int:
+        return hash((self.block, self.include, self.exclude, self.type))
+
+    def matches(self, module_name: str) -> bool:
+        """Whether the Linear with this full name (one the recipe quantizes) gets the rotation."""
+        return any(r.fullmatch(module_name) for r in self._include_re) and not any(
+            r.fullmatch(module_name) for r in self._exclude_re
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "block": self.block, "include": list(self.include), "exclude": list(self.exclude)}
 
 
 @dataclass(frozen=True)
@@ -122,6 +171,8 @@ class Recipe:
     #: ``fallback`` (the same recipe with the fallback's quantizers; none at all for full precision).
     min_layer_sqnr_db: float | None = None
     fallback: Recipe | None = None
+    #: ``[rotation]``: online Hadamard rotations of some Linears' inputs, or None.
+    rotation: Rotation | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -132,7 +183,7 @@ class Recipe:
     def __hash__(self) -> int:
         return hash(
             (self.name, self.source, self.weight, self.input, self.output, self.include, self.exclude, self.kv_cache)
-            + (self.min_layer_sqnr_db, self.fallback)
+            + (self.min_layer_sqnr_db, self.fallback, self.rotation)
         )
 
     @property
@@ -172,6 +223,19 @@ class Recipe:
                 return dataclasses.replace(spec, group_size=size)
         return dataclasses.replace(spec, granularity="channel", axis=0, group_size=None)
 
+    def rotation_block(self, module_name: str, in_features: int) -> int | None:
+        """The Hadamard block that rotates the targeted Linear ``module_name``'s inputs, or None; a block that
+        does not divide ``in_features`` is a :class:`RecipeError` naming the Linear."""
+        if self.rotation is None or not self.rotation.matches(module_name):
+            return None
+        if in_features % self.rotation.block:
+            raise RecipeError(
+                f"{self.source or self.name}: recipe {self.name!r} does not fit module {module_name!r}: rotation "
+                f"block {self.rotation.block} does not divide in_features {in_features} (set [rotation] block to a "
+                "power of two dividing it, or exclude the module from the rotation)"
+            )
+        return self.rotation.block
+
     @property
     def specs(self) -> dict[str, QuantizerSpec]:
         """``{"weight": spec, "input": spec, ...}`` for the quantizers the recipe has."""
@@ -190,6 +254,7 @@ class Recipe:
             "algorithm": dict(self.algorithm),
             "group_size_fallback": self.group_size_fallback,
             **({"kv_cache": self.kv_cache.to_dict()} if self.kv_cache is not None else {}),
+            **({"rotation": self.rotation.to_dict()} if self.rotation is not None else {}),
             **({"fallback": self._fallback_dict()} if self.fallback is not None else {}),
         }
 
@@ -388,6 +453,22 @@ def _kv_cache_spec(table: dict[str, Any], source: str) -> QuantizerSpec:
     return spec
 
 
+def _rotation(table: dict[str, Any], source: str) -> Rotation:
+    """The ``[rotation]`` table (see the module docstring)."""
+    _check_keys(table, _ROTATION_KEYS, source, "rotation.")
+    kind = _typed(table.get("type", "hadamard"), (str,), source, "rotation.type", "a string")
+    if kind not in ROTATION_TYPES:
+        raise _error(source, "rotation.type", f"unknown rotation type {kind!r} (known: {', '.join(ROTATION_TYPES)})")
+    if "block" not in table:
+        raise _error(source, "rotation.block", "missing (the Hadamard block size, a power of two such as 128)")
+    block = _typed(table["block"], (int,), source, "rotation.block", "an integer")
+    if block < 2 or block & (block - 1):
+        raise _error(source, "rotation.block", f"must be a power of two of at least 2, got {block}")
+    include = _patterns(table.get("include", ["*"]), source, "rotation.include")
+    exclude = _patterns(table.get("exclude", []), source, "rotation.exclude")
+    return Rotation(block=block, include=include, exclude=exclude, type=kind)
+
+
 def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe:
     """``recipe`` with its ``[fallback]`` (see the module docstring): the floor and the fallback recipe."""
     _check_keys(table, _FALLBACK_KEYS, source, "fallback.")
@@ -446,6 +527,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         raise _error(source, "weight", "a recipe needs at least one of [weight], [input], [output]")
     _check_asymmetric_weight_only(specs, source, "")
     kv_cache = _kv_cache_spec(_table(data["kv_cache"], source, "kv_cache"), source) if "kv_cache" in data else None
+    rotation = _rotation(_table(data["rotation"], source, "rotation"), source) if "rotation" in data else None
     try:
         algorithm = validate_algorithm(_table(data.get("algorithm", {"name": "rtn"}), source, "algorithm"))
     except SpecError as exc:
@@ -460,6 +542,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         source=source,
         group_size_fallback=fallback,
         kv_cache=kv_cache,
+        rotation=rotation,
         **specs,
     )
     if "fallback" in data:
@@ -490,12 +573,15 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
         if isinstance(sub, QuantLinear):
             continue
         weight = recipe.weight_spec(name, sub.in_features)
+        block = recipe.rotation_block(name, sub.in_features)
         try:
             QuantLinear.from_linear(sub, weight=weight, input=recipe.input, output=recipe.output, name=name or "<root>")
         except ValueError as exc:
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
             ) from None
+        if block is not None:
+            rotate_inputs(sub, block)  # W H folded into the weight; x H computed online
     if recipe.kv_cache is not None:
         attach_kv_cache_quantizers(module, recipe.kv_cache, prefix, recipe.matches)
     if not recipe.quantizes_linears:

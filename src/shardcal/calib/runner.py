@@ -38,7 +38,7 @@ from ..quant.experts import (
     store_quantized_weights,
 )
 from ..quant.kv_cache import cache_argument, kv_cache_quantizers
-from ..quant.linear import QuantLinear, remove_quantizers
+from ..quant.linear import QuantLinear, quantized_modules, remove_quantizers
 from ..quant.quantizer import QuantMode, TensorQuantizer
 from ..quant.session import (
     begin_pass_all,
@@ -166,15 +166,20 @@ def _calibrate_layer(
     return fallback
 
 
+def _rotates(layer: nn.Module) -> bool:
+    """Whether a Linear of ``layer`` rotates its inputs (its weight holds ``W H``: the shards must get it too)."""
+    return any(m.input_rotation is not None for _, m in quantized_modules(layer))
+
+
 def _restore_layer(step: LayerStep, saved: dict[str, torch.Tensor]) -> None:
     """The layer's parameters as saved (written back to the shards too) and its Linear / expert quantizers removed."""
+    remove_quantizers(step.layer)  # first: it rotates rotated weights back, which the saved values then replace
+    for module in step.layer.modules():
+        detach_expert_quantizers(module)
     with torch.no_grad():
         for n, p in step.layer.named_parameters():
             p.copy_(saved[n])
     sync_unsharded_to_shards(step.layer)
-    remove_quantizers(step.layer)
-    for module in step.layer.modules():
-        detach_expert_quantizers(module)
     step.invalidate_outputs()
 
 
@@ -207,7 +212,7 @@ def _calibrate_layer_once(
     for experts in fused:
         calibrate_expert_weights(experts)  # per expert and projection, from the gathered fused parameters
     algorithm.after_weight_calibration(step, recipe, group)
-    if algorithm.changes_weights:
+    if algorithm.changes_weights or _rotates(step.layer):
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
     if not algorithm.preserves_function:
         step.invalidate_outputs()  # outputs the hooks may have kept are not those of the layer as it is now
@@ -285,8 +290,10 @@ def _observing_passes(step: LayerStep, activation: list[TensorQuantizer], propag
 def _fed_amax(
     step: LayerStep, feed: ActivationFeed, all_experts: bool
 ) -> dict[int, tuple[TensorQuantizer, tuple[torch.Tensor, int]]]:
-    """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode)."""
+    """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode, nor a
+    rotated Linear's input quantizer: the report saw its inputs unrotated)."""
     skip = {id(q) for b in moe_blocks(step.layer) for _, q in iter_quantizers(b.experts)} if all_experts else set()
+    skip |= {id(m.input_quantizer) for _, m in quantized_modules(step.layer) if m.input_rotation is not None}
     out = {}
     for name, q in _activation_quantizers(step.layer, step.name):
         found = None if id(q) in skip else feed.amax_for(name, q)

@@ -168,7 +168,7 @@ def _encode_module(qm: QuantModule, fmt: ExportFormat) -> dict[str, torch.Tensor
             qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer"
         )
         wq.calibrate_from(weight)
-    return fmt.encode_module(qm.format, wq, weight, qm.input_quantizer)
+    return fmt.encode_module(qm.format, wq, weight, qm.input_quantizer, qm.input_rotation)
 
 
 def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:

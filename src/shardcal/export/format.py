@@ -37,12 +37,14 @@ class ExportFormat(Protocol):
       ``"kv_cache"`` quantizer cannot be stored.
     - ``module_format(weight, input)``: how one quantized Linear with these specs is stored (a name of the format's
       own, e.g. compressed-tensors' ``int-quantized``), handed back to the two calls below.
-    - ``module_tensors(module_format, weight, input, out_features, in_features)``: ``{suffix: (dtype, shape)}`` of
-      the tensors the module's ``weight`` becomes (``weight_scale``, ...; names relative to the module).
-    - ``encode_module(module_format, weight_quantizer, weight, input_quantizer)``: those tensors, encoded from the
-      full (gathered) weight and the calibrated quantizers.
-    - ``config(schemes, ignore, kv_cache)``: the config dict written under ``config_key``, from the quantized
-      modules' names per scheme, the Linear-like modules left unquantized and the KV-cache spec (or None).
+    - ``module_tensors(module_format, weight, input, out_features, in_features, input_rotation)``:
+      ``{suffix: (dtype, shape)}`` of the tensors the module's ``weight`` becomes (``weight_scale``, ...; names
+      relative to the module), with what its input rotation stores (``input_rotation``: the Hadamard block, or None).
+    - ``encode_module(module_format, weight_quantizer, weight, input_quantizer, input_rotation)``: those tensors,
+      encoded from the full (gathered) weight and the calibrated quantizers.
+    - ``config(schemes, ignore, kv_cache, rotations)``: the config dict written under ``config_key``, from the
+      quantized modules' names per scheme, the Linear-like modules left unquantized, the KV-cache spec (or None)
+      and the rotated modules (name -> Hadamard block).
     """
 
     name: str
@@ -59,6 +61,7 @@ class ExportFormat(Protocol):
         input: QuantizerSpec | None,
         out_features: int,
         in_features: int,
+        input_rotation: int | None = None,
     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]: ...
 
     def encode_module(
@@ -67,10 +70,15 @@ class ExportFormat(Protocol):
         weight_quantizer: TensorQuantizer,
         weight: torch.Tensor,
         input_quantizer: TensorQuantizer | None,
+        input_rotation: int | None = None,
     ) -> dict[str, torch.Tensor]: ...
 
     def config(
-        self, schemes: Mapping[SchemeKey, list[str]], ignore: list[str], kv_cache: QuantizerSpec | None
+        self,
+        schemes: Mapping[SchemeKey, list[str]],
+        ignore: list[str],
+        kv_cache: QuantizerSpec | None,
+        rotations: Mapping[str, int] | None = None,
     ) -> dict[str, Any]: ...
 
 

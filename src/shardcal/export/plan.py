@@ -68,6 +68,8 @@ class QuantModule:
     format: str
     weight_quantizer: TensorQuantizer | None
     input_quantizer: TensorQuantizer | None
+    #: The Hadamard block rotating the module's inputs (its weight holds ``W H``), or None.
+    input_rotation: int | None = None
 
     @property
     def scheme_key(self) -> tuple[Any, ...]:
@@ -216,6 +218,11 @@ def _quant_module(
             raise ExportError(
                 f"recipe {recipe.name!r} quantizes no weights; {fmt.name} export needs a [weight] quantizer"
             )
+        if recipe.rotation_block(name, in_f) is not None:
+            raise ExportError(
+                f"module {name!r} is not calibrated and recipe {recipe.name!r} rotates its inputs ([rotation]): run "
+                "shardcal.calibrate(model, data, recipe) before exporting"
+            )
         weight_spec = recipe.weight_spec(name, in_f)
         if recipe.output is not None or (recipe.input is not None and not recipe.input.dynamic):
             raise ExportError(
@@ -249,7 +256,10 @@ def _quant_module(
         if q is not None and not q.calibrated:
             raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
     stored = fmt.module_format(wq.spec, iq.spec if iq is not None else None)
-    return QuantModule(name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, stored, wq, iq)
+    rotation = getattr(holder, "input_rotation", None)
+    return QuantModule(
+        name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, stored, wq, iq, rotation
+    )
 
 
 def _linear_like(module: nn.Module) -> bool:
@@ -310,7 +320,8 @@ def build_quantization_config(
                 f"{name}.{e}.{p}" for e in range(shape[0]) for p in PROJECTIONS if f"{name}.{e}.{p}" not in quant
             ]
     kv_spec = next(iter(kv_cache.values())).spec if kv_cache else None
-    return fmt.config(schemes, ignore, kv_spec)
+    rotations = {name: qm.input_rotation for name, qm in quant.items() if qm.input_rotation is not None}
+    return fmt.config(schemes, ignore, kv_spec, rotations)
 
 
 # ----------------------------------------------------------------------------------------------- units and shards
@@ -400,7 +411,9 @@ def stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _quant_entries(qm: QuantModule, fmt: ExportFormat) -> list[Entry]:
-    layout = fmt.module_tensors(qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features)
+    layout = fmt.module_tensors(
+        qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features, qm.input_rotation
+    )
     return [
         Entry(f"{qm.name}.{suffix}", dt, shape, ("quant", qm.name, suffix)) for suffix, (dt, shape) in layout.items()
     ]

@@ -30,6 +30,7 @@ from ..export.compressed_tensors.tensors import (
 )
 from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
+from ..quant.hadamard import sylvester_matrix
 from ..quant.kv_cache import attach_kv_cache_quantizers, attention_modules, kv_cache_quantizers
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode
@@ -69,6 +70,37 @@ def _check_tensor(reader: CheckpointReader, key: str, dtype: torch.dtype, shape:
         )
 
 
+def _check_rotations(
+    rotations: dict[str, int], by_module: dict[str, Scheme], modules: dict[str, nn.Module], source: str
+) -> None:
+    """A :class:`ConfigError` for a rotated module that is not quantized or whose ``in_features`` the block does not
+    divide."""
+    for name, block in rotations.items():
+        if name not in by_module:
+            raise ConfigError(
+                f"{source}: quantization_config.transform_config rotates {name!r}, which is not quantized"
+            )
+        if modules[name].in_features % block:
+            raise ConfigError(
+                f"{source}: quantization_config.transform_config rotates {name!r} with head_dim {block}, which does "
+                f"not divide its in_features {modules[name].in_features}"
+            )
+
+
+def _check_hadamard(reader: CheckpointReader, key: str, block: int) -> None:
+    """The stored matrix of an online ``hadamard`` rotation must be the ``[block, block]`` Sylvester matrix (±1)."""
+    if not reader.dtype(key).is_floating_point or reader.shape(key) != (block, block):
+        raise CheckpointError(
+            f"{reader.file_of(key)}: tensor {key!r} has dtype {reader.dtype_name(key)} and shape "
+            f"{list(reader.shape(key))}, expected a floating-point [{block}, {block}] Hadamard matrix"
+        )
+    if not torch.equal(reader.get(key).to(torch.float64), sylvester_matrix(block)):
+        raise CheckpointError(
+            f"{reader.file_of(key)}: tensor {key!r} is not the {block} x {block} Sylvester Hadamard matrix its "
+            "transform_config (type hadamard) names"
+        )
+
+
 def load_quantized_into(
     model: nn.Module, path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
@@ -81,10 +113,13 @@ def load_quantized_into(
     try:
         schemes, ignore = ct_config.parse_quantization_config(cfg.raw.get("quantization_config"), source)
         kv_spec = ct_config.parse_kv_cache_scheme(cfg.raw["quantization_config"])
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        rotations = ct_config.parse_transform_config(cfg.raw["quantization_config"], linears)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     by_module = _schemes_by_module(model, schemes, ignore, source)
     modules = dict(model.named_modules())
+    _check_rotations(rotations, by_module, modules, source)
 
     with CheckpointReader(path) as reader:
         # expected tensors: plain parameters, and each quantized module's compressed-tensors tensors
@@ -108,11 +143,14 @@ def load_quantized_into(
             )
         attentions = [n for n, _ in attention_modules(model)] if kv_spec is not None else []
         kv_keys = [f"{n}.{s}" for n in attentions for s in ("k_scale", "v_scale")]
-        expected = [*plain, *(f"{n}.{s}" for n, layout in layouts.items() for s in layout), *kv_keys]
+        rotation_keys = {f"{n}.{next(iter(ct_config.rotation_layout(b)))}": b for n, b in rotations.items()}
+        expected = [*plain, *(f"{n}.{s}" for n, layout in layouts.items() for s in layout), *kv_keys, *rotation_keys]
         check_tensor_names(reader, expected, "", f"this {cfg.model_type} model with its quantization_config")
         check_float_shapes(reader, plain)
         for key in kv_keys:
             _check_tensor(reader, key, torch.float32, (1,), "")
+        for key, block in rotation_keys.items():
+            _check_hadamard(reader, key, block)
         for name, layout in layouts.items():
             for suffix, (dt, shape) in layout.items():
                 _check_tensor(reader, f"{name}.{suffix}", dt, shape, by_module[name].format)
@@ -128,6 +166,7 @@ def load_quantized_into(
         # structure: quantizers on meta, then materialise
         for name, scheme in by_module.items():
             QuantLinear.from_linear(modules[name], weight=scheme.weight, input=scheme.input, name=name)
+            modules[name].input_rotation = rotations.get(name)  # the stored weight holds W H already
         if kv_spec is not None:
             attach_kv_cache_quantizers(model, kv_spec)
         routers = router_weight_names(model)

@@ -89,6 +89,9 @@ RUNTIME_PER_LAYER_BYTES = MiB // 10
 #: intermediate-sized tensors at its widest, attention ~2 hidden- and 6 query-sized ones.
 FORWARD_MLP_HIDDEN, FORWARD_MLP_INTERMEDIATE = 3, 3
 FORWARD_ATTN_HIDDEN, FORWARD_ATTN_QUERY = 2, 6
+#: A Linear that rotates its inputs holds the rotated copy and one butterfly round's result beside its input
+#: (float32 elements per token and input feature).
+ROTATION_COPIES = 2
 #: The layer-output SQNR of one batch: float64 copies of the output, the reference and their difference (bytes per
 #: element of the batch's hidden states, beside the output itself).
 SQNR_BYTES = 32
@@ -285,6 +288,8 @@ class QuantTarget:
     weight: Layout | None
     input: Layout | None
     output: Layout | None
+    #: The Hadamard block rotating its inputs (a recipe's ``[rotation]``), or None.
+    rotation: int | None = None
 
 
 def _layout(spec: QuantizerSpec | None, shape: tuple[int, ...], name: str, recipe: Recipe) -> Layout | None:
@@ -322,8 +327,16 @@ def quant_targets(linears: list[Linear], recipe: Recipe) -> list[QuantTarget]:
             continue
         w, i, o = (lin.out_features, lin.in_features), (lin.in_features,), (lin.out_features,)
         out.append(QuantTarget(lin, layout("weight", w, lin.name), layout("input", i, lin.name),
-                               layout("output", o, lin.name)))  # fmt: skip
+                               layout("output", o, lin.name), _rotation(recipe, lin)))  # fmt: skip
     return out
+
+
+def _rotation(recipe: Recipe, lin: Linear) -> int | None:
+    """The rotation block of a targeted Linear (checked when the recipe is applied to the skeleton, not here)."""
+    rotation = recipe.rotation
+    if rotation is None or not rotation.matches(lin.name) or lin.in_features % rotation.block:
+        return None
+    return rotation.block
 
 
 def _amax_bytes(layout: Layout | None) -> int:
@@ -713,7 +726,8 @@ class _Model:
             out += rows * self.s.seq_len**2 * (4 * st.num_attention_heads + 1)
         if quantized:
             out += max((fake_quant_bytes(x, self.dtype) for x in self.targets_of[i]), default=0)
-        return out
+        rotated = max((x.linear.in_features for x in self.targets_of[i] if x.rotation is not None), default=0)
+        return out + 4 * t * ROTATION_COPIES * rotated
 
     def observers(self, i: int) -> int:
         return self._memo(("observers", self.kind_of[i]), lambda: sum(

@@ -29,14 +29,20 @@ def largest_power_of_two_block(n: int, limit: int | None = None) -> int:
     return block
 
 
-def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two): entries ``±1/sqrt(n)``."""
+def sylvester_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The unnormalized Sylvester Hadamard matrix of size ``n`` (a power of two): entries ``±1``,
+    ``H_2k = [[H_k, H_k], [H_k, -H_k]]`` (what compressed-tensors and vLLM store for a ``hadamard`` transform)."""
     if not is_power_of_two(n):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return (h / h.shape[0] ** 0.5).to(dtype)
+    return h.to(dtype)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two): entries ``±1/sqrt(n)``."""
+    return (sylvester_matrix(n) / n**0.5).to(dtype)
 
 
 def random_signs(n: int, seed: int) -> torch.Tensor:
@@ -66,3 +72,24 @@ def rotate_last_dim(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
             f"cannot rotate a last dimension of {x.shape[-1]} with a [{q.shape[0]}, {q.shape[1]}] rotation"
         )
     return (x.to(torch.float64) @ q).to(x.dtype)
+
+
+def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x @ blockdiag(H_block, ..., H_block)`` over the last dimension (orthonormal Sylvester blocks), by the fast
+    Walsh-Hadamard transform: ``log2(block)`` rounds of elementwise sums and differences, then one scaling.
+
+    Only elementwise arithmetic: every element is computed by the same operations in the same order whatever the
+    tensor's other dimensions, its sharding or the CPU's vector width, so a rotated row has the same bits on every
+    rank and machine. Sylvester blocks are symmetric and orthonormal: applying this twice gives ``x`` back (up to
+    rounding). The result has ``x``'s dtype."""
+    if not is_power_of_two(block) or x.shape[-1] % block:
+        raise ValueError(f"rotation block {block} must be a power of two dividing the last dimension {x.shape[-1]}")
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        pairs = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((first + second, first - second), dim=-2).reshape(y.shape)
+        h *= 2
+    return (y * (1.0 / block**0.5)).reshape(shape)

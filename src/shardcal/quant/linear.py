@@ -6,6 +6,12 @@ module object, its parameters and their names stay the same: ``...q_proj.weight`
 the state dict only gains the quantizers' ``amax`` buffers (``...q_proj.input_quantizer.amax``), and FSDP2,
 which keeps references to the module objects and re-registers the unsharded parameters on them, keeps working.
 
+A QuantLinear may also rotate its input (:func:`rotate_inputs`): ``forward(x)`` then computes ``(x H) (W H)^T``
+with ``H`` an orthonormal block-diagonal Hadamard (:func:`shardcal.quant.hadamard.hadamard_blocks`), ``W H``
+folded into the weight parameter once and ``x H`` computed on every call, before the input quantizer. In full
+precision the function is unchanged (up to rounding); quantized, the rotation spreads outlier channels over their
+block. ``input_rotation`` is the block size (None: no rotation).
+
 Insert before or after ``fully_shard``; after is what the runner does (it calls ``shardcal.calib.recipes.quantize_modules`` on each
 sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
 local shard's device for a DTensor weight); the weight quantizer's shape is the full (global) weight shape.
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .hadamard import hadamard_blocks
 from .quantizer import TensorQuantizer
 from .spec import QuantizerSpec
 
@@ -33,8 +40,12 @@ class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose input, weight and (optionally) output go through :class:`TensorQuantizer` s.
 
     ``forward(x) = output_quantizer(F.linear(input_quantizer(x), weight_quantizer(self.weight), self.bias))``,
-    each quantizer skipped when it is ``None``. Made from an existing Linear with :meth:`from_linear` (in place).
+    each quantizer skipped when it is ``None``, and ``x`` first rotated when ``input_rotation`` is set. Made from an
+    existing Linear with :meth:`from_linear` (in place).
     """
+
+    #: The Hadamard block rotating the input (see :func:`rotate_inputs`), or None.
+    input_rotation: int | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -43,6 +54,7 @@ class QuantLinear(nn.Linear):
         self.output_quantizer: TensorQuantizer | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input = rotated_input(self, input)
         if self.input_quantizer is not None:
             input = self.input_quantizer(input)
         weight = self.weight
@@ -99,13 +111,59 @@ def _quant_class(cls: type) -> type:
     return _QUANT_CLASSES[cls]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+#: Weight elements rotated at a time: the float64 temporaries stay near 32 MiB whatever the weight's size.
+_ROTATE_CHUNK = 2**20
+
+
+def _rotate_weight(linear: nn.Linear, block: int) -> None:
+    """``W <- W H`` in place, computed in float64: each row on its own (in chunks of rows), so a sharded weight
+    rotates its local rows (FSDP2 shards rows) to the same bits as the full weight would. Applying it twice
+    undoes it."""
+    local = _local(linear.weight)
+    if local.device.type == "meta" or local.numel() == 0:
+        return
+    rows = max(1, _ROTATE_CHUNK // local.shape[-1])
+    with torch.no_grad():
+        for chunk in local.split(rows):
+            chunk.copy_(hadamard_blocks(chunk.detach().to(torch.float64), block).to(chunk.dtype))
+
+
+def rotate_inputs(linear: QuantLinear, block: int) -> None:
+    """Rotate ``linear``'s inputs by the Hadamard blocks of size ``block``: fold ``H`` into its weight (``W H``) and
+    set ``input_rotation``, so that ``forward`` computes ``(x H) (W H)^T``, the same function in full precision. A
+    :class:`ValueError` when ``block`` does not divide ``in_features`` or the inputs are rotated already."""
+    if linear.input_rotation is not None:
+        raise ValueError(f"the inputs of this Linear are rotated already (block {linear.input_rotation})")
+    if linear.in_features % block:
+        raise ValueError(f"rotation block {block} does not divide in_features {linear.in_features}")
+    _rotate_weight(linear, block)
+    linear.input_rotation = block
+
+
+def rotated_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What ``module``'s weight sees of its input ``x``: ``x H`` for a QuantLinear with an input rotation, else
+    ``x`` itself (what hooks that record a Linear's inputs for an algorithm use)."""
+    block = getattr(module, "input_rotation", None)
+    return x if block is None else hadamard_blocks(x, block)
+
+
 def remove_quantizers(module: nn.Module) -> int:
     """Turn every QuantLinear under ``module`` back into its original Linear class, without quantizers (the inverse
-    of :meth:`QuantLinear.from_linear`; parameters untouched); return how many."""
+    of :meth:`QuantLinear.from_linear`; a rotated weight is rotated back, other parameters are untouched); return
+    how many."""
     originals = {quant: cls for cls, quant in _QUANT_CLASSES.items()}
     count = 0
     for sub in module.modules():
         if isinstance(sub, QuantLinear):
+            if sub.input_rotation is not None:
+                _rotate_weight(sub, sub.input_rotation)
+                sub.__dict__.pop("input_rotation", None)
             for attr in ("input_quantizer", "weight_quantizer", "output_quantizer"):
                 sub._modules.pop(attr, None)
                 sub.__dict__.pop(attr, None)

@@ -124,10 +124,14 @@ def scheme_dict(targets: list[str], weight: QuantizerSpec, input: QuantizerSpec 
 
 
 def quantization_config(
-    groups: list[dict[str, Any]], ignore: list[str], kv_cache: QuantizerSpec | None = None
+    groups: list[dict[str, Any]],
+    ignore: list[str],
+    kv_cache: QuantizerSpec | None = None,
+    rotations: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The ``quantization_config`` of config.json: what compressed-tensors' ``ModelCompressor.update_config`` writes
-    (``QuantizationConfig.model_dump()`` plus ``quant_method``, empty ``sparsity_config`` / ``transform_config``);
+    (``QuantizationConfig.model_dump()`` plus ``quant_method``, an empty ``sparsity_config``, and the
+    ``transform_config`` of the ``rotations``, module name -> Hadamard block: :func:`transform_config`);
     ``kv_cache`` becomes ``kv_cache_scheme`` (with ``<attention>.k_scale`` / ``v_scale`` tensors)."""
     formats = {g["format"] for g in groups}
     return {
@@ -140,8 +144,98 @@ def quantization_config(
         "quant_method": QUANT_METHOD,
         "quantization_status": STATUS_COMPRESSED,
         "sparsity_config": {},
-        "transform_config": {},
+        "transform_config": transform_config(rotations or {}),
     }
+
+
+# ----------------------------------------------------------------------------------------------- rotations
+
+#: The one transform type written and read: compressed-tensors' deterministic (Sylvester) Hadamard, which vLLM
+#: applies with its fast Hadamard kernel.
+TRANSFORM_TYPE = "hadamard"
+
+
+def rotation_group(block: int) -> str:
+    """The ``transform_config.config_groups`` name of the input rotations with Hadamard blocks of ``block``."""
+    return f"hadamard_{block}"
+
+
+def rotation_layout(block: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{suffix: (dtype, shape)}`` of the tensor a rotated Linear stores for its online input transform: the
+    unnormalized ``[block, block]`` Sylvester matrix (entries ±1; the loader divides by ``sqrt(block)``), under the
+    transform module's name ``<group>_input`` as compressed-tensors and vLLM register it."""
+    return {f"{rotation_group(block)}_input.weight": (torch.float32, (block, block))}
+
+
+def transform_config(rotations: Mapping[str, int]) -> dict[str, Any]:
+    """``transform_config`` (a ``TransformConfig.model_dump()``) for Linears whose inputs are rotated, module name ->
+    block: per block, one ``hadamard`` scheme with ``head_dim = block`` applied at ``input`` (online: ``x H``) and
+    ``weight_input`` (``inverse``: fused into the stored weight, ``W H``). Empty without rotations."""
+    by_block: dict[int, list[str]] = {}
+    for name, block in rotations.items():
+        by_block.setdefault(block, []).append(name)
+    if not by_block:
+        return {}
+    groups = {}
+    for block, names in sorted(by_block.items()):
+        groups[rotation_group(block)] = {
+            "type": TRANSFORM_TYPE,
+            "apply": [
+                {"targets": list(names), "location": "input", "inverse": False, "ignore": []},
+                {"targets": list(names), "location": "weight_input", "inverse": True, "ignore": []},
+            ],
+            "randomize": False,
+            "requires_grad": False,
+            "head_dim": block,
+            "precision": "torch.float32",
+        }
+    return {"config_groups": groups}
+
+
+def parse_transform_config(qc: Mapping[str, Any], modules: Mapping[str, torch.nn.Module]) -> dict[str, int]:
+    """Module name -> Hadamard block of the Linears whose inputs a ``quantization_config.transform_config`` rotates
+    (what :func:`transform_config` writes: ``hadamard`` schemes with ``head_dim``, applied at ``input`` and, to the
+    same modules, fused at ``weight_input``); ValueError messages name the key."""
+    where = "quantization_config.transform_config"
+    tc = qc.get("transform_config") or {}
+    if not isinstance(tc, Mapping):
+        raise ValueError(f"{where}: must be an object, got {type(tc).__name__}")
+    groups = tc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"{where}.config_groups: must be an object")
+    rotations: dict[str, int] = {}
+    for gname, scheme in groups.items():
+        gwhere = f"{where}.config_groups.{gname}"
+        if not isinstance(scheme, Mapping):
+            raise ValueError(f"{gwhere}: must be an object")
+        if scheme.get("type") != TRANSFORM_TYPE or scheme.get("randomize", False):
+            raise ValueError(
+                f"{gwhere}.type: only deterministic {TRANSFORM_TYPE!r} rotations are read (randomize = false), got "
+                f"{scheme.get('type')!r}{' randomized' if scheme.get('randomize') else ''}"
+            )
+        block = scheme.get("head_dim")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 2 or block & (block - 1):
+            raise ValueError(f"{gwhere}.head_dim: must be a power of two (the Hadamard block), got {block!r}")
+        applied: dict[str, set[str]] = {"input": set(), "weight_input": set()}
+        for i, args in enumerate(scheme.get("apply") or []):
+            location = args.get("location") if isinstance(args, Mapping) else None
+            if location not in applied:
+                raise ValueError(
+                    f"{gwhere}.apply[{i}].location: only input (online) and weight_input (fused) rotations are read, "
+                    f"got {location!r}"
+                )
+            if bool(args.get("inverse", False)) != (location == "weight_input"):
+                raise ValueError(f"{gwhere}.apply[{i}].inverse: must be {location == 'weight_input'} at {location}")
+            targets, ignore = args.get("targets") or [], args.get("ignore") or []
+            applied[location] |= {n for n, m in modules.items() if matches(n, m, targets) and not matches(n, m, ignore)}
+        if applied["input"] != applied["weight_input"]:
+            odd = sorted(applied["input"] ^ applied["weight_input"])[:3]
+            raise ValueError(f"{gwhere}.apply: the input and weight_input rotations name different modules ({odd})")
+        for name in applied["input"]:
+            if name in rotations:
+                raise ValueError(f"{gwhere}: module {name!r} is rotated by two schemes")
+            rotations[name] = block
+    return rotations
 
 
 # ----------------------------------------------------------------------------------------------- args -> spec

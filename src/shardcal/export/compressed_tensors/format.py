@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ...quant.hadamard import sylvester_matrix
 from ...quant.quantizer import TensorQuantizer
 from ...quant.spec import QuantizerSpec
 from . import config as ct_config
@@ -38,9 +39,14 @@ class CompressedTensorsFormat:
         input: QuantizerSpec | None,
         out_features: int,
         in_features: int,
+        input_rotation: int | None = None,
     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """``{suffix: (dtype, shape)}`` of one quantized Linear (:func:`.config.tensor_layout`)."""
-        return ct_config.tensor_layout(module_format, weight, input, out_features, in_features)
+        """``{suffix: (dtype, shape)}`` of one quantized Linear (:func:`.config.tensor_layout`), and its rotation's
+        Hadamard matrix when its inputs are rotated (:func:`.config.rotation_layout`)."""
+        layout = ct_config.tensor_layout(module_format, weight, input, out_features, in_features)
+        if input_rotation is not None:
+            layout.update(ct_config.rotation_layout(input_rotation))
+        return layout
 
     def encode_module(
         self,
@@ -48,11 +54,16 @@ class CompressedTensorsFormat:
         weight_quantizer: TensorQuantizer,
         weight: torch.Tensor,
         input_quantizer: TensorQuantizer | None,
+        input_rotation: int | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The stored tensors of one quantized Linear: its weight's (:func:`.tensors.encode_weight`), then its static
-        input scale's (:func:`.tensors.encode_input`)."""
+        """The stored tensors of one quantized Linear: its weight's (:func:`.tensors.encode_weight`; a rotated
+        Linear's weight holds ``W H`` already), its static input scale's (:func:`.tensors.encode_input`), and the
+        Hadamard matrix of its input rotation."""
         tensors = encode_weight(weight_quantizer, weight, module_format)
         tensors.update(encode_input(input_quantizer))
+        if input_rotation is not None:
+            (suffix,) = ct_config.rotation_layout(input_rotation)
+            tensors[suffix] = sylvester_matrix(input_rotation, torch.float32)
         return tensors
 
     def config(
@@ -60,14 +71,15 @@ class CompressedTensorsFormat:
         schemes: Mapping[tuple[QuantizerSpec, QuantizerSpec | None, str], list[str]],
         ignore: list[str],
         kv_cache: QuantizerSpec | None,
+        rotations: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
         """``quantization_config``: one group per scheme (targets ``["Linear"]`` when there is one, else the module
-        names), ``ignore`` as given, and ``kv_cache_scheme``."""
+        names), ``ignore`` as given, ``kv_cache_scheme``, and the ``transform_config`` of the ``rotations``."""
         groups = []
         for (weight, input, fmt), names in schemes.items():
             targets = ["Linear"] if len(schemes) == 1 else list(names)
             groups.append(ct_config.scheme_dict(targets, weight, input, fmt))
-        return ct_config.quantization_config(groups, ignore, kv_cache)
+        return ct_config.quantization_config(groups, ignore, kv_cache, rotations)
 
 
 #: The one instance the registry (:func:`shardcal.export.format.formats`) hands out.
