@@ -142,6 +142,7 @@ def test_smoothing_leaves_out_pairs_into_rotated_inputs():
     assert "up_down" in {s.kind for s in layer_smoothings(layer)}
     quantize_modules(layer, _recipe(W8A8 + ROTATE_DOWN), prefix="model.layers.0")
     assert {s.kind for s in layer_smoothings(layer)} == {"attn_in", "mlp_in"}  # v_o feeds the rotated o_proj
+    assert {s.kind for s in layer_smoothings(layer, rotated_consumers=True)} == {"attn_in", "v_o", "mlp_in", "up_down"}
 
 
 def test_a_layer_falling_back_to_full_precision_gets_its_unrotated_weights_back():
@@ -332,3 +333,22 @@ def test_a_rotated_run_resumes_on_another_world_size_to_the_same_logits(tmp_path
     assert all(r["interrupted"] for r in run_on_ranks(2, _rotated_resume_run, str(tmp_path / "ckpt"), 2))
     (resumed,) = run_on_ranks(1, _rotated_resume_run, str(tmp_path / "ckpt"), None)
     assert not resumed["interrupted"] and torch.equal(resumed["logits"], full["logits"])
+
+
+def test_smoothquant_smooths_a_rotated_consumer_before_its_rotation():
+    """With down_proj rotated, SmoothQuant's up -> down scales come from the unrotated inputs (the same as without
+    the rotation: up_proj ends up with the same weights), the fold keeps the function, and no other pair moves."""
+    smooth = '[algorithm]\nname = "smoothquant"\nalpha = 0.5\n'
+    models = {}
+    for name, text in (("plain", W8A8 + smooth), ("rotated", W8A8 + smooth + ROTATE_DOWN)):
+        models[name] = _with_outliers(_model())
+        calibrate(models[name], _data(), _recipe(text, name), batch_size=2, progress=False, propagate="fp")
+    for i in range(2):
+        plain, rotated = models["plain"].model.layers[i], models["rotated"].model.layers[i]
+        assert torch.allclose(rotated.mlp.up_proj.weight, plain.mlp.up_proj.weight, rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(
+            rotated.mlp.up_proj.weight, _with_outliers(_model()).model.layers[i].mlp.up_proj.weight
+        )
+    reference, data = _with_outliers(_model()), _data(2, seed=3)
+    with torch.no_grad(), quantizer_mode(models["rotated"], "disabled"):
+        assert torch.allclose(models["rotated"](data), reference(data), rtol=1e-4, atol=1e-5)

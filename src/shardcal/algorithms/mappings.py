@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..models.decoder import RMSNorm
-from ..quant.linear import QuantLinear
+from ..quant.linear import QuantLinear, scale_input_columns_, unrotated_weight
 
 KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
 
@@ -137,12 +137,13 @@ class Smoothing:
     def weight_max(self, consumers: list[nn.Linear] | None = None) -> torch.Tensor:
         """Per producer channel: max |w| over the (quantized) consumers' input columns (float32)."""
         consumers = consumers if consumers is not None else self.consumers
-        col = torch.stack([c.weight.detach().abs().amax(dim=0).float() for c in consumers]).amax(dim=0)
+        col = torch.stack([unrotated_weight(c).abs().amax(dim=0).float() for c in consumers]).amax(dim=0)
         return self.reduce(col, "max")
 
     @torch.no_grad()
     def fold(self, s: torch.Tensor) -> None:
-        """Divide the producer's channels by ``s`` and multiply the consumers' input columns by it (in place)."""
+        """Divide the producer's channels by ``s`` and multiply the consumers' input columns by it (in place; a
+        consumer that rotates its inputs gets ``(W diag(s)) H``)."""
         s = s.float()
         src = self.source
         if self.source_is_norm:
@@ -156,7 +157,7 @@ class Smoothing:
                 _scale_(src.bias, 1.0 / s.to(src.bias.device))
         cols = self.expand(s)
         for c in self.consumers:
-            _scale_(c.weight, cols.to(c.weight.device)[None, :])
+            scale_input_columns_(c, cols.to(c.weight.device))
 
 
 def _scale_(p: torch.Tensor, factor: torch.Tensor) -> None:
@@ -212,11 +213,15 @@ def warn_no_pairs(algorithm: str, layer_name: str, warned: set[str]) -> None:
         )
 
 
-def layer_smoothings(layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: str = "") -> list[Smoothing]:
+def layer_smoothings(
+    layer: nn.Module, kinds: tuple[str, ...] = KINDS, prefix: str = "", rotated_consumers: bool = False
+) -> list[Smoothing]:
     """The foldable pairs of ``layer`` of the given kinds, in the order attn_in, v_o, mlp_in, up_down. A pair whose
-    consumers rotate their inputs (a recipe's ``[rotation]``) is left out: scales on the producer's channels do not
-    fold into a weight whose input channels are rotated."""
-    return [s for s in _layer_smoothings(layer, kinds, prefix) if not any(_rotates(c) for c in s.consumers)]
+    consumers rotate their inputs (a recipe's ``[rotation]``) is left out unless ``rotated_consumers``: its scales
+    then apply to the inputs before their rotation (:meth:`Smoothing.fold`), which the caller's statistics must
+    see unrotated (``InputStats(..., rotated=False)``)."""
+    found = _layer_smoothings(layer, kinds, prefix)
+    return found if rotated_consumers else [s for s in found if not any(_rotates(c) for c in s.consumers)]
 
 
 def _rotates(linear: nn.Module) -> bool:

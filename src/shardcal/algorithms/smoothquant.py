@@ -26,6 +26,10 @@ max observer would record ``max_j act_max_j / s_j`` (:meth:`SmoothQuant.derived_
 rounding, which the folded layer's own computation of the smoothed input differs by). A layer whose activation
 quantizers all follow this way (W8A8 with every Linear smoothed) is calibrated in one pass over the data.
 
+A consumer that rotates its inputs (a recipe's ``[rotation]``) is smoothed before its rotation: the statistics are
+of its unrotated input, and its weight ``W H`` becomes ``(W diag(s)) H`` (smooth, then rotate); its input quantizer
+observes (the rotated input's range is not ``max_j act_max_j / s_j``). With ``alpha_grid`` such pairs are left out.
+
 Recipe: ``[algorithm] name = "smoothquant"``, ``alpha`` (0.5), ``alpha_grid`` ([]: off), ``sample_tokens`` (128),
 ``mappings`` (which pairs; all four by default), ``propagate`` (``"fp"``: what ``calibrate`` uses when the caller
 does not choose).
@@ -118,7 +122,8 @@ class SmoothQuant(LayerAlgorithm):
         return not self.grid  # the grid needs token samples, which a report does not hold
 
     def smoothings(self, step: Any) -> list[Smoothing]:
-        found = layer_smoothings(step.layer, self.kinds, prefix=step.name)
+        # scales fold into rotated consumers before their rotation; the alpha grid's losses use unrotated weights
+        found = layer_smoothings(step.layer, self.kinds, prefix=step.name, rotated_consumers=not self.grid)
         if not found and any(getattr(m, "input_quantizer", None) is not None for m in step.layer.modules()):
             warn_no_pairs(self.name, step.name, self._warned)
         return [m for m in found if m.quantized("input")]
@@ -133,7 +138,7 @@ class SmoothQuant(LayerAlgorithm):
         if collected is None:
             kinds = {"max", "samples"} if self.grid else {"max"}
             stats = (
-                InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"])
+                InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"], rotated=False)
                 .collect(step, keep_outputs=True)  # the folds keep the function: these stay the FP outputs
                 .merge(group)
             )
@@ -182,6 +187,8 @@ class SmoothQuant(LayerAlgorithm):
                 q = c.input_quantizer
                 spec = q.spec
                 if id(c) in in_experts or spec.dynamic or spec.observer != "max" or not spec.symmetric:
+                    continue
+                if getattr(c, "input_rotation", None) is not None:  # its quantizer sees the rotated input: observed
                     continue
                 if q.layout.num_slots != 1:
                     continue

@@ -116,13 +116,23 @@ class InputStats:
     ``points``: key -> ``(module, where)``, ``where`` being ``"input"`` (the first positional argument of the
     module's forward, e.g. a Linear's input) or ``"output"`` (its result, e.g. a norm's). ``kinds``: a subset of
     ``{"max", "gram", "abssum", "samples"}`` (the count is always kept; ``samples`` keeps, per batch, up to
-    ``sample_tokens`` evenly spaced token rows, the same rows whatever the rank split, and is not merged). Use::
+    ``sample_tokens`` evenly spaced token rows, the same rows whatever the rank split, and is not merged). The input
+    of a Linear that rotates its inputs is recorded rotated (what its weight sees), or as it comes with
+    ``rotated=False`` (what a smoothing scale applies to). Use::
 
         stats = InputStats(points, {"gram"}); stats.collect(step); stats.merge(group); stats[key].hessian()
     """
 
-    def __init__(self, points: Mapping[str, tuple[nn.Module, str]], kinds: set[str], sample_tokens: int = 128):
+    def __init__(
+        self,
+        points: Mapping[str, tuple[nn.Module, str]],
+        kinds: set[str],
+        sample_tokens: int = 128,
+        rotated: bool = True,
+    ):
         self.points = dict(points)
+        #: Whether a rotating Linear's input is recorded as its weight sees it (``x H``) or as it comes (``x``).
+        self.rotated = rotated
         self.kinds = set(kinds)
         self.sample_tokens = sample_tokens
         self.stats: dict[str, PointStats] = {}
@@ -195,7 +205,7 @@ class InputStats:
         """A Linear's input as its weight sees it: rotated when the Linear rotates its inputs (once per tensor and
         block, shared by q/k/v)."""
         block = getattr(module, "input_rotation", None)
-        if block is not None:
+        if block is not None and self.rotated:
             entry = self._rotated.get((id(x), block))
             if entry is None or entry[0] is not x:
                 entry = (x, rotated_input(module, x.detach()))

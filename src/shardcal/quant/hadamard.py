@@ -1,5 +1,6 @@
 """Hadamard rotations: orthonormal Hadamard matrices, block-diagonal ones for sizes that are not powers of two,
-randomized signs from a seed, and applying them to the last dimension of a tensor block by block.
+randomized signs from a seed, and applying them to the last dimension of a tensor block by block (by matrix, or
+by the fast Walsh-Hadamard transform that a recipe's ``[rotation]`` uses).
 
 A rotation ``Q`` here is always orthonormal (``Q @ Q.T = I``), built in float64 and deterministic: the same size,
 block and seed give the same bits on every rank and every machine (the signs come from a CPU ``torch.Generator``),

@@ -146,6 +146,27 @@ def rotate_inputs(linear: QuantLinear, block: int) -> None:
     linear.input_rotation = block
 
 
+def unrotated_weight(linear: nn.Module) -> torch.Tensor:
+    """``linear``'s weight in its inputs' own channels: ``(W H) H = W`` (float32) for a Linear that rotates its
+    inputs, else its weight (detached)."""
+    block = getattr(linear, "input_rotation", None)
+    weight = linear.weight.detach()
+    return weight if block is None else hadamard_blocks(weight.to(torch.float64), block).float()
+
+
+@torch.no_grad()
+def scale_input_columns_(linear: nn.Module, factor: torch.Tensor) -> None:
+    """Multiply ``linear``'s weight column ``j`` by ``factor[j]`` in the inputs' own channels (in place): ``W H``
+    becomes ``(W diag(factor)) H`` for a Linear that rotates its inputs (computed in float64)."""
+    block = getattr(linear, "input_rotation", None)
+    weight = linear.weight
+    if block is None:
+        weight.copy_((weight.float() * factor[None, :]).to(weight.dtype))
+        return
+    plain = hadamard_blocks(weight.detach().to(torch.float64), block) * factor.to(torch.float64)[None, :]
+    weight.copy_(hadamard_blocks(plain, block).to(weight.dtype))
+
+
 def rotated_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What ``module``'s weight sees of its input ``x``: ``x H`` for a QuantLinear with an input rotation, else
     ``x`` itself (what hooks that record a Linear's inputs for an algorithm use)."""
