@@ -155,16 +155,28 @@ def test_a_layer_falling_back_to_full_precision_gets_its_unrotated_weights_back(
         assert torch.equal(p, q), name
 
 
-def test_a_block_that_does_not_divide_a_linear_is_refused_before_calibrating():
+def test_a_block_that_does_not_divide_takes_the_largest_power_of_two_that_does():
     model = _model()
-    before = model.model.layers[0].mlp.down_proj.weight.clone()
-    with pytest.raises(RecipeError, match=r"'model.layers.0.self_attn.q_proj'.*rotation block 256 does not divide"):
-        calibrate(model, _data(), _recipe(W8A8 + "[rotation]\nblock = 256\n"), batch_size=2, progress=False)
-    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, before)
+    quantize_modules(model.model.layers[0], _recipe(W8A8 + "[rotation]\nblock = 256\n"), prefix="model.layers.0")
+    blocks = {n.rsplit(".", 1)[-1]: m.input_rotation for n, m in quantized_modules(model)}
+    assert blocks == {"q_proj": 128, "k_proj": 128, "v_proj": 128, "o_proj": 128, "gate_proj": 128, "up_proj": 128,
+                      "down_proj": 256}  # fmt: skip
+
+
+def test_a_linear_without_a_block_of_16_is_refused_before_calibrating():
+    model = _model(dict(CFG, intermediate_size=200))  # down_proj: 200 = 8 x 25
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(
+        RecipeError, match=r"'model.layers.0.mlp.down_proj'.*in_features 200 has no power-of-two divisor of at least 16"
+    ):
+        calibrate(model, _data(), _recipe(W8A8 + "[rotation]\nblock = 64\n"), batch_size=2, progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # not one layer rotated
     with pytest.raises(RecipeError, match=r"rotation.type.*unknown rotation type 'random-hadamard'"):
         _recipe(W8A8 + '[rotation]\ntype = "random-hadamard"\nblock = 64\n')
     with pytest.raises(RecipeError, match=r"rotation.block.*missing"):
         _recipe(W8A8 + "[rotation]\n")
+    with pytest.raises(RecipeError, match=r"rotation.block.*must be a power of two"):
+        _recipe(W8A8 + "[rotation]\nblock = 48\n")
 
 
 # ----------------------------------------------------------------------------------------------- export

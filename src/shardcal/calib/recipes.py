@@ -29,7 +29,7 @@
 
     [rotation]                   # optional: an online Hadamard rotation of the inputs of some targeted Linears
     type = "hadamard"            # the only type: deterministic Sylvester blocks (vLLM's fast Hadamard kernel)
-    block = 128                  # the block size: a power of two dividing each rotated Linear's in_features
+    block = 128                  # the Hadamard block (a power of two); less where it does not divide in_features
     include = ["*.down_proj"]    # which targeted Linears (patterns as in [targets]); exclude = [...] too
 
     [fallback]                   # optional: decoder layers whose output SQNR is under the floor are recalibrated
@@ -97,6 +97,8 @@ _TOP_KEYS = (
     "fallback",
 ) + ROLES
 _ROTATION_KEYS = ("type", "block", "include", "exclude")
+#: The smallest Hadamard block a ``[rotation]`` falls back to for a Linear its ``block`` does not divide.
+MIN_ROTATION_BLOCK = 16
 #: The rotation types a recipe may name: ``hadamard`` (compressed-tensors' deterministic Sylvester Hadamard).
 ROTATION_TYPES: tuple[str, ...] = ("hadamard",)
 _FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
@@ -224,17 +226,19 @@ class Recipe:
         return dataclasses.replace(spec, granularity="channel", axis=0, group_size=None)
 
     def rotation_block(self, module_name: str, in_features: int) -> int | None:
-        """The Hadamard block that rotates the targeted Linear ``module_name``'s inputs, or None; a block that
-        does not divide ``in_features`` is a :class:`RecipeError` naming the Linear."""
+        """The Hadamard block that rotates the targeted Linear ``module_name``'s inputs, or None: the recipe's
+        ``block``, or the largest power of two below it that divides ``in_features`` (SmolLM2's 576 takes 64 where
+        ``block = 128``). Under :data:`MIN_ROTATION_BLOCK` that is a :class:`RecipeError` naming the Linear."""
         if self.rotation is None or not self.rotation.matches(module_name):
             return None
-        if in_features % self.rotation.block:
+        block = min(self.rotation.block, in_features & -in_features)
+        if block < min(MIN_ROTATION_BLOCK, self.rotation.block):
             raise RecipeError(
-                f"{self.source or self.name}: recipe {self.name!r} does not fit module {module_name!r}: rotation "
-                f"block {self.rotation.block} does not divide in_features {in_features} (set [rotation] block to a "
-                "power of two dividing it, or exclude the module from the rotation)"
+                f"{self.source or self.name}: recipe {self.name!r} does not fit module {module_name!r}: its "
+                f"in_features {in_features} has no power-of-two divisor of at least {MIN_ROTATION_BLOCK} for a "
+                "[rotation] block (exclude the module from the rotation)"
             )
-        return self.rotation.block
+        return block
 
     @property
     def specs(self) -> dict[str, QuantizerSpec]:

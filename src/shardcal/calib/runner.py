@@ -361,6 +361,7 @@ def _calibrate(
         options = options.replace(propagate=algorithm.propagate)
     propagate = options.propagate
     layers = require_decoder_layers(model)
+    _check_rotations(layers, decoder_layer_prefix(model, layers), recipe)
     batches = model_batches(model, data, options.batch_size)
     rank, world_size = world()
     group = dp_group()
@@ -445,6 +446,16 @@ def _calibrate(
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
     return report
+
+
+def _check_rotations(layers: nn.ModuleList, prefix: str, recipe: Recipe) -> None:
+    """A :class:`RecipeError` before anything changes when ``[rotation]`` cannot rotate a Linear it selects."""
+    if recipe.rotation is None:
+        return
+    for i, layer in enumerate(layers):
+        for name, sub in layer.named_modules(prefix=f"{prefix}.{i}"):
+            if isinstance(sub, nn.Linear) and recipe.matches(name):
+                recipe.rotation_block(name, sub.in_features)
 
 
 def _reads_no_data(layers: nn.ModuleList, recipe: Recipe, algorithm: LayerAlgorithm, feed_given: bool) -> bool:

@@ -333,10 +333,10 @@ def quant_targets(linears: list[Linear], recipe: Recipe) -> list[QuantTarget]:
 
 def _rotation(recipe: Recipe, lin: Linear) -> int | None:
     """The rotation block of a targeted Linear (checked when the recipe is applied to the skeleton, not here)."""
-    rotation = recipe.rotation
-    if rotation is None or not rotation.matches(lin.name) or lin.in_features % rotation.block:
+    try:
+        return recipe.rotation_block(lin.name, lin.in_features)
+    except RecipeError:
         return None
-    return rotation.block
 
 
 def _amax_bytes(layout: Layout | None) -> int:
