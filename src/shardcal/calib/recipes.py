@@ -317,6 +317,8 @@ def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
     if recipe.kv_cache is not None:
         inputs += f" + kv cache {recipe.kv_cache.format}, {recipe.kv_cache.observer}"  # always per tensor
     algorithm = algorithm_summary(recipe)
+    if recipe.rotation is not None:
+        algorithm += f" + {recipe.rotation.type} rotation ({recipe.rotation.block})"
     if recipe.fallback is not None:
         algorithm += f"; fallback under {recipe.min_layer_sqnr_db:g} dB"
     return recipe.name, weight, inputs, algorithm, recipe.description
