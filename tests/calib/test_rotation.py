@@ -364,3 +364,22 @@ def test_smoothquant_smooths_a_rotated_consumer_before_its_rotation():
     reference, data = _with_outliers(_model()), _data(2, seed=3)
     with torch.no_grad(), quantizer_mode(models["rotated"], "disabled"):
         assert torch.allclose(models["rotated"](data), reference(data), rtol=1e-4, atol=1e-5)
+
+
+def test_a_transformers_model_exported_rotated_reloads_through_transformers_with_its_rotations(tmp_path):
+    """A model shardcal has no class for: calibrated as transformers' Llama, exported, and loaded the way
+    ``shardcal eval`` loads it (transformers, then the online rotations from transform_config): our logits."""
+    pytest.importorskip("compressed_tensors.transform")
+    from _hf_models import hf_logits, hf_model
+
+    from shardcal.loading.foreign import load_transformers_plain
+
+    hf_model("llama").save_pretrained(tmp_path / "fp32")
+    model = load_transformers_plain(tmp_path / "fp32")
+    recipe = _recipe(W4A16_GPTQ.replace("group_size = 64", "group_size = 32"))
+    calibrate(model, _data(), recipe, batch_size=2, progress=False)
+    out = export_checkpoint(model, tmp_path / "out", recipe=recipe)
+    data = _data(2, seed=4)
+    ours = hf_logits(model, data)
+    reloaded = hf_logits(load_transformers_plain(out), data)
+    assert (ours - reloaded).abs().max() <= 1e-4 * ours.abs().max()

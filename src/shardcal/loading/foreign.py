@@ -122,9 +122,35 @@ def load_transformers_plain(model_dir: str | Path) -> nn.Module:
     transformers, config = _transformers_config(Path(model_dir))
     cls = _architecture(transformers, config) or transformers.AutoModelForCausalLM
     try:
-        return cls.from_pretrained(model_dir).eval()
+        model = cls.from_pretrained(model_dir).eval()
     except ImportError as exc:  # a package transformers needs for this checkpoint (a version too old, say)
         raise _missing_package(model_dir, str(exc)) from None
+    apply_online_rotations(model, model_dir)
+    return model
+
+
+def apply_online_rotations(model: nn.Module, model_dir: str | Path) -> None:
+    """Give a transformers model loaded from a shardcal export its online input rotations (``transform_config``):
+    transformers loads the rotated weights (the fused ``weight_input`` part) but does not apply the online
+    ``input`` part. compressed-tensors' own transforms do (its ``apply_transform_config`` with the ``input``
+    arguments only: forward pre-hooks on the rotated Linears, as in vLLM). A ``transform_config`` shardcal cannot
+    read is a :class:`~shardcal.errors.ConfigError` naming the key."""
+    quant = raw_config(model_dir).get("quantization_config")
+    transform = quant.get("transform_config") if isinstance(quant, dict) else None
+    if not transform or not transform.get("config_groups"):
+        return
+    from ..export.compressed_tensors.config import parse_transform_config
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    try:
+        parse_transform_config(quant, linears)
+    except ValueError as exc:
+        raise ConfigError(f"{Path(model_dir) / 'config.json'}: {exc}") from None
+    ct = importlib.import_module("compressed_tensors.transform")  # transformers needs it for this checkpoint anyway
+    config = ct.TransformConfig.model_validate(transform)
+    for scheme in config.config_groups.values():
+        scheme.apply = [args for args in scheme.apply if args.location == "input"]  # the fused part is on disk
+    ct.apply_transform_config(model, config)
 
 
 #: ``quantization_config.quant_method`` -> (the module transformers imports for it, its pip name).
