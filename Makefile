@@ -47,8 +47,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# The peer PTQ tools (llm-compressor, modelopt, auto-round) in a venv of their own (they pin other transformers / compressed-tensors versions than
-# shardcal's tests): the pinned CPU torch first, then the peers with torch held to that pin.
+# The peer PTQ tools (llm-compressor, modelopt, auto-round) in a venv of their own (they pin other transformers /
+# compressed-tensors versions than shardcal's tests): the pinned CPU torch first, then the peers with torch held to
+# that pin.
 PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PEERS_STAMP := $(PEERS_VENV)/.installed

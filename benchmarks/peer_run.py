@@ -45,7 +45,7 @@ GROUP = 64
 TOOLS = ("llmcompressor", "modelopt", "auto-round")
 PACKAGES = {"llmcompressor": "llmcompressor", "modelopt": "nvidia-modelopt", "auto-round": "auto-round"}
 #: AutoRound's tuning steps per decoder layer (llm-compressor's AutoRoundModifier and the auto-round package both
-#: default to 200): 50 keeps one run near 15 minutes on 2 shared CPU cores (``--autoround-iters`` changes it).
+#: default to 200): at 50 one SmolLM2 run took 7-10 minutes on 2 shared CPU cores (``--autoround-iters`` changes it).
 AUTOROUND_ITERS = 50
 #: scheme -> tool -> the documented recipe used (None, or no entry: the tool documents none for this scheme).
 RECIPES: dict[str, dict[str, str | None]] = {
@@ -285,22 +285,19 @@ def run_llmcompressor(
 
     recipe = llmcompressor_recipe(scheme, variant)
     if datafree(scheme, variant):  # as their QuIP / SpinQuant examples: nothing in the recipe reads activations
-        start = time.perf_counter()
-        model = oneshot(model=model, recipe=recipe, pipeline="datafree")
-        seconds = time.perf_counter() - start
+        inputs: dict = {"pipeline": "datafree"}
     else:
         data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
-        start = time.perf_counter()
-        model = oneshot(
-            model=model,
+        inputs = dict(
             dataset=data,
-            recipe=recipe,
             num_calibration_samples=calib.shape[0],
             max_seq_length=calib.shape[1],
             batch_size=BATCH,
             shuffle_calibration_samples=False,
         )
-        seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    model = oneshot(model=model, recipe=recipe, **inputs)
+    seconds = time.perf_counter() - start
     quantized = sum(
         1 for m in model.modules() if isinstance(m, torch.nn.Linear) and getattr(m, "quantization_scheme", None)
     )
