@@ -480,6 +480,10 @@ CASES = [
     ("gptq", True, "llama", {"nvfp4": True}),
     ("gptq", True, "qwen2_moe", {"nvfp4": True, "act_order": True}),
     ("gptq", True, "llama", {"nvfp4": True, "act_order": True, "smooth": '{ name = "smoothquant", alpha = 0.5 }'}),
+    # the asymmetric objective: paired sums of the full-precision and the quantized stream, merged exactly; nvfp4
+    # inputs calibrated first; MoE experts keep the plain Hessian, W8A8 with static per-tensor inputs
+    ("gptq", True, "llama", {"nvfp4": True, "act_order": True, "stream_correction": 0.25}),
+    ("gptq", False, "qwen2_moe", {"stream_correction": 0.5}),
 ]
 
 
@@ -508,7 +512,8 @@ def _resume_run(directory: str, interrupt: int | None, params: dict | None = Non
 
 
 @pytest.mark.parametrize(
-    "params", [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}, {"symmetric": False}]
+    "params",
+    [{}, {"act_order": True, "refine_sweeps": 1, "refit_scales": 1}, {"symmetric": False}, {"stream_correction": 0.5}],
 )
 def test_gptq_resume_is_bit_identical(tmp_path, params):
     """Changed weights (and refitted scales) are checkpointed: resumed on the same world size, or on another one
@@ -535,6 +540,131 @@ def test_smoothquant_one_pass_resume_is_bit_identical(tmp_path):
             for name in full[0]["state"]:
                 assert torch.equal(full[0]["state"][name], got["state"][name]), (resumed_on, name)
             assert torch.equal(full[0]["logits"], got["logits"])
+
+
+# ------------------------------------------------------------------------------------ stream correction
+
+
+def test_corrected_weight_is_the_least_squares_map_to_the_fp_targets():
+    """With the full step and a negligible damping, ``corrected_weight`` is the least-squares solution of
+    ``Q W'^T = T W^T`` (torch.linalg.lstsq on the explicit token matrices); a fraction moves that far along; equal
+    streams move nothing, whatever the damping."""
+    from shardcal.algorithms.paired import corrected_weight
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(400, 12, dtype=torch.float64, generator=g) @ torch.randn(12, 12, dtype=torch.float64, generator=g)
+    q = t + 0.1 * torch.randn(400, 12, dtype=torch.float64, generator=g)
+    w = torch.randn(5, 12, generator=g)
+    cqq, ctq = q.T @ q, t.T @ q
+    expected = torch.linalg.lstsq(q, t @ w.double().T).solution.T
+    assert torch.allclose(corrected_weight(w, cqq, ctq, 1.0, 1e-12).double(), expected, atol=1e-4)
+    half = corrected_weight(w, cqq, ctq, 0.5, 1e-12).double()
+    assert torch.allclose(half, w.double() + 0.5 * (expected - w.double()), atol=1e-4)
+    assert torch.equal(corrected_weight(w, cqq, cqq, 1.0, 0.5), w)
+
+
+def _linear_inputs(model: nn.Module, data: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each named Linear's input rows (float64) in one forward of ``model`` over ``data``."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    modules = dict(model.named_modules())
+    hooks = [
+        modules[n].register_forward_pre_hook(
+            lambda m, args, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for n in names
+    ]
+    with torch.no_grad():
+        model(data)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(v).double() for n, v in seen.items()}
+
+
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float32 sums over the batches: within 1e-5 of the largest entry."""
+    return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
+def test_paired_sums_pair_the_fp_model_with_the_quantized_stream(monkeypatch):
+    """The sums GPTQ's correction reads, against hooks on two plain forwards: the untouched float model gives the
+    targets ``T``, the calibrated (fake-quantized) model the stream ``X`` of the same tokens; at layer 0 the two
+    streams are one, so ``C_qq`` is ``Q^T Q`` of the input quantizer's own fake quantization of ``T`` (amax: the
+    largest ``|T|``); at layer 1 ``C_tq = T^T X`` for ``q_proj``, which reads the layer's input (weight-only: no input
+    quantizer; deeper Linears see the layer's full-precision function on the stream, not the final model's)."""
+    import copy
+
+    from shardcal.algorithms import gptq as gptq_module
+    from shardcal.quant.formats import fake_quantize
+
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    real = gptq_module.corrected_weight
+
+    def record(weight, cqq, ctq, fraction, percdamp):
+        seen.setdefault(id(weight), []).append((cqq.clone(), ctq.clone()))
+        return real(weight, cqq, ctq, fraction, percdamp)
+
+    monkeypatch.setattr(gptq_module, "corrected_weight", record)
+    data = _data(n=4)
+    cfg = dict(LLAMA, num_hidden_layers=2)
+    for weight_only, layer in ((False, 0), (True, 1)):
+        model = _model(cfg, outliers=True)
+        original = copy.deepcopy(model)
+        names = [f"model.layers.{layer}.self_attn.q_proj"] + ([] if weight_only else ["model.layers.0.mlp.down_proj"])
+        weights = {n: dict(model.named_parameters())[f"{n}.weight"] for n in names}
+        seen.clear()
+        calibrate(model, data, _recipe("gptq", weight_only, stream_correction=0.5), batch_size=2, progress=False)
+        targets = _linear_inputs(original, data, names)
+        stream = _linear_inputs(model, data, names)
+        for n in names:
+            ((cqq, ctq),) = seen[id(weights[n])]
+            t = targets[n]
+            if weight_only:
+                x = stream[n]
+                assert not torch.allclose(x, t, atol=1e-3)  # the streams differ after a quantized layer
+                assert _near(ctq, t.T @ x) and _near(cqq, x.T @ x)
+                assert not _near(ctq, t.T @ t)
+            else:
+                spec = QuantizerSpec(format="int8", granularity="tensor")
+                q = fake_quantize(t.float(), t.abs().max().float().reshape(1), spec).double()
+                assert _near(cqq, q.T @ q) and _near(ctq, t.T @ q)
+                assert not _near(cqq, t.T @ t)
+
+
+def test_reference_stream_is_the_float_models_own_layer_inputs():
+    """``layer_steps(reference_stream=True)`` hands each layer the hidden states the unquantized model's own forward
+    gives it (hooks on a copy), while the propagated stream carries the quantized layers' outputs."""
+    import copy
+
+    from shardcal.calib.recipes import quantize_modules
+    from shardcal.layerwise.batches import model_batches
+    from shardcal.layerwise.steps import layer_steps
+
+    model = _model(dict(LLAMA, num_hidden_layers=3))
+    original = copy.deepcopy(model)
+    data = _data(n=4)
+    expected: list[torch.Tensor] = []
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: expected.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+        )
+        for layer in original.model.layers
+    ]
+    with torch.no_grad():
+        original(data)
+    for h in hooks:
+        h.remove()
+    recipe = _recipe("rtn")
+    seen = []
+    for step in layer_steps(model, model_batches(model, data, 4), propagate="qdq", reference_stream=True):
+        quantize_modules(step.layer, recipe, prefix=step.name)  # int4 weights: the stream drifts from here on
+        for module in step.layer.modules():
+            if getattr(module, "weight_quantizer", None) is not None:
+                module.weight_quantizer.calibrate_from(module.weight)
+        seen.append((step.reference_inputs[0], step.inputs[0].hidden_states))
+    for index, (reference, stream) in enumerate(seen):
+        assert torch.allclose(reference, expected[index], atol=1e-5), index
+        if index:
+            assert not torch.allclose(stream, expected[index], atol=1e-3), index
 
 
 # ------------------------------------------------------------------------------------ export
@@ -579,6 +709,7 @@ def test_shipped_recipes_and_parameter_errors():
         ('name = "gptq"\nsmooth = { name = "gptq" }', "algorithm.smooth.name"),
         ('name = "gptq"\nsmooth = { name = "smoothquant", alpha = 2 }', "algorithm.smooth.alpha"),
         ('name = "smoothquant"\nalpha_grid = [0.5, 2]', "algorithm.alpha_grid"),
+        ('name = "gptq"\nstream_correction = 1.5', "algorithm.stream_correction"),
     ]
     for table, key in bad:
         with pytest.raises(RecipeError, match=key.replace(".", r"\.")) as info:

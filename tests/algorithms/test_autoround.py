@@ -128,6 +128,21 @@ def test_autoround_beats_round_to_nearest(symmetric):
         assert loss["last"] < loss["first"], loss
 
 
+def test_fp_targets_are_the_float_models_outputs():
+    """``target = "fp"``: the first step's loss (round to nearest, before any update) is the error against the float
+    model's own layer outputs. At layer 0 both streams are the embeddings, so it equals ``target = "layer"``'s; at
+    layer 1 the propagated stream has drifted, so it is larger than the error against the layer's own output on
+    that stream; the tuned model is closer to the float model than round to nearest."""
+    _, own = _output_error("autoround", iters=8)
+    tuned, fp = _output_error("autoround", iters=8, target='"fp"')
+    first = [(a.algorithm["autoround_loss"]["first"], b.algorithm["autoround_loss"]["first"])
+             for a, b in zip(own.layers, fp.layers)]  # fmt: skip
+    assert first[0][0] == first[0][1]
+    assert first[1][1] > first[1][0], first
+    rtn, _ = _output_error("rtn")
+    assert tuned < rtn, (tuned, rtn)
+
+
 def _calibrated_states(cases: list[dict]) -> list[dict]:
     out = []
     for params in cases:
@@ -149,6 +164,7 @@ STATE_CASES = [
     dict(iters=6, batches_per_iter=2),  # a step's two batches on two ranks, or on one
     dict(iters=5, symmetric=False, model_type="qwen2_moe"),  # asymmetric; experts' Linears see their routed tokens
     dict(iters=4, fmt="int8", clip=False),  # per-channel int8, rounding only
+    dict(iters=5, batches_per_iter=2, target='"fp"'),  # targets from the full-precision stream
 ]
 
 
@@ -198,6 +214,7 @@ def test_export_reloads_with_equal_logits(tmp_path):
 def test_refuses_formats_it_cannot_round_and_bad_parameters():
     with pytest.raises(RecipeError, match="autoround supports int4 and int8 weights, not 'fp8_e4m3'"):
         calibrate(_model(), _data(n=2), _recipe(fmt="fp8_e4m3"), batch_size=2, progress=False)
-    for table, key in (("iters = 0", "iters"), ("min_clip = 0", "min_clip"), ("batches = 2", "batches")):
+    for table, key in (("iters = 0", "iters"), ("min_clip = 0", "min_clip"), ("batches = 2", "batches"),
+                       ('target = "stream"', "target")):  # fmt: skip
         with pytest.raises(RecipeError, match=f"algorithm\\.{key}"):
             parse_recipe(f'[weight]\nformat = "int4"\n[algorithm]\nname = "autoround"\n{table}\n', "bad.toml")

@@ -88,3 +88,34 @@ def test_fast_transform_refuses_blocks_that_do_not_fit():
         hadamard_blocks(torch.zeros(2, 96), 48)
     with pytest.raises(ValueError, match="dividing the last dimension 96"):
         hadamard_blocks(torch.zeros(2, 96), 64)
+
+
+@pytest.mark.parametrize("block", [2, 8, 32, 128, 512])
+def test_factored_product_equals_the_block_diagonal_matrix(block):
+    """``hadamard_blocks_by_factors`` (two small products, what rotates activations) is ``x`` times the dense block
+    diagonal of orthonormal Sylvester blocks, in float64 and in float32, for any leading shape."""
+    from shardcal.quant.hadamard import hadamard_blocks_by_factors
+
+    x = torch.randn(2, 3, 3 * block, dtype=torch.float64, generator=torch.Generator().manual_seed(block))
+    expected = x @ torch.block_diag(*[hadamard_matrix(block)] * 3)
+    assert torch.allclose(hadamard_blocks_by_factors(x, block), expected, atol=1e-12)
+    got32 = hadamard_blocks_by_factors(x.float(), block)
+    assert got32.dtype == torch.float32 and got32.shape == x.shape
+    assert torch.allclose(got32.double(), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="dividing the last dimension"):
+        hadamard_blocks_by_factors(torch.zeros(2, 3 * block + 1), block)
+
+
+def test_linears_sharing_an_input_rotate_it_once():
+    """q / k / v read one tensor: its rotation is computed once and given to each (and again for a changed tensor)."""
+    from shardcal.quant.linear import QuantLinear, rotate_inputs, rotated_input
+
+    a, b = (QuantLinear.from_linear(torch.nn.Linear(64, 8)) for _ in range(2))
+    rotate_inputs(a, 32)
+    rotate_inputs(b, 32)
+    x = torch.randn(5, 64)
+    first = rotated_input(a, x)
+    assert rotated_input(b, x) is first
+    assert torch.allclose(first, x @ torch.block_diag(*[hadamard_matrix(32).float()] * 2), atol=1e-6)
+    x.mul_(2.0)  # changed in place: computed again
+    assert torch.allclose(rotated_input(b, x), 2.0 * first, atol=1e-6)

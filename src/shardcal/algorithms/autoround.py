@@ -9,8 +9,11 @@ asymmetric, per channel or per group):
   start 1: the recipe observer's range);
 * the weight the layer computes with: ``clamp(round(W / s + V), lo, hi) * s``, ``s`` from the clipped range, rounding
   through a straight-through estimator;
-* the loss: the squared error of the layer's output against its full-precision output on the same cached inputs
-  (real tokens only, every other quantizer off), one forward and backward of the whole layer per batch;
+* the loss: the squared error of the layer's output against a target (real tokens only, every other quantizer off),
+  one forward and backward of the whole layer per batch: with ``target = "layer"`` the layer's own full-precision
+  output on the same cached inputs; with ``target = "fp"`` the full-precision model's output of this layer (its
+  output on the full-precision stream, which the runner then carries beside the quantized one, as auto-round does),
+  so that each layer also makes up for the error of the layers quantized before it;
 * the step: ``iters`` steps of ``p -= lr_t * sign(grad)`` with ``lr_t`` decaying linearly from ``lr`` (default
   ``1 / iters``) to 0, each on ``batches_per_iter`` batches drawn without replacement from a seeded permutation of
   the run's global batch numbers (epoch after epoch).
@@ -23,7 +26,7 @@ broadcast. The result is the quantizer's own fake quantization of the tuned weig
 the recipe's layout); the runner writes the weights back into the shards and checkpoints them (resumable like GPTQ).
 
 Recipe: ``[algorithm] name = "autoround"``, ``iters`` (64), ``lr`` (0: ``1 / iters``), ``batches_per_iter`` (1),
-``clip`` (true), ``min_clip`` (0.5), ``seed`` (0), ``propagate`` ("qdq").
+``clip`` (true), ``min_clip`` (0.5), ``seed`` (0), ``target`` ("layer"), ``propagate`` ("qdq").
 """
 
 from __future__ import annotations
@@ -183,6 +186,7 @@ class AutoRound(LayerAlgorithm):
         "clip": (True, boolean),
         "min_clip": (0.5, number(0.0, 1.0, lo_open=True)),
         "seed": (0, integer(0)),
+        "target": ("layer", one_of("layer", "fp")),
         "propagate": ("qdq", one_of(*PROPAGATE_MODES)),
     }
     changes_weights = True
@@ -191,6 +195,11 @@ class AutoRound(LayerAlgorithm):
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
         self._losses: dict[str, list[float]] = {}
+
+    @property
+    def reference_stream(self) -> bool:
+        """``target = "fp"`` reads the full-precision stream's outputs."""
+        return self.params["target"] == "fp"
 
     @classmethod
     def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
@@ -228,7 +237,10 @@ class AutoRound(LayerAlgorithm):
         losses = []
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             wanted = sorted({local[b] for chosen in schedule for b in chosen if b in local})
-            targets = {i: step.forward(i).to(step.cache_device) for i in wanted}
+            if self.reference_stream:
+                targets = {i: step.reference_outputs[i] for i in wanted}
+            else:
+                targets = {i: step.forward(i).to(step.cache_device) for i in wanted}
             for t, chosen in enumerate(schedule):
                 per_batch, loss = [], torch.zeros(1, dtype=torch.float64)
                 for b in chosen:

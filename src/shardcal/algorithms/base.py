@@ -74,6 +74,13 @@ class LayerAlgorithm:
         return AlgorithmMemory(cls.name)
 
     @property
+    def reference_stream(self) -> bool:
+        """Whether the algorithm reads each layer's full-precision stream (``step.reference_inputs`` /
+        ``step.reference_outputs``: what the unquantized model gives and makes of the layer), which the runner then
+        carries beside the propagated one."""
+        return False
+
+    @property
     def propagate(self) -> str:
         """What ``calibrate`` uses when its caller does not choose (``propagate=None``)."""
         return self.params.get("propagate", self.default_propagate)

@@ -24,7 +24,14 @@ Columns whose input is always zero (``H_jj = 0``: dead channels, experts that go
 and pass no error on. Recipe: ``[algorithm] name = "gptq"``, ``block_size`` (128), ``percdamp`` (0.01),
 ``act_order`` (false), ``static_groups`` (false), ``propagate`` ("qdq"), ``smooth`` (a table naming ``smoothquant`` or
 ``awq`` with its parameters: that algorithm folds its scales first, in the same step, then GPTQ quantizes the
-smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination).
+smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination), ``stream_correction`` (0: off).
+
+``stream_correction = α`` (0 < α <= 1) makes GPTQ's objective asymmetric (:mod:`.paired`): the runner carries the
+full-precision stream beside the quantized one, and each Linear outside an MoE block is first moved by the fraction
+α of the least-squares step from "the quantized stream's inputs, through the Linear's input quantizer" to "the
+full-precision model's output of this Linear", then rounded by GPTQ against the Hessian of those quantized inputs
+(its weight scales calibrated again on the moved weight). It compensates the drift of the layers quantized before
+and, for W4A4 / W8A8, the Linear's own input quantization.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from ..runtime.params import SpecError, boolean, integer, number, one_of, table_
 from .awq import AWQ
 from .base import LayerAlgorithm
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
+from .paired import PairedGrams, corrected_weight, pairable
 from .scales import clip_search_amax, element_qparams, nvfp4_element_scales, refine_rounding, refit_scales
 from .smoothquant import SmoothQuant
 from .stats import InputStats, threads
@@ -230,13 +238,14 @@ def gptq_quantize(
     return q.to(weight.dtype)
 
 
-def _gptq_memory(context: LayerPlanContext) -> AlgorithmMemory:
-    """GPTQ's own state on one layer (see :meth:`GPTQ.planned_memory`)."""
+def _gptq_memory(context: LayerPlanContext, paired: bool = False) -> AlgorithmMemory:
+    """GPTQ's own state on one layer (see :meth:`GPTQ.planned_memory`); ``paired``: two sums per Linear
+    (``stream_correction``: ``C_qq`` and ``C_tq``)."""
     quantized = [lin for lin in context.linears if lin.weight is not None]
     if not quantized:
         return AlgorithmMemory(GPTQ.name)
     world, rank = context.world_size, context.rank
-    hessians = sum(EXACT_SUM_BYTES * (lin.in_features**2 + 1) for lin in quantized)
+    hessians = (2 if paired else 1) * sum(EXACT_SUM_BYTES * (lin.in_features**2 + 1) for lin in quantized)
     widest = max(lin.in_features for lin in quantized)
     mine = [lin for k, lin in enumerate(quantized) if k % world == rank]
     solve = max(
@@ -268,6 +277,7 @@ class GPTQ(LayerAlgorithm):
         "scale_max_shrink": (0.3, number(0.0, 1.0, hi_open=True)),
         "refit_scales": (0, integer(0)),
         "refine_sweeps": (0, integer(0)),
+        "stream_correction": (0.0, number(0.0, 1.0)),
     }
     changes_weights = True
     default_propagate = "qdq"
@@ -294,9 +304,10 @@ class GPTQ(LayerAlgorithm):
     @classmethod
     def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
         """One ``[in, in]`` exact sum per quantized Linear of the layer, all at once (twice while all-reduced as one
-        flat buffer, N >= 2), and the float64 solve of the widest Linear this rank owns (Linear k on rank k mod N).
-        With ``smooth``, the smoother runs first in the same step: the larger of the two counts."""
-        state = _gptq_memory(context)
+        flat buffer, N >= 2), and the float64 solve of the widest Linear this rank owns (Linear k on rank k mod N);
+        with ``stream_correction``, two sums per Linear (the reference stream's activations are the runner's). With
+        ``smooth``, the smoother runs first in the same step: the larger of the two counts."""
+        state = _gptq_memory(context, paired=params.get("stream_correction", 0.0) > 0)
         smooth = params.get("smooth")
         if smooth:
             first = SMOOTHERS[smooth["name"]].planned_memory(context, smooth)
@@ -312,6 +323,11 @@ class GPTQ(LayerAlgorithm):
         if "smooth" in self.params:
             table = dict(self.params["smooth"])
             self.smoother = SMOOTHERS[table.pop("name")](table)
+
+    @property
+    def reference_stream(self) -> bool:
+        """``stream_correction`` reads the full-precision stream."""
+        return self.params["stream_correction"] > 0
 
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         if self.smoother is not None:
@@ -330,7 +346,10 @@ class GPTQ(LayerAlgorithm):
         for n, m in targets:
             check_quantizer(m.weight_quantizer, n)
             self._check_options(m.weight_quantizer, n)
-        stats = InputStats({n: (m, "input") for n, m in targets}, {"gram"}).collect(step).merge(group)
+        fraction = self.params["stream_correction"]
+        paired = PairedGrams(pairable(step.layer, targets) if fraction > 0 else []).collect(step, group)
+        plain = {n: (m, "input") for n, m in targets if n not in paired}
+        stats = InputStats(plain, {"gram"}).collect(step).merge(group) if plain else None
         rank, size = group_rank_size(group)
         damping: dict[str, float] = {}
         failed: dict[str, str] = {}
@@ -339,14 +358,20 @@ class GPTQ(LayerAlgorithm):
                 continue
             info: dict[str, Any] = {}
             try:
-                q = self._solve(m, stats[n].hessian(), info)
+                if n in paired:
+                    cqq, ctq = paired[n]
+                    moved = corrected_weight(m.weight, cqq, ctq, fraction, self.params["percdamp"])
+                    m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds
+                    q = self._solve(m, cqq, info, moved)
+                else:
+                    q = self._solve(m, stats[n].hessian(), info)
             except torch.linalg.LinAlgError as exc:
                 failed[n] = str(exc)
                 continue
             damping[n] = info["damping"]
             with torch.no_grad():
                 m.weight.copy_(q)
-        del stats
+        del stats, paired
         # Every rank learns every Linear's damping, and stops together if any Linear could not be solved.
         parts = [json.loads(p) for p in all_gather_strings(json.dumps({"damping": damping, "failed": failed}), group)]
         failures = {n: why for p in parts for n, why in p["failed"].items()}
@@ -384,11 +409,15 @@ class GPTQ(LayerAlgorithm):
             info=info,
         )
 
-    def _solve(self, m: QuantLinear, hessian: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
+    def _solve(
+        self, m: QuantLinear, hessian: torch.Tensor, info: dict[str, Any], weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One Linear: the scale search (fixed scales only), GPTQ, then ``max(refit_scales, refine_sweeps > 0)``
         rounds of: ``refine_sweeps`` rounding sweeps, then (while rounds of ``refit_scales`` remain) a least-squares
-        refit of the scales. ``info["damping"]``: the relative damping GPTQ needed."""
-        wq, weight = m.weight_quantizer, m.weight.detach()
+        refit of the scales. ``weight``: what to quantize (default: the Linear's own). ``info["damping"]``: the
+        relative damping GPTQ needed."""
+        wq = m.weight_quantizer
+        weight = (m.weight if weight is None else weight).detach()
         fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
         h = hessian.to(device=weight.device, dtype=torch.float32)
         if self.params["scale_search"] == "hessian" and fixed:

@@ -65,6 +65,8 @@ class ResumeState:
     report: list[dict[str, Any]]
     weights: dict[str, list[tuple[str, int, int]]]  # parameter -> pieces (file, first row, last row + 1)
     committed_at: float = 0.0  # when the manifest was written (seconds since the epoch)
+    #: The full-precision stream's hidden states of the same batches (a run with a reference stream), else None.
+    reference: list[torch.Tensor] | None = None
 
 
 class CalibrationCheckpoint(LayerCheckpoint):
@@ -119,25 +121,30 @@ class CalibrationCheckpoint(LayerCheckpoint):
                 what = f"unknown key {unknown[0]!r}" if unknown else f"no {missing[0]!r}"
                 raise self.corrupt(path, "report", f"has an entry with {what}")
 
-    def load(self, batch_indices: Sequence[int]) -> ResumeState | None:
+    def load(self, batch_indices: Sequence[int], reference: bool = False) -> ResumeState | None:
         """The committed state for this rank, which owns global batches ``batch_indices`` now (any world size), or
-        None when the directory holds no checkpoint yet. Not collective."""
+        None when the directory holds no checkpoint yet; with ``reference``, also the full-precision stream's hidden
+        states of those batches. Not collective."""
         manifest = self.opened()
         if manifest is None:
             return None
         done = int(manifest["completed_layers"])
-        activations = []
+        activations: list[torch.Tensor] = []
+        streams: list[torch.Tensor] | None = [] if reference else None
         if done < manifest["num_layers"]:
             for b in batch_indices:
                 name = manifest["batches"].get(str(b))
                 if name is None:
                     raise self.error(f"{self.manifest_path}: no activations of batch {b}; the checkpoint is incomplete")
-                activations.append(read_tensor(self.verified(manifest, name), f"batch{b}", self.error))
+                path = self.verified(manifest, name)
+                activations.append(read_tensor(path, f"batch{b}", self.error))
+                if streams is not None:
+                    streams.append(read_tensor(path, f"reference{b}", self.error))
         quant = read_tensors(self.verified(manifest, manifest["quantizers"]), self.error)
         weights = {}
         for pname, pieces in manifest["weights"].items():
             weights[pname] = [(str(self.verified(manifest, f)), a, b) for f, a, b in pieces]
-        return ResumeState(done, activations, quant, list(manifest["report"]), weights, self.committed_at())
+        return ResumeState(done, activations, quant, list(manifest["report"]), weights, self.committed_at(), streams)
 
     # ------------------------------------------------------------------ writing
     def commit(
@@ -148,11 +155,13 @@ class CalibrationCheckpoint(LayerCheckpoint):
         quantizer_state: dict[str, torch.Tensor],
         report: list[dict[str, Any]],
         weights: dict[str, tuple[int, torch.Tensor]] | None = None,
+        reference: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """Write this rank's part, then (rank 0, after everyone) the manifest. Collective.
 
         ``activations``: this rank's global batch index -> hidden states; ``weights``: parameter name -> (first
-        global row, this rank's rows), or None when weights did not change.
+        global row, this rank's rows), or None when weights did not change; ``reference``: the same batches' hidden
+        states in the full-precision stream (a run with a reference stream), stored beside them.
         """
 
         def manifest_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,7 +175,8 @@ class CalibrationCheckpoint(LayerCheckpoint):
             }
 
         self.commit_parts(
-            lambda part: self._write_part(part, completed_layers, activations, quantizer_state, weights), manifest_of
+            lambda part: self._write_part(part, completed_layers, activations, quantizer_state, weights, reference),
+            manifest_of,
         )
 
     def _write_part(
@@ -176,13 +186,16 @@ class CalibrationCheckpoint(LayerCheckpoint):
         activations: dict[int, torch.Tensor],
         quantizer_state: dict[str, torch.Tensor],
         weights: dict[str, tuple[int, torch.Tensor]] | None,
+        reference: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """This rank's files, recorded in ``part`` as they are written."""
         part.update(batches={}, weights={})
         meta = {"completed_layers": str(completed_layers), "rank": str(self.rank)}
         if activations:
             name = f"activations-L{completed_layers:05d}-rank{self.rank:05d}.safetensors"
-            part["files"][name] = self.save({f"batch{b}": a for b, a in activations.items()}, name, meta)
+            tensors = {f"batch{b}": a for b, a in activations.items()}
+            tensors.update({f"reference{b}": r for b, r in (reference or {}).items()})
+            part["files"][name] = self.save(tensors, name, meta)
             part["batches"] = {str(b): name for b in activations}
         fault_point(self.FAULT, step="activations written", rank=self.rank)
         if weights:

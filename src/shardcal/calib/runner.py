@@ -392,7 +392,7 @@ def _calibrate(
         fingerprinted = options.fingerprint() | ({"activation_report": feed.digest()} if feed is not None else {})
         fingerprint = run_fingerprint(model, recipe, batches, fingerprinted)
         checkpoint = CalibrationCheckpoint(options.checkpoint_dir, fingerprint, rank, world_size)
-        resume = checkpoint.load(mine)
+        resume = checkpoint.load(mine, reference=algorithm.reference_stream)
     report = CalibrationReport(
         recipe=recipe.name,
         propagate=propagate,
@@ -401,6 +401,9 @@ def _calibrate(
         num_tokens=sum(b.num_tokens for b in batches),
     )
     start, initial = _resume(model, recipe, names, resume, report, local_batches, checkpoint, options)
+    reference = None
+    if initial is not None and resume is not None and resume.reference is not None:
+        reference = [r.to(x.hidden_states.device) for r, x in zip(resume.reference, initial)]
 
     if rank == 0:
         warn_idle_ranks(len(batches), options.batch_size, world_size, stacklevel=3)  # calibrate's caller
@@ -416,6 +419,8 @@ def _calibrate(
         initial_inputs=initial,
         batch_numbers=mine,
         head_rows=head_rows if partial else None,
+        reference_stream=algorithm.reference_stream,
+        initial_reference=reference,
     )
     report_phase("calibrate: embedding")
     committed = start  # the layers the checkpoint directory holds (0 without one)
@@ -424,7 +429,8 @@ def _calibrate(
             report_phase(f"calibrate {step.name}")
             if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
                 acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
-                _commit(checkpoint, model, names, step.index, acts, report, keep_weights)
+                refs = None if step.reference_inputs is None else dict(zip(mine, step.reference_inputs))
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights, refs)
                 committed = step.index
                 fault_point("calibrate.committed", completed_layers=step.index)
             entry = _calibrate_layer(
@@ -502,6 +508,7 @@ def _commit(
     acts: dict[int, torch.Tensor],
     report: CalibrationReport,
     keep_weights: bool,
+    reference: dict[int, torch.Tensor] | None = None,
 ) -> None:
     checkpoint.commit(
         done,
@@ -510,4 +517,5 @@ def _commit(
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
         weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
+        reference=reference,
     )

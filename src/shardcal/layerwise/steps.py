@@ -62,6 +62,12 @@ class LayerStep:
     heads: dict[tuple[int, int], CachedInputs] = field(default_factory=dict, repr=False)
     #: The global number of each cached batch (the same batch has the same number at every world size).
     batch_numbers: list[int] = field(default_factory=list, repr=False)
+    #: With ``layer_steps(reference_stream=True)``: per cached batch, the hidden states the full-precision model
+    #: gives this layer (the previous layers unquantized and unchanged), on the cache device; else None.
+    reference_inputs: list[torch.Tensor] | None = field(default=None, repr=False)
+    #: This layer's outputs on :attr:`reference_inputs`, computed before the step is handed out (the layer as it
+    #: came, no quantizer inserted yet): the full-precision targets, and the next layer's reference inputs.
+    reference_outputs: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
         """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
@@ -74,6 +80,17 @@ class LayerStep:
                 raise UsageError(f"{self.name}: the first {rows} rows of batch {i} were not embedded on their own "
                                  f"(layer_steps(head_rows={{{i}: {rows}}}))")  # fmt: skip
             x = head.with_hidden(x.hidden_states[:rows])
+        return self._forward_on(x)
+
+    def forward_reference(self, i: int) -> torch.Tensor:
+        """Run the layer on cached batch ``i``'s full-precision-stream hidden states (:attr:`reference_inputs`),
+        with the same arguments as :meth:`forward`; the output is on the compute device."""
+        if self.reference_inputs is None:
+            raise UsageError(f"{self.name}: no reference stream (layer_steps(reference_stream=True))")
+        return self._forward_on(self.inputs[i].with_hidden(self.reference_inputs[i]))
+
+    def _forward_on(self, x: CachedInputs) -> torch.Tensor:
+        """The layer on ``x`` (no autograd), the batch's token mask declared; the output on the compute device."""
         with torch.no_grad(), real_tokens_of(x.token_mask):
             return call_layer(self.layer, self.name, x.hidden_states.to(self.device), self._call(x))
 
@@ -139,6 +156,8 @@ def layer_steps(
     device: torch.device | None = None,
     batch_numbers: Sequence[int] | None = None,
     head_rows: dict[int, int] | None = None,
+    reference_stream: bool = False,
+    initial_reference: list[torch.Tensor] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -154,7 +173,10 @@ def layer_steps(
     which each step can run the layer on the batch's first rows alone (``step.forward(i, rows)``: the model's
     arguments for those rows are computed once, here); embedding them is collective, so every rank passes a dict
     (possibly empty) or every rank None when resuming (``initial_inputs``); otherwise they are embedded with the
-    batches.
+    batches. ``reference_stream``: also carry the full-precision stream — each step's :attr:`LayerStep.reference_inputs`
+    are what the unquantized model gives the layer, and its :attr:`LayerStep.reference_outputs` are computed before
+    the step is handed out (one more forward per layer, two more activation caches); a resumed run passes that
+    layer's reference hidden states as ``initial_reference``.
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
@@ -174,17 +196,27 @@ def layer_steps(
         inputs = initial_inputs
         embedded = embed_batches(model, heads_of, device, cache_device) if head_rows is not None else []
     heads = {(i, head_rows[i]): x.with_hidden(torch.empty(0)) for i, x in zip(wanted, embedded)}  # calls only
+    reference = None
+    if reference_stream:
+        reference = initial_reference if initial_reference is not None else [x.hidden_states for x in inputs]
+        if len(reference) != len(inputs):
+            raise ValueError(f"initial_reference holds {len(reference)} batches, the inputs {len(inputs)}")
     for index in range(start, len(layers)):
         layer = layers[index]
         with layer_unsharded(layer):
             step = LayerStep(
-                index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads, batch_numbers=numbers
-            )
+                index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads, batch_numbers=numbers,
+                reference_inputs=reference,
+            )  # fmt: skip
+            if reference is not None:
+                step.reference_outputs = [step.forward_reference(i).to(cache_device) for i in range(len(inputs))]
+                _check_finite(step.name, step.reference_outputs, numbers)
             yield step
             if propagate == "qdq" or step.outputs is None:
                 step.forward_all(keep_outputs=True)
             outputs = step.outputs
             _check_finite(step.name, outputs, numbers)
+            reference = step.reference_outputs
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
 

@@ -12,7 +12,8 @@ What one rank holds during ``shardcal calibrate`` (load, calibrate, export), and
   export): held whole while it is used, and twice for the moment of the all-gather (FSDP2's flat all-gather
   buffer beside the per-parameter copies) when N >= 2;
 * **the activation cache**: this rank's whole batches (``rank_batch_indices``) × seq × hidden, twice (the current
-  layer's inputs and outputs), plus the rotary tables (cos, sin) of every batch; in host memory on a GPU;
+  layer's inputs and outputs), plus the rotary tables (cos, sin) of every batch; in host memory on a GPU; twice
+  more for an algorithm that reads the full-precision stream (GPTQ's ``stream_correction``: its inputs and outputs);
 * **one batch's intermediates** while a layer runs on it (attention or MLP, computed as float32 where fake
   quantization and RMSNorm compute), and the fake-quantized copy of the largest weight;
 * **quantizer state** (every calibrated amax, kept for all layers, on every rank) and one layer's observers, and the
@@ -615,6 +616,7 @@ class PreparedModel:
         self.algorithm = dict(recipe.algorithm)
         self.changes_weights = algorithm.changes_weights
         self.default_propagate = algorithm.propagate
+        self.reference_stream = algorithm.reference_stream
         self.layer_names = st.layer_names
         self.by_unit: dict[str, list[Param]] = {}
         for p in params:
@@ -782,6 +784,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     rotary = sum(2 * r * seq * st.head_dim * e for r in my_rows)
     has_reference = m.changes_weights or (not m.activations and m.propagate == "qdq")
     reference = sum(r * seq * hidden * e for r in sqnr_rows) if has_reference else 0
+    # the full-precision stream beside the propagated one: its inputs and (computed first) its outputs
+    reference += 2 * hidden_cache if m.reference_stream else 0
     sqnr = max(sqnr_rows, default=0) * seq * hidden * SQNR_BYTES
     # where things live: on a GPU, shards stay on the host with --cpu-offload, the cache with offload_activations
     shards_dev, shards_host = (0, shards) if (on_gpu and s.cpu_offload) else (shards, 0)

@@ -1,6 +1,7 @@
 """Hadamard rotations: orthonormal Hadamard matrices, block-diagonal ones for sizes that are not powers of two,
-randomized signs from a seed, and applying them to the last dimension of a tensor block by block (by matrix, or
-by the fast Walsh-Hadamard transform that a recipe's ``[rotation]`` uses).
+randomized signs from a seed, and applying them to the last dimension of a tensor block by block (by matrix, by
+the fast Walsh-Hadamard transform that folds a recipe's ``[rotation]`` into weights, or by two small matrix
+products, which rotate activations on every call).
 
 A rotation ``Q`` here is always orthonormal (``Q @ Q.T = I``), built in float64 and deterministic: the same size,
 block and seed give the same bits on every rank and every machine (the signs come from a CPU ``torch.Generator``),
@@ -93,4 +94,35 @@ def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
         first, second = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack((first + second, first - second), dim=-2).reshape(y.shape)
         h *= 2
+    return (y * (1.0 / block**0.5)).reshape(shape)
+
+
+#: ``(size, dtype, device) -> the ±1 Sylvester matrix``: the factors :func:`hadamard_blocks_by_factors` multiplies by.
+_FACTORS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _sylvester_factor(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (n, dtype, device)
+    if key not in _FACTORS:
+        _FACTORS[key] = sylvester_matrix(n).to(dtype=dtype, device=device)
+    return _FACTORS[key]
+
+
+def hadamard_blocks_by_factors(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The same product as :func:`hadamard_blocks`, ``x @ blockdiag(H_block, ..., H_block)``, computed as two small
+    matrix products: Sylvester's ``H_block`` is the Kronecker product ``H_b1 ⊗ H_b2`` (``b1 * b2 = block``), so with
+    each block viewed as a ``[b1, b2]`` matrix ``X`` the result is ``H_b1 X H_b2`` (both factors ±1, exact), then
+    one scaling. About ``b1 + b2`` multiply-adds per element: several times faster on a CPU than the transform's
+    ``log2(block)`` passes over memory, which is why every rotated Linear's input goes through here.
+
+    Equal to :func:`hadamard_blocks` up to float rounding (the sums are taken in another order); a row's bits depend
+    on the matrix kernels, so on the shape of ``x`` as any Linear's output does, not only on the row itself."""
+    if not is_power_of_two(block) or x.shape[-1] % block:
+        raise ValueError(f"rotation block {block} must be a power of two dividing the last dimension {x.shape[-1]}")
+    shape = x.shape
+    bits = block.bit_length() - 1
+    b1, b2 = 1 << (bits // 2), 1 << (bits - bits // 2)
+    y = x.reshape(-1, b1, b2) @ _sylvester_factor(b2, x.dtype, x.device)
+    if b1 > 1:
+        y = _sylvester_factor(b1, x.dtype, x.device) @ y
     return (y * (1.0 / block**0.5)).reshape(shape)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hadamard import hadamard_blocks
+from .hadamard import hadamard_blocks, hadamard_blocks_by_factors
 from .quantizer import TensorQuantizer
+from .reuse import LastResult, reusable
 from .spec import QuantizerSpec
 
 _QUANT_CLASSES: dict[type, type] = {}
@@ -167,11 +168,23 @@ def scale_input_columns_(linear: nn.Module, factor: torch.Tensor) -> None:
     weight.copy_(hadamard_blocks(plain, block).to(weight.dtype))
 
 
+_LAST_ROTATION = LastResult()  # q / k / v (gate / up) rotate one input tensor: once
+
+
 def rotated_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What ``module``'s weight sees of its input ``x``: ``x H`` for a QuantLinear with an input rotation, else
-    ``x`` itself (what hooks that record a Linear's inputs for an algorithm use)."""
+    ``x`` itself (what hooks that record a Linear's inputs for an algorithm use). Linears that share their input
+    and block share one rotation of it (:mod:`shardcal.quant.reuse`)."""
     block = getattr(module, "input_rotation", None)
-    return x if block is None else hadamard_blocks(x, block)
+    if block is None:
+        return x
+    keep = reusable(x)
+    out = _LAST_ROTATION.get(x, (block,)) if keep else None
+    if out is None:
+        out = hadamard_blocks_by_factors(x, block)
+        if keep:
+            _LAST_ROTATION.put(x, (block,), out)
+    return out
 
 
 def remove_quantizers(module: nn.Module) -> int:
