@@ -493,3 +493,34 @@ def test_plan_names_the_predicted_growth_and_the_process_peak_it_makes(capsys, t
     line = f"predicted growth per rank {growth:.1f} MiB (host memory over the process's size after imports); "
     line += f"process peak ≈ {growth:.1f} + baseline 300.0 = {growth + 300:.1f} MiB"
     assert line in out.splitlines()
+
+
+def _load_untied_and_report_read(model_dir: str) -> int:
+    from shardcal.models import load_pretrained
+
+    return load_pretrained(model_dir, untie_word_embeddings=True)._shardcal_distribution_plan["bytes_read"]
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_a_residual_rotation_plans_the_untied_head_it_loads_and_exports(tmp_path):
+    """A tied checkpoint under ``[rotation] residual``: loaded with a head of its own (read from the embeddings
+    again), which the plan counts — parameters, bytes read, and the export, which stores the head."""
+    from shardcal import calibrate
+    from shardcal.calib.recipes import parse_recipe
+    from shardcal.export import export_checkpoint
+    from shardcal.models import from_pretrained
+
+    folder = make_tiny_checkpoint(tmp_path, "llama", vocab_size=255, tie_word_embeddings=True)
+    text = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+    plain, rotated = (parse_recipe(text + extra, "t.toml", default_name="t")
+                      for extra in ("", '[rotation]\nresidual = "hadamard"\n'))  # fmt: skip
+    head = 255 * TINY_CONFIGS["llama"]["hidden_size"]
+    tied, untied = (plan_calibration(folder, r, settings(2)) for r in (plain, rotated))
+    assert untied.model["parameters"] == tied.model["parameters"] + head
+    read = run_on_ranks(2, _load_untied_and_report_read, str(folder))
+    assert [r.bytes_read for r in untied.ranks] == read
+    model = from_pretrained(folder)
+    calibrate(model, torch.randint(0, 255, (4, 16)), rotated, batch_size=2, progress=False)
+    files = sorted(export_checkpoint(model, tmp_path / "out", recipe=rotated).glob("*.safetensors"))
+    plan = plan_calibration(folder, rotated, settings(1))
+    assert plan.disk["export_bytes"] == sum(f.stat().st_size for f in files)

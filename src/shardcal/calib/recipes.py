@@ -27,10 +27,12 @@
     format = "fp8_e4m3"          # the only format (vLLM's FP8 KV cache)
     observer = "max"             # max | percentile | mse, as for [input]
 
-    [rotation]                   # optional: an online Hadamard rotation of the inputs of some targeted Linears
-    type = "hadamard"            # the only type: deterministic Sylvester blocks (vLLM's fast Hadamard kernel)
-    block = 128                  # the Hadamard block (a power of two); less where it does not divide in_features
-    include = ["*.down_proj"]    # which targeted Linears (patterns as in [targets]); exclude = [...] too
+    [rotation]                   # optional: Hadamard rotations, folded into weights and / or online
+    residual = "random-hadamard" # the residual stream rotated, folded into the weights: hadamard | random-hadamard
+    seed = 0                     # random-hadamard's signs
+    type = "hadamard"            # online input rotations: deterministic Sylvester blocks (vLLM's Hadamard kernel)
+    block = 128                  # the online Hadamard block (a power of two; none: no online rotation)
+    include = ["*.down_proj"]    # which targeted Linears rotate online (patterns as in [targets]); exclude = [...]
 
     [fallback]                   # optional: decoder layers whose output SQNR is under the floor are recalibrated
     min_layer_sqnr_db = 25.0     # with [fallback.weight] / [fallback.input] (same keys as above) instead,
@@ -96,11 +98,13 @@ _TOP_KEYS = (
     "rotation",
     "fallback",
 ) + ROLES
-_ROTATION_KEYS = ("type", "block", "include", "exclude")
+_ROTATION_KEYS = ("type", "block", "include", "exclude", "residual", "seed")
 #: The smallest Hadamard block a ``[rotation]`` falls back to for a Linear its ``block`` does not divide.
 MIN_ROTATION_BLOCK = 16
 #: The rotation types a recipe may name: ``hadamard`` (compressed-tensors' deterministic Sylvester Hadamard).
 ROTATION_TYPES: tuple[str, ...] = ("hadamard",)
+#: ``[rotation] residual``: the residual stream's rotation folded into the weights (:mod:`shardcal.algorithms.residual`).
+RESIDUAL_ROTATIONS: tuple[str, ...] = ("hadamard", "random-hadamard")
 _FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
 #: Group sizes of grouped weights that vLLM's kernels accept besides per channel (Marlin's
 #: ``MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]``, -1 being per channel), largest first.
@@ -126,12 +130,16 @@ class Rotation:
     ``(x H) (W H)^T`` instead of ``x W^T``, ``H`` the orthonormal block-diagonal Sylvester Hadamard with blocks of
     ``block`` (:func:`shardcal.quant.hadamard.hadamard_blocks`): ``W H`` is folded into the weight before it is
     calibrated, ``x H`` is computed online, before the input quantizer. Exported as compressed-tensors'
-    ``transform_config`` (``input`` online, ``weight_input`` fused)."""
+    ``transform_config`` (``input`` online, ``weight_input`` fused); ``block`` None: no online rotation.
+    ``residual``: the whole residual stream rotated too, folded into the weights before anything is calibrated
+    (:mod:`shardcal.algorithms.residual`; ``random-hadamard`` with signs from ``seed``), or None."""
 
-    block: int
+    block: int | None
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     type: str = "hadamard"
+    residual: str | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", tuple(self.include))
@@ -140,16 +148,21 @@ class Rotation:
         object.__setattr__(self, "_exclude_re", [compile_pattern(p) for p in self.exclude])
 
     def __hash__(self) -> int:
-        return hash((self.block, self.include, self.exclude, self.type))
+        return hash((self.block, self.include, self.exclude, self.type, self.residual, self.seed))
 
     def matches(self, module_name: str) -> bool:
-        """Whether the Linear with this full name (one the recipe quantizes) gets the rotation."""
-        return any(r.fullmatch(module_name) for r in self._include_re) and not any(
-            r.fullmatch(module_name) for r in self._exclude_re
+        """Whether the Linear with this full name (one the recipe quantizes) gets the online rotation."""
+        return (
+            self.block is not None
+            and any(r.fullmatch(module_name) for r in self._include_re)
+            and not any(r.fullmatch(module_name) for r in self._exclude_re)
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "block": self.block, "include": list(self.include), "exclude": list(self.exclude)}
+        out: dict[str, Any] = {"residual": self.residual, "seed": self.seed} if self.residual is not None else {}
+        if self.block is not None:
+            out.update(type=self.type, block=self.block, include=list(self.include), exclude=list(self.exclude))
+        return out
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,7 @@ class Recipe:
         """The Hadamard block that rotates the targeted Linear ``module_name``'s inputs, or None: the recipe's
         ``block``, or the largest power of two below it that divides ``in_features`` (SmolLM2's 576 takes 64 where
         ``block = 128``). Under :data:`MIN_ROTATION_BLOCK` that is a :class:`RecipeError` naming the Linear."""
-        if self.rotation is None or not self.rotation.matches(module_name):
+        if self.rotation is None or self.rotation.block is None or not self.rotation.matches(module_name):
             return None
         block = min(self.rotation.block, in_features & -in_features)
         if block < min(MIN_ROTATION_BLOCK, self.rotation.block):
@@ -317,8 +330,11 @@ def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
     if recipe.kv_cache is not None:
         inputs += f" + kv cache {recipe.kv_cache.format}, {recipe.kv_cache.observer}"  # always per tensor
     algorithm = algorithm_summary(recipe)
-    if recipe.rotation is not None:
-        algorithm += f" + {recipe.rotation.type} rotation ({recipe.rotation.block})"
+    rotation = recipe.rotation
+    if rotation is not None and rotation.residual is not None:
+        algorithm += f" + {rotation.residual} residual rotation"
+    if rotation is not None and rotation.block is not None:
+        algorithm += f" + {rotation.type} rotation ({rotation.block})"
     if recipe.fallback is not None:
         algorithm += f"; fallback under {recipe.min_layer_sqnr_db:g} dB"
     return recipe.name, weight, inputs, algorithm, recipe.description
@@ -465,14 +481,30 @@ def _rotation(table: dict[str, Any], source: str) -> Rotation:
     kind = _typed(table.get("type", "hadamard"), (str,), source, "rotation.type", "a string")
     if kind not in ROTATION_TYPES:
         raise _error(source, "rotation.type", f"unknown rotation type {kind!r} (known: {', '.join(ROTATION_TYPES)})")
+    residual = table.get("residual")
+    if residual is not None:
+        residual = _typed(residual, (str,), source, "rotation.residual", "a string")
+        if residual not in RESIDUAL_ROTATIONS:
+            raise _error(source, "rotation.residual", f"unknown {residual!r} (known: {', '.join(RESIDUAL_ROTATIONS)})")
+    seed = _typed(table.get("seed", 0), (int,), source, "rotation.seed", "an integer")
+    if seed < 0:
+        raise _error(source, "rotation.seed", f"must be at least 0, got {seed}")
     if "block" not in table:
-        raise _error(source, "rotation.block", "missing (the Hadamard block size, a power of two such as 128)")
+        if residual is None:
+            raise _error(
+                source, "rotation.block", "missing (the online Hadamard block, a power of two such as 128; or give "
+                "residual = \"hadamard\" for a rotation folded into the weights alone)"
+            )  # fmt: skip
+        for key in ("type", "include", "exclude"):
+            if key in table:
+                raise _error(source, f"rotation.{key}", "applies to online rotations, which need a block")
+        return Rotation(block=None, residual=residual, seed=seed)
     block = _typed(table["block"], (int,), source, "rotation.block", "an integer")
     if block < 2 or block & (block - 1):
         raise _error(source, "rotation.block", f"must be a power of two of at least 2, got {block}")
     include = _patterns(table.get("include", ["*"]), source, "rotation.include")
     exclude = _patterns(table.get("exclude", []), source, "rotation.exclude")
-    return Rotation(block=block, include=include, exclude=exclude, type=kind)
+    return Rotation(block=block, include=include, exclude=exclude, type=kind, residual=residual, seed=seed)
 
 
 def _with_fallback(recipe: Recipe, table: dict[str, Any], source: str) -> Recipe:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..algorithms import LayerAlgorithm, make_algorithm
+from ..algorithms.residual import residual_rotation, rotate_residual
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
 from ..errors import CalibrationInterrupted, ModelLayoutError
@@ -379,8 +380,10 @@ def _calibrate(
     prefix = decoder_layer_prefix(model, layers)
     names = [f"{prefix}.{i}" for i in range(len(layers))]
 
-    # Weights change during calibration when the algorithm edits them, or when fused experts store quantized values.
-    keep_weights = algorithm.changes_weights or any(p.dim() == 3 for p in model.parameters())
+    residual = _rotate_residual(model, recipe, batches)
+    # Weights change during calibration when the algorithm edits them, when fused experts store quantized values, or
+    # when the residual stream is rotated.
+    keep_weights = algorithm.changes_weights or residual or any(p.dim() == 3 for p in model.parameters())
     feed = None
     if activation_report is not None:
         feed = ActivationFeed.for_run(activation_report, model, batches, recipe, algorithm, propagate)
@@ -452,6 +455,19 @@ def _calibrate(
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
     return report
+
+
+def _rotate_residual(model: nn.Module, recipe: Recipe, batches: list[Batch]) -> bool:
+    """``[rotation] residual``: rotate the model's residual stream, folded into its weights, before anything is
+    calibrated (a resumed run rotates the freshly loaded model the same way, then restores its finished layers),
+    checked on the data's first sequence; return whether it did. Collective for a sharded model."""
+    rotation = recipe.rotation
+    if rotation is None or rotation.residual is None:
+        return False
+    report_phase("calibrate: residual rotation")
+    probe = batches[0].input_ids[:1] if batches else None
+    rotate_residual(model, residual_rotation(model, rotation.residual, rotation.seed), probe=probe)
+    return True
 
 
 def _check_rotations(layers: nn.ModuleList, prefix: str, recipe: Recipe) -> None:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from ..algorithms import residual
 from ..errors import CheckpointError
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
@@ -81,6 +82,7 @@ def load_pretrained(
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     mesh: DeviceMesh | None = None,
+    untie_word_embeddings: bool = False,
 ) -> nn.Module:
     """Load a Hugging Face-format directory as an FSDP2-sharded model; each rank reads only its own rows.
 
@@ -94,11 +96,18 @@ def load_pretrained(
     :func:`from_pretrained` (every rank loads everything; shardcal's classes only). The returned model records a
     distribution plan (``model._shardcal_distribution_plan``: sharded modules, mesh, bytes this rank read), which is
     why ``fsdp2_wrap`` refuses it — it is wrapped already.
+
+    ``untie_word_embeddings``: a model whose LM head shares the embeddings loads with a head of its own, read from the
+    embeddings (or the checkpoint's head tensor, when it stores one), and its config untied — what a recipe's residual
+    rotation needs, since once sharded they cannot be parted.
     """
     if not shard:
         if model is not None:
             raise CheckpointError("load_pretrained(model=..., shard=False): load a module of your own with shard=True")
-        return from_pretrained(path, dtype=dtype)
+        plain = from_pretrained(path, dtype=dtype)
+        if untie_word_embeddings:
+            residual.untie_word_embeddings(plain)
+        return plain
     cfg = load_config(path) if model is None else None
     if model is None and cfg.raw.get("quantization_config") is not None:
         raise CheckpointError(
@@ -122,6 +131,8 @@ def load_pretrained(
                 set_param_dtypes(
                     model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()}
                 )
+        if untie_word_embeddings:
+            sources = _untie_on_meta(model, reader, sources)
         buffers = _real_buffers(model, reader, stored)
         mesh = mesh if mesh is not None else default_mesh(model)
         fsdp2_wrap(model, shard_root=shard_root, mp_policy=mp_policy, cpu_offload=cpu_offload, mesh=mesh)
@@ -145,6 +156,19 @@ def load_pretrained(
     }
     setattr(model, DISTRIBUTION_PLAN_ATTR, plan)
     return model.eval()
+
+
+def _untie_on_meta(model: nn.Module, reader: CheckpointReader, sources: dict[str, Source]) -> dict[str, Source]:
+    """Give a tied head a weight of its own (still on the meta device; the config untied too), read from the
+    checkpoint's head tensor when it stores one, else from the embeddings' (see ``untie_word_embeddings``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    embed, _, head = residual.root_modules(model)
+    if head.weight is not embed.weight:
+        return sources
+    embed_name = names[id(embed.weight)]
+    residual.untie_word_embeddings(model)
+    head_name = next(n for n, p in model.named_parameters() if p is head.weight)
+    return {**sources, head_name: Source([[head_name]]) if head_name in reader else sources[embed_name]}
 
 
 def _copy_buffer(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ the same time; the peak is the largest phase. See docs/scaling.md.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import re
@@ -59,6 +60,7 @@ from ..algorithms.memory import (
     PlannedLinear,
     memory_model_of,
 )
+from ..algorithms.residual import root_modules, untie_word_embeddings
 from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
@@ -185,6 +187,24 @@ class ModelSource:
         projections included)."""
         structure = self.model_structure()
         return structure.params, structure.linears
+
+    def untied(self) -> ModelSource:
+        """This source as ``load_pretrained(..., untie_word_embeddings=True)`` loads it: a head tied to the
+        embeddings becomes a parameter of its own (an FSDP2 unit, stored by the export), read from the same tensor."""
+        st = self.model_structure()
+        model = copy.deepcopy(st.model)  # on the meta device: shapes only
+        names = {id(p): n for n, p in model.named_parameters()}
+        embed = root_modules(model)[0]
+        if not untie_word_embeddings(model):
+            return self
+        structure = read_structure(model, st.model_type, hidden_size=st.hidden_size,
+                                   num_attention_heads=st.num_attention_heads, head_dim=st.head_dim,
+                                   built_dtypes=st.built_dtypes is not None)  # fmt: skip
+        files = None
+        if self.file_dtypes is not None:
+            head = next(n for n, _ in structure.params if n not in self.file_dtypes)
+            files = {**self.file_dtypes, head: self.file_dtypes[names[id(embed.weight)]]}
+        return ModelSource(self.config, files, self.checkpoint_bytes, structure)
 
     def params(self, dtype: torch.dtype, shard_root: bool) -> list[Param]:
         """:func:`build_params` for this source, computed once per dtype and ``shard_root``."""
@@ -601,6 +621,9 @@ class PreparedModel:
 
     def __init__(self, source: ModelSource, recipe: Recipe, shard_root: bool = True,
                  dtype: torch.dtype | str | None = None):  # fmt: skip
+        residual = recipe.rotation is not None and recipe.rotation.residual is not None
+        if residual:  # loaded untied (the head a unit of its own), every layer's weights rewritten
+            source = source.untied()
         st = self.st = source.model_structure()
         self.recipe, self.shard_root = recipe, shard_root
         linears = st.linears
@@ -614,7 +637,7 @@ class PreparedModel:
         algorithm = make_algorithm(recipe.algorithm)
         self.memory_model = algorithm_memory_model(recipe)
         self.algorithm = dict(recipe.algorithm)
-        self.changes_weights = algorithm.changes_weights
+        self.changes_weights = algorithm.changes_weights or residual
         self.default_propagate = algorithm.propagate
         self.reference_stream = algorithm.reference_stream
         self.layer_names = st.layer_names

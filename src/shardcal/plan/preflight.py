@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..algorithms.residual import check_residual_layout
 from ..calib.recipes import Recipe, compile_pattern, quantize_modules
 from ..collect.targets import Target, TargetPattern, resolve_targets
 from ..errors import RecipeError
@@ -50,9 +51,12 @@ def check_recipe_fits(model: nn.Module, recipe: Recipe) -> list[str]:
     """Apply ``recipe`` to ``model``'s decoder layers as the runner does; return the quantized modules' names.
 
     ``model`` is changed (quantizers inserted): pass a skeleton (:func:`meta_skeleton`). Raises
-    :class:`RecipeError` naming the module and a fix, or the recipe's patterns that match nothing.
+    :class:`RecipeError` naming the module and a fix, or the recipe's patterns that match nothing; a
+    :class:`~shardcal.errors.ModelLayoutError` when ``[rotation] residual`` cannot rotate the model.
     """
     layers = require_decoder_layers(model)
+    if recipe.rotation is not None and recipe.rotation.residual is not None:
+        check_residual_layout(model)  # before quantizers change the skeleton
     candidates = _quantizable_names(model)
     _check_patterns(recipe, candidates)
     prefix = decoder_layer_prefix(model, layers)

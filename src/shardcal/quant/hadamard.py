@@ -126,3 +126,90 @@ def hadamard_blocks_by_factors(x: torch.Tensor, block: int) -> torch.Tensor:
     if b1 > 1:
         y = _sylvester_factor(b1, x.dtype, x.device) @ y
     return (y * (1.0 / block**0.5)).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------- any size (residual rotations)
+
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % p for p in range(2, int(q**0.5) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """``Q[i, j] = χ(j - i)``, χ the quadratic character mod the prime ``q`` (0, ±1)."""
+    squares = {(k * k) % q for k in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if a in squares else -1.0 for a in range(1, q)], dtype=torch.float64)
+    index = torch.arange(q)
+    return chi[(index[None, :] - index[:, None]) % q]
+
+
+def paley_matrix(m: int) -> torch.Tensor | None:
+    """An unnormalized (±1) Hadamard matrix of order ``m`` from Paley's constructions, or None: construction I for
+    ``m = q + 1``, ``q`` a prime ``≡ 3 (mod 4)`` (12, 20, 24, 44, 48, 60, ...), construction II for
+    ``m = 2 (q + 1)``, ``q`` a prime ``≡ 1 (mod 4)`` (12, 28, 36, 60, 76, ...)."""
+    q = m - 1
+    if _is_prime(q) and q % 4 == 3:
+        s = torch.zeros(m, m, dtype=torch.float64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, _jacobsthal(q)
+        return s + torch.eye(m, dtype=torch.float64)
+    q = m // 2 - 1
+    if m % 2 == 0 and _is_prime(q) and q % 4 == 1:
+        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+        c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
+        plus = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        minus = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+        return torch.kron(c, plus) + torch.kron(torch.eye(q + 1, dtype=torch.float64), minus)
+    return None
+
+
+def hadamard_factor(n: int) -> torch.Tensor:
+    """The unnormalized (±1) Hadamard matrix ``H_m`` with ``n = m · 2^k`` and ``m`` the smallest such order a
+    Sylvester or Paley construction gives (``H_n = H_m ⊗ H_{2^k}``): ``[[1.]]`` for a power of two, ``H_36`` for
+    576, ``H_20`` for 640. A :class:`ValueError` when no such ``m`` divides ``n`` (e.g. an odd ``n``)."""
+    if n <= 0:
+        raise ValueError(f"rotation size must be positive, got {n}")
+    k = (n & -n).bit_length() - 1
+    for j in range(k, -1, -1):  # the largest power of two first: the smallest odd-ish factor m
+        m = n >> j
+        found = torch.ones(1, 1, dtype=torch.float64) if m == 1 else paley_matrix(m)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"no Hadamard matrix of size {n} is built here: it must be m · 2^k with m 1 or a Paley order "
+        "(q + 1 for a prime q ≡ 3 mod 4, 2 (q + 1) for a prime q ≡ 1 mod 4)"
+    )
+
+
+class FullHadamard:
+    """The orthonormal rotation ``Q = diag(s) (H_m ⊗ H_{2^k}) / sqrt(n)`` of a whole dimension ``n`` (no blocks),
+    ``s`` random signs from ``seed`` (None: all ones, the deterministic Hadamard): what QuaRot rotates the residual
+    stream with. Applied by its Kronecker factors, in float64: no ``[n, n]`` matrix is built."""
+
+    def __init__(self, n: int, seed: int | None = None):
+        self.n = n
+        self.seed = seed
+        self.factor = hadamard_factor(n)
+        self.m = self.factor.shape[0]
+        self.p = n // self.m
+        self.signs = random_signs(n, seed) if seed is not None else None
+
+    def right(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ Q`` over the last dimension (float64)."""
+        if x.shape[-1] != self.n:
+            raise ValueError(f"cannot rotate a last dimension of {x.shape[-1]} with a rotation of size {self.n}")
+        y = x.to(torch.float64)
+        if self.signs is not None:
+            y = y * self.signs.to(y.device)
+        y = y.reshape(-1, self.m, self.p)
+        if self.p > 1:
+            y = hadamard_blocks(y, self.p)  # orthonormal Sylvester factor on the last axis
+        h = self.factor.to(y.device) / self.m**0.5
+        return (h.T @ y).reshape(x.shape)  # (H_m ⊗ H_p): H_m^T X H_p on each [m, p] view
+
+    def left_transposed(self, w: torch.Tensor) -> torch.Tensor:
+        """``Q^T @ w`` over the first dimension of a 2-D ``w`` (float64): a Linear's output rows rotated."""
+        return self.right(w.T).T
+
+    def matrix(self) -> torch.Tensor:
+        """``Q`` itself, ``[n, n]`` float64 (for tests and small sizes)."""
+        return self.right(torch.eye(self.n, dtype=torch.float64))
