@@ -15,7 +15,9 @@ multiple of 128). The schemes ``w4a16-quip-g64``, ``w4a16-spinquant-g64``, ``w8a
 ``w4a16-autoround-g64`` are the peers' rotations (llm-compressor's QuIP and SpinQuant) and learned rounding
 (llm-compressor's AutoRoundModifier and the auto-round package itself, at ``peer_run.AUTOROUND_ITERS`` steps per
 layer: each such run took 7-10 minutes on 2 CPU cores), beside shardcal's GPTQ / SmoothQuant rows
-with and without its own ``[rotation]``. A tool with no recipe for a scheme is not run. Prints one markdown table;
+with and without its own ``[rotation]`` (online input rotations, or the residual stream's folded into the
+weights). ``nvfp4`` compares the three nvfp4 recipes with the peers' NVFP4 presets. A tool with no recipe for a
+scheme is not run. Prints one markdown table;
 ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs whose JSON is there; ``--only`` runs one
 side). Without the peers' venv the peer rows are skipped with a message.
 
@@ -50,7 +52,9 @@ _G64 = {"weight": {"group_size": 64}}  # every tool at group 64 (SmolLM2's 576 i
 _G64_MAX = {"weight": {"group_size": 64, "observer": "max"}}  # the scales of the peers' default GPTQ
 _G64_ASYM = {"weight": {"group_size": 64, "symmetric": False}}  # zero points, as llm-compressor's AWQ default
 _ROT64 = {"rotation": {"type": "hadamard", "block": 64}}  # shardcal's online input rotations, Sylvester blocks of 64
+_R1 = {"rotation": {"residual": "random-hadamard"}}  # shardcal's residual rotation, folded into the weights
 _GPTQ_G64 = ("w4a16-gptq g64", "w4a16-gptq", _G64)
+_AUTOROUND = {"name": "autoround", "iters": AUTOROUND_ITERS, "block_size": None, "percdamp": None, "act_order": None}
 #: scheme -> shardcal's rows: (label, shipped recipe, overlay). The overlay is merged into the recipe's TOML table
 #: (tables merge key by key, ``None`` removes a key): the rows that are not shipped recipes say so in their label.
 SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
@@ -102,24 +106,23 @@ SHARDCAL: dict[str, list[tuple[str, str, dict]]] = {
     "w8a8-int8-spinquant": [
         ("w8a8-int8-sq", "w8a8-int8-sq", {}),
         ("w8a8-int8-sq + [rotation] hadamard 64", "w8a8-int8-sq", _ROT64),
+        ("w8a8-int8-sq + [rotation] residual random-hadamard (folded, no online transform)", "w8a8-int8-sq", _R1),
+        ("w8a8-int8 + [rotation] residual random-hadamard (folded, no smoothing)", "w8a8-int8", _R1),
     ],
     "w4a16-autoround-g64": [
         _GPTQ_G64,
         (
             f"w4a16-gptq g64 with AutoRound, iters {AUTOROUND_ITERS} (the peers' steps), instead of GPTQ (not shipped)",
             "w4a16-gptq",
-            {
-                **_G64,
-                "algorithm": {
-                    "name": "autoround",
-                    "iters": AUTOROUND_ITERS,
-                    "block_size": None,
-                    "percdamp": None,
-                    "act_order": None,
-                },
-            },
+            {**_G64, "algorithm": _AUTOROUND},
+        ),
+        (
+            "the same with the full-precision stream's targets (target = fp, as auto-round; not shipped)",
+            "w4a16-gptq",
+            {**_G64, "algorithm": {**_AUTOROUND, "target": "fp"}},
         ),
     ],
+    "nvfp4": [("nvfp4", "nvfp4", {}), ("nvfp4-gptq", "nvfp4-gptq", {}), ("nvfp4-sq-gptq", "nvfp4-sq-gptq", {})],
 }
 
 
