@@ -517,6 +517,9 @@ def test_a_residual_rotation_plans_the_untied_head_it_loads_and_exports(tmp_path
     head = 255 * TINY_CONFIGS["llama"]["hidden_size"]
     tied, untied = (plan_calibration(folder, r, settings(2)) for r in (plain, rotated))
     assert untied.model["parameters"] == tied.model["parameters"] + head
+    assert "rotate" not in tied.ranks[0].phases
+    rotate = untied.ranks[0].phases["rotate"]  # the probe's forward: root and head gathered together
+    assert rotate >= untied.ranks[0].phases["embed"]
     read = run_on_ranks(2, _load_untied_and_report_read, str(folder))
     assert [r.bytes_read for r in untied.ranks] == read
     model = from_pretrained(folder)

@@ -46,6 +46,8 @@ from .mappings import layer_smoothings, norm_offset
 
 #: The largest change of the probe's logits, relative to their largest magnitude, that counts as float rounding.
 PROBE_RTOL = 1e-3
+#: The probe's length: the first tokens of the data's first sequence (logits of the whole vocabulary for each).
+PROBE_TOKENS = 32
 
 
 def residual_rotation(model: nn.Module, kind: str, seed: int = 0) -> FullHadamard:

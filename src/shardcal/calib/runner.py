@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..algorithms import LayerAlgorithm, make_algorithm
-from ..algorithms.residual import residual_rotation, rotate_residual
+from ..algorithms.residual import PROBE_TOKENS, residual_rotation, rotate_residual
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
 from ..errors import CalibrationInterrupted, ModelLayoutError
@@ -465,7 +465,7 @@ def _rotate_residual(model: nn.Module, recipe: Recipe, batches: list[Batch]) -> 
     if rotation is None or rotation.residual is None:
         return False
     report_phase("calibrate: residual rotation")
-    probe = batches[0].input_ids[:1] if batches else None
+    probe = batches[0].input_ids[:1, :PROBE_TOKENS] if batches else None
     rotate_residual(model, residual_rotation(model, rotation.residual, rotation.seed), probe=probe)
     return True
 

@@ -60,7 +60,7 @@ from ..algorithms.memory import (
     PlannedLinear,
     memory_model_of,
 )
-from ..algorithms.residual import root_modules, untie_word_embeddings
+from ..algorithms.residual import PROBE_TOKENS, root_modules, untie_word_embeddings
 from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
@@ -81,6 +81,9 @@ from .preflight import fix_hint
 from .structure import Linear, ModelStructure, read_structure
 
 MiB = 2**20
+#: ``[rotation] residual``: float64 copies of a weight while it is rotated (the value, the signed copy, the work
+#: buffers of the transforms), and float32 copies of the probe's logits (before, after, their difference).
+RESIDUAL_WEIGHT_COPIES, PROBE_LOGIT_COPIES = 4, 3
 DEVICES = ("cpu", "cuda")
 
 # ------------------------------------------------------------------------------------ measured constants
@@ -638,6 +641,7 @@ class PreparedModel:
         self.memory_model = algorithm_memory_model(recipe)
         self.algorithm = dict(recipe.algorithm)
         self.changes_weights = algorithm.changes_weights or residual
+        self.residual = residual
         self.default_propagate = algorithm.propagate
         self.reference_stream = algorithm.reference_stream
         self.layer_names = st.layer_names
@@ -787,6 +791,22 @@ class _Model:
         return 0 if unit == "<root>" else index % self.s.world_size
 
 
+def _residual_rotation_bytes(m: _Model) -> int:
+    """``[rotation] residual`` before calibration (:func:`shardcal.algorithms.residual.rotate_residual`): the larger
+    of one layer gathered with the float64 copies of its largest weight that the rotation makes
+    (:data:`RESIDUAL_WEIGHT_COPIES`), and the probe forward of :data:`PROBE_TOKENS` tokens — the root and the head
+    gathered, the layers one at a time, the logits (float32) kept twice."""
+    biggest = max((m.gathered[u] for u in m.layer_names), default=0)
+    widest = max((math.prod(sh) for n, sh in m.st.params if m.st.unit_of(n) in m.layer_names), default=0)
+    layer = (
+        m.gather_peak(m.layer_names[0]) - m.gathered[m.layer_names[0]] + biggest + RESIDUAL_WEIGHT_COPIES * widest * 8
+    )
+    vocab = max((sh[0] for n, sh in m.st.params if len(sh) == 2 and m.st.unit_of(n) not in m.layer_names), default=0)
+    head = m.gather_peak("lm_head") if "lm_head" in m.gathered else 0
+    probe = m.gather_peak("<root>") + head + 2 * biggest + PROBE_LOGIT_COPIES * 4 * PROBE_TOKENS * vocab
+    return max(layer, probe)
+
+
 def _phase_max(phases: dict[str, int]) -> tuple[str, int]:
     name = max(phases, key=lambda k: phases[k])
     return name, phases[name]
@@ -826,6 +846,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
         shards_dev + embed + (0 if cache_on_host else hidden_cache + rotary),
         shards_host + (hidden_cache + rotary if cache_on_host else 0),
     )
+    if m.residual:
+        phases["rotate"] = (shards_dev + _residual_rotation_bytes(m), shards_host)
     layer_peaks: list[tuple[int, int]] = []
     algo_peak, layer_fwd, wobs = 0, 0, 0
     for i in m.last_of_kind:
@@ -1218,7 +1240,7 @@ def format_plan(plan: CalibrationPlan, max_ranks: int = 4, baseline: int | None 
     for key, label in _PART_LABELS.items():
         lines.append(f"  {label:36}" + "".join(f"{fmt_bytes(r.parts[key]):>13}" for r in shown))
     where = "device" if s.device != "cpu" else "host"
-    for phase in ("load", "embed", "layers", "export"):
+    for phase in [p for p in ("load", "rotate", "embed", "layers", "export") if p in shown[0].phases]:
         lines.append(
             f"  {where + ' peak while ' + phase:36}" + "".join(f"{fmt_bytes(r.phases[phase]):>13}" for r in shown)
         )

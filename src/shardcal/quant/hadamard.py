@@ -87,14 +87,17 @@ def hadamard_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     if not is_power_of_two(block) or x.shape[-1] % block:
         raise ValueError(f"rotation block {block} must be a power of two dividing the last dimension {x.shape[-1]}")
     shape = x.shape
-    y = x.reshape(-1, shape[-1] // block, block)
+    y = x.reshape(-1, shape[-1] // block, block).clone()
+    spare = torch.empty_like(y)
     h = 1
     while h < block:
-        pairs = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
-        first, second = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((first + second, first - second), dim=-2).reshape(y.shape)
+        pairs = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        out = spare.view(pairs.shape)
+        torch.add(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 0, :])
+        torch.sub(pairs[..., 0, :], pairs[..., 1, :], out=out[..., 1, :])
+        y, spare = spare, y
         h *= 2
-    return (y * (1.0 / block**0.5)).reshape(shape)
+    return y.mul_(1.0 / block**0.5).reshape(shape)
 
 
 #: ``(size, dtype, device) -> the ±1 Sylvester matrix``: the factors :func:`hadamard_blocks_by_factors` multiplies by.
@@ -203,8 +206,20 @@ class FullHadamard:
         y = y.reshape(-1, self.m, self.p)
         if self.p > 1:
             y = hadamard_blocks(y, self.p)  # orthonormal Sylvester factor on the last axis
-        h = self.factor.to(y.device) / self.m**0.5
-        return (h.T @ y).reshape(x.shape)  # (H_m ⊗ H_p): H_m^T X H_p on each [m, p] view
+        if self.m == 1:
+            return y.reshape(x.shape)
+        # (H_m ⊗ H_p): H_m^T X H_p on each [m, p] view. The ±1 factor is applied as sums and differences of whole
+        # rows in a fixed order (no matrix kernel), so a row's bits do not depend on how many rows there are.
+        signs = self.factor.T.tolist()
+        parts = y.transpose(0, 1).contiguous()  # [m, rows, p]: each part contiguous
+        out = torch.empty_like(parts)
+        for c, row in enumerate(signs):
+            torch.add(parts[0], parts[1], alpha=row[1] / row[0], out=out[c])  # row[0] = ±1
+            for a in range(2, self.m):
+                out[c].add_(parts[a], alpha=row[a] * row[0])
+            if row[0] < 0:
+                out[c].neg_()
+        return out.mul_(1.0 / self.m**0.5).transpose(0, 1).reshape(x.shape)
 
     def left_transposed(self, w: torch.Tensor) -> torch.Tensor:
         """``Q^T @ w`` over the first dimension of a 2-D ``w`` (float64): a Linear's output rows rotated."""
