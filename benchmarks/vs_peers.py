@@ -145,6 +145,7 @@ GEMMA3: dict[str, list[tuple[str, str, dict]]] = {
         ("w4a16", "w4a16", {}),
         ("w4a16-gptq", "w4a16-gptq", {}),
         ("w4a16-gptq-rot", "w4a16-gptq-rot", {}),
+        ("w4a16-gptq-rot-g64-asym (groups of 64, with zero points)", "w4a16-gptq-rot-g64-asym", {}),
     ],
     "w4a16-awq-g128": [
         ("w4a16-awq", "w4a16-awq", {}),

@@ -128,6 +128,40 @@ def test_autoround_beats_round_to_nearest(symmetric):
         assert loss["last"] < loss["first"], loss
 
 
+def test_guard_keeps_the_start_when_tuning_made_it_worse():
+    """A step size of 1 throws every rounding offset to its bound: the tuned error is above the start's, so the
+    guard keeps the starting parameters — the weights of round to nearest — while without it the tuned model is far
+    worse."""
+    rtn_model = _model()
+    calibrate(rtn_model, _data(n=8), _recipe("rtn"), batch_size=2, progress=False)
+    wild, report = _output_error("autoround", iters=2, lr=1.0, guard=False)
+    kept, kept_report = _output_error("autoround", iters=2, lr=1.0)
+    rtn, _ = _output_error("rtn")
+    assert wild > 2 * rtn, (wild, rtn)
+    assert kept == pytest.approx(rtn, rel=1e-4)
+    for layer in kept_report.layers:
+        assert layer.algorithm["autoround_loss"]["tuned_ratio"] > 1.0
+    assert "tuned_ratio" not in report.layers[0].algorithm["autoround_loss"]
+    model = _model()
+    calibrate(model, _data(n=8), _recipe(iters=2, lr=1.0), batch_size=2, progress=False)
+    rtn_linears = dict(rtn_model.named_modules())
+    for name, got in model.named_modules():
+        if isinstance(got, QuantLinear):  # the weight left in the Linear is round to nearest's fake-quant weight
+            want = rtn_linears[name]
+            with torch.no_grad():
+                rounded = want.weight_quantizer(want.weight.detach())
+            assert torch.allclose(got.weight.detach(), rounded, rtol=0, atol=1e-6), name
+
+
+def test_guard_keeps_tuned_parameters_that_lower_the_error():
+    """With small steps the error falls: the guard keeps the tuned parameters (the same model as without it)."""
+    guarded, report = _output_error("autoround", iters=12)
+    unguarded, _ = _output_error("autoround", iters=12, guard=False)
+    for layer in report.layers:
+        assert 0.0 < layer.algorithm["autoround_loss"]["tuned_ratio"] < 1.0
+    assert guarded == unguarded
+
+
 def test_fp_targets_are_the_float_models_outputs():
     """``target = "fp"``: the first step's loss (round to nearest, before any update) is the error against the float
     model's own layer outputs. At layer 0 both streams are the embeddings, so it equals ``target = "layer"``'s; at

@@ -16,17 +16,21 @@ asymmetric, per channel or per group):
   so that each layer also makes up for the error of the layers quantized before it;
 * the step: ``iters`` steps of ``p -= lr_t * sign(grad)`` with ``lr_t`` decaying linearly from ``lr`` (default
   ``1 / iters``) to 0, each on ``batches_per_iter`` batches drawn without replacement from a seeded permutation of
-  the run's global batch numbers (epoch after epoch).
+  the run's global batch numbers (epoch after epoch);
+* the guard (``guard``): the tuned parameters are kept only if their error summed over every batch the layer was
+  tuned on is below the starting parameters' (two forwards per batch, no backward); otherwise the layer keeps its
+  start, so no layer ends worse than round to nearest on its tuning data.
 
 Exact across ranks: each drawn batch's gradient is computed by the rank that holds it (the same shapes at every
 world size), scaled by a power of two common to all ranks (from the all-reduced maximum) and rounded to an
 integer-valued float64 (:data:`FIXED_BITS` bits), so the all-reduced sum — and its sign — is the same bits at any
-world size and in any order. Every rank applies the same update, so weights and scales stay identical without a
+world size and in any order (each step's loss and the guard's sums too, so every rank makes the same choice). Every
+rank applies the same update, so weights and scales stay identical without a
 broadcast. The result is the quantizer's own fake quantization of the tuned weight with the tuned amax (export keeps
 the recipe's layout); the runner writes the weights back into the shards and checkpoints them (resumable like GPTQ).
 
 Recipe: ``[algorithm] name = "autoround"``, ``iters`` (64), ``lr`` (0: ``1 / iters``), ``batches_per_iter`` (1),
-``clip`` (true), ``min_clip`` (0.5), ``seed`` (0), ``target`` ("layer"), ``propagate`` ("qdq").
+``clip`` (true), ``min_clip`` (0.5), ``seed`` (0), ``target`` ("layer"), ``guard`` (true), ``propagate`` ("qdq").
 """
 
 from __future__ import annotations
@@ -119,6 +123,13 @@ class _TunedWeight:
         self.module.weight.copy_(lay.restore(codes * scale).to(self.module.weight.dtype))
 
     @torch.no_grad()
+    def reset(self) -> None:
+        """Back to the starting parameters: round to nearest in the recipe observer's range."""
+        self.v.zero_()
+        for p in self.params[1:]:
+            p.fill_(1.0)
+
+    @torch.no_grad()
     def step(self, signs: list[torch.Tensor], lr: float, min_clip: float) -> None:
         for p, s in zip(self.params, signs):
             p.sub_(s.to(p.dtype), alpha=lr)
@@ -187,6 +198,7 @@ class AutoRound(LayerAlgorithm):
         "min_clip": (0.5, number(0.0, 1.0, lo_open=True)),
         "seed": (0, integer(0)),
         "target": ("layer", one_of("layer", "fp")),
+        "guard": (True, boolean),
         "propagate": ("qdq", one_of(*PROPAGATE_MODES)),
     }
     changes_weights = True
@@ -194,7 +206,7 @@ class AutoRound(LayerAlgorithm):
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
-        self._losses: dict[str, list[float]] = {}
+        self._losses: dict[str, dict[str, float]] = {}
 
     @property
     def reference_stream(self) -> bool:
@@ -234,25 +246,22 @@ class AutoRound(LayerAlgorithm):
         local = {number: i for i, number in enumerate(step.batch_numbers or range(len(step.inputs)))}
         params = [p for t in tuned for p in t.params]
         shapes = [p.shape for p in params]
-        losses = []
+        losses: list[float] = []
+        one = torch.Size([1])
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             wanted = sorted({local[b] for chosen in schedule for b in chosen if b in local})
             if self.reference_stream:
                 targets = {i: step.reference_outputs[i] for i in wanted}
             else:
                 targets = {i: step.forward(i).to(step.cache_device) for i in wanted}
+            start = _batch_errors(step, tuned, names, targets, wanted) if self.params["guard"] else {}
             for t, chosen in enumerate(schedule):
-                per_batch, loss = [], torch.zeros(1, dtype=torch.float64)
-                for b in chosen:
-                    if b not in local:
-                        continue
-                    i = local[b]
+                per_batch = []
+                for i in (local[b] for b in chosen if b in local):
                     out = step.forward_with(i, {names[k]: w.quantized() for k, w in enumerate(tuned)})
                     err = _masked_error(out, targets[i].to(out.device), step.inputs[i].token_mask)
-                    per_batch.append(list(torch.autograd.grad(err, params)))
-                    loss += float(err.detach())
-                sums = _fixed_point_sum(per_batch, shapes, group)
-                all_reduce_(loss, "sum", group)
+                    per_batch.append([*torch.autograd.grad(err, params), err.detach().reshape(1)])
+                *sums, loss = _fixed_point_sum(per_batch, [*shapes, one], group)
                 losses.append(float(loss))
                 signs = [torch.sign(s) for s in sums]
                 rate = lr * (1.0 - t / iters)
@@ -260,22 +269,44 @@ class AutoRound(LayerAlgorithm):
                 for w in tuned:
                     w.step(signs[offset : offset + len(w.params)], rate, self.params["min_clip"])
                     offset += len(w.params)
+            self._losses[step.name] = {"first": losses[0], "last": losses[-1]}
+            if self.params["guard"]:
+                final = _batch_errors(step, tuned, names, targets, wanted)
+                before, after = _fixed_point_sum([[start[i], final[i]] for i in wanted], [one, one], group)
+                ratio = float(after) / float(before) if float(before) > 0 else 1.0
+                self._losses[step.name]["tuned_ratio"] = ratio
+                if ratio >= 1.0:  # tuning made the layer worse on its own data: keep the start
+                    for w in tuned:
+                        w.reset()
         for w in tuned:
             w.finish()
-        self._losses[step.name] = [losses[0], losses[-1]]
 
     def layer_report(self, step: Any) -> dict[str, Any]:
-        """The summed squared output error of the first and the last step's batches (before each step's update)."""
+        """The summed squared output error of the first and the last step's batches (before each step's update),
+        and with ``guard`` ``tuned_ratio``: the tuned parameters' error over the starting ones' on every batch the
+        layer was tuned on (at or above 1: the start was kept)."""
         if step.name not in self._losses:
             return {}
-        first, last = self._losses[step.name]
-        return {"autoround_loss": {"first": first, "last": last}}
+        return {"autoround_loss": dict(self._losses[step.name])}
 
 
 def _parameter_names(step: LayerStep, tuned: list[_TunedWeight]) -> list[str]:
     """Each tuned Linear's weight name relative to the layer (what ``step.forward_with`` replaces)."""
     prefix = f"{step.name}."
     return [f"{t.name[len(prefix) :]}.weight" if t.name.startswith(prefix) else "weight" for t in tuned]
+
+
+@torch.no_grad()
+def _batch_errors(
+    step: LayerStep, tuned: list[_TunedWeight], names: list[str], targets: dict[int, torch.Tensor], wanted: list[int]
+) -> dict[int, torch.Tensor]:
+    """Each wanted batch's error under the current parameters (shape [1], float32)."""
+    weights = {names[k]: w.quantized() for k, w in enumerate(tuned)}
+    out = {}
+    for i in wanted:
+        got = step.forward_with(i, weights).detach()
+        out[i] = _masked_error(got, targets[i].to(got.device), step.inputs[i].token_mask).reshape(1)
+    return out
 
 
 def _masked_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
