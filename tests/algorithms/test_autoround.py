@@ -81,6 +81,25 @@ def test_gradient_sums_are_exact_in_any_order():
     assert len(float_sums) > 1  # the reason for fixed point
 
 
+def test_one_batch_signs_are_the_fixed_point_sums_signs():
+    """A step on one batch takes its signs in the gradient's own dtype: the same as the fixed-point sum's, also for
+    terms too small to survive its rounding (sign 0) and for an all-zero gradient."""
+    from shardcal.algorithms.autoround import _fixed_point_sum, _one_batch_signs
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(40, 30, generator=g) * torch.logspace(-16, 2, 30)  # columns down to 2**-53 of the largest
+    grads = [big, torch.zeros(7), torch.randn(5, generator=g) * 1e-30]
+    shapes = [t.shape for t in grads]
+    signs, loss = _one_batch_signs([[*grads, torch.tensor([3.5])]], shapes, None)
+    sums = _fixed_point_sum([grads], shapes, None)
+    for got, want in zip(signs, sums):
+        assert torch.equal(got.double(), torch.sign(want))
+    assert (signs[0] == 0).any() and (signs[0] != 0).any()
+    assert float(loss) == 3.5
+    empty, zero = _one_batch_signs([], shapes, None)
+    assert all(not e.any() for e in empty) and float(zero) == 0.0
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_untuned_weight_is_round_to_nearest_and_finish_is_reproduced_by_the_quantizer(symmetric):
     g = torch.Generator().manual_seed(0)

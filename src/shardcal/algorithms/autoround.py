@@ -132,7 +132,7 @@ class _TunedWeight:
     @torch.no_grad()
     def step(self, signs: list[torch.Tensor], lr: float, min_clip: float) -> None:
         for p, s in zip(self.params, signs):
-            p.sub_(s.to(p.dtype), alpha=lr)
+            p.sub_(s.to(device=p.device, dtype=p.dtype), alpha=lr)
         self.v.clamp_(-0.5, 0.5)
         for p in self.params[1:]:
             p.clamp_(min_clip, 1.0)
@@ -184,6 +184,33 @@ def _fixed_point_sum(per_batch: list[list[torch.Tensor]], shapes: list[torch.Siz
             sums[k] += torch.ldexp(grads[k].double().cpu(), scale).round_()
     all_reduce_many_(sums, "sum", group, dtype=torch.float64)
     return [torch.ldexp(s, torch.tensor(-e, dtype=torch.int32)) for s, e in zip(sums, exponents)]
+
+
+def _fixed_point_signs(gradient: torch.Tensor) -> torch.Tensor:
+    """The signs of ``gradient`` in :func:`_fixed_point_sum`'s units for one term (0 where it rounds to 0), computed
+    in the gradient's own dtype: scaling by a power of two and rounding are exact there too."""
+    low, high = torch.aminmax(gradient)
+    top = max(-float(low), float(high))
+    exponent = 0 if top == 0.0 or not math.isfinite(top) else FIXED_BITS - math.frexp(top)[1]
+    return torch.sign(gradient.mul(2.0**exponent).round_())
+
+
+def _one_batch_signs(
+    per_batch: list[list[torch.Tensor]], shapes: list[torch.Size], group: Any
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A step on one batch: the signs of its gradients as :func:`_fixed_point_sum` would give them and its loss,
+    computed by the rank holding the batch and summed with the other ranks' zeros (exact: one all-reduce of signs,
+    one of the loss; ``per_batch`` has the batch's ``[*gradients, loss]`` or is empty)."""
+    if per_batch:
+        *grads, err = per_batch[0]
+        signs = [_fixed_point_signs(g.float()) for g in grads]
+        loss = err.double().cpu()
+    else:
+        signs = [torch.zeros(s) for s in shapes]
+        loss = torch.zeros(1, dtype=torch.float64)
+    all_reduce_many_(signs, "sum", group, dtype=torch.float32)
+    all_reduce_(loss, "sum", group)
+    return signs, loss
 
 
 class AutoRound(LayerAlgorithm):
@@ -261,9 +288,12 @@ class AutoRound(LayerAlgorithm):
                     out = step.forward_with(i, {names[k]: w.quantized() for k, w in enumerate(tuned)})
                     err = _masked_error(out, targets[i].to(out.device), step.inputs[i].token_mask)
                     per_batch.append([*torch.autograd.grad(err, params), err.detach().reshape(1)])
-                *sums, loss = _fixed_point_sum(per_batch, [*shapes, one], group)
+                if len(chosen) == 1:
+                    signs, loss = _one_batch_signs(per_batch, shapes, group)
+                else:
+                    *sums, loss = _fixed_point_sum(per_batch, [*shapes, one], group)
+                    signs = [torch.sign(s) for s in sums]
                 losses.append(float(loss))
-                signs = [torch.sign(s) for s in sums]
                 rate = lr * (1.0 - t / iters)
                 offset = 0
                 for w in tuned:
