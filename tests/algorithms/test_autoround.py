@@ -81,6 +81,16 @@ def test_gradient_sums_are_exact_in_any_order():
     assert len(float_sums) > 1  # the reason for fixed point
 
 
+def test_round_ste_rounds_forward_and_passes_gradients_back():
+    """The straight-through rounding: ``round`` forward (half to even), the incoming gradient unchanged backward."""
+    from shardcal.algorithms.autoround import _round_ste
+
+    x = torch.tensor([-2.5, -1.5, -0.5, 0.49, 0.5, 1.5, 2.5, 3.7], requires_grad=True)
+    assert _round_ste(x).tolist() == [-2.0, -2.0, -0.0, 0.0, 0.0, 2.0, 2.0, 4.0]
+    (grad,) = torch.autograd.grad((_round_ste(x) * torch.arange(8.0)).sum(), x)
+    assert torch.equal(grad, torch.arange(8.0))
+
+
 def test_one_batch_signs_are_the_fixed_point_sums_signs():
     """A step on one batch takes its signs in the gradient's own dtype: the same as the fixed-point sum's, also for
     terms too small to survive its rounding (sign 0) and for an all-zero gradient."""

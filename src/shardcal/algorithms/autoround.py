@@ -61,9 +61,22 @@ FIXED_BITS = 40
 TUNE_BYTES_PER_WEIGHT = 44
 
 
+class _RoundSTE(torch.autograd.Function):
+    """``round(x)`` forward, the identity backward (the straight-through estimator) in one operation each way: the
+    same values as ``x + (round(x) - x).detach()`` (both subtraction and sum are exact), without its temporaries."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
     """``round(x)`` forward, the identity backward (the straight-through estimator)."""
-    return x + (torch.round(x) - x).detach()
+    return _RoundSTE.apply(x)
 
 
 class _TunedWeight:
