@@ -188,9 +188,7 @@ def _fixed_point_sum(per_batch: list[list[torch.Tensor]], shapes: list[torch.Siz
             maxima[k] = max(float(maxima[k]), float(g.abs().max()))
     all_reduce_(maxima, "max", group)
     sums = [torch.zeros(s, dtype=torch.float64) for s in shapes]
-    exponents = [
-        0 if top == 0.0 or not math.isfinite(top) else FIXED_BITS - math.frexp(top)[1] for top in maxima.tolist()
-    ]
+    exponents = [_fixed_point_exponent(top) for top in maxima.tolist()]
     for k, exponent in enumerate(exponents):
         scale = torch.tensor(exponent, dtype=torch.int32)  # the largest term becomes < 2**FIXED_BITS
         for grads in per_batch:
@@ -199,12 +197,17 @@ def _fixed_point_sum(per_batch: list[list[torch.Tensor]], shapes: list[torch.Siz
     return [torch.ldexp(s, torch.tensor(-e, dtype=torch.int32)) for s, e in zip(sums, exponents)]
 
 
+def _fixed_point_exponent(top: float) -> int:
+    """The power of two that scales terms whose largest magnitude is ``top`` to just under ``2**FIXED_BITS`` (0 for
+    a zero or non-finite ``top``)."""
+    return 0 if top == 0.0 or not math.isfinite(top) else FIXED_BITS - math.frexp(top)[1]
+
+
 def _fixed_point_signs(gradient: torch.Tensor) -> torch.Tensor:
     """The signs of ``gradient`` in :func:`_fixed_point_sum`'s units for one term (0 where it rounds to 0), computed
     in the gradient's own dtype: scaling by a power of two and rounding are exact there too."""
     low, high = torch.aminmax(gradient)
-    top = max(-float(low), float(high))
-    exponent = 0 if top == 0.0 or not math.isfinite(top) else FIXED_BITS - math.frexp(top)[1]
+    exponent = _fixed_point_exponent(max(-float(low), float(high)))
     return torch.sign(gradient.mul(2.0**exponent).round_())
 
 

@@ -35,14 +35,7 @@ from ..layerwise.moe import ExpertTokenMasks, moe_blocks
 from ..layerwise.steps import LayerStep
 from ..quant.linear import QuantLinear, rotated_input
 from ..quant.quantizer import QuantMode, TensorQuantizer
-from ..quant.session import (
-    begin_pass_all,
-    end_pass_all,
-    finish_calibration_all,
-    num_passes,
-    quantizer_mode,
-    start_calibration_all,
-)
+from ..quant.session import CalibrationSession, quantizer_mode
 from ..quant.tokens import real_positions
 from .stats import ExactSum, merge_exact
 
@@ -98,13 +91,9 @@ class PairedGrams:
         layer in full precision), merged over ranks."""
         quantizers = [m.input_quantizer for _, m in self.targets if _static(m.input_quantizer)]
         with quantizer_mode(step.layer, QuantMode.DISABLED):
-            start_calibration_all(quantizers)
-            for p in range(num_passes(quantizers)):
-                begin_pass_all(quantizers, p)
+            for _ in CalibrationSession(quantizers, group).passes():  # each pass merged: collective
                 with ExpertTokenMasks(step.layer):
                     step.forward_all(keep_outputs=False)
-                end_pass_all(quantizers, group)  # collective, also for a rank with no batches
-            finish_calibration_all(quantizers)
 
     def _capture(self, step: LayerStep, run: Any) -> dict[str, torch.Tensor]:
         """Each target's input rows (real tokens, float32, as its weight sees them) in one forward ``run()``; Linears

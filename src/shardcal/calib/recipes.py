@@ -238,6 +238,11 @@ class Recipe:
                 return dataclasses.replace(spec, group_size=size)
         return dataclasses.replace(spec, granularity="channel", axis=0, group_size=None)
 
+    @property
+    def rotates_residual(self) -> bool:
+        """Whether ``[rotation] residual`` rotates the residual stream (folded into the weights before calibration)."""
+        return self.rotation is not None and self.rotation.residual is not None
+
     def rotation_block(self, module_name: str, in_features: int) -> int | None:
         """The Hadamard block that rotates the targeted Linear ``module_name``'s inputs, or None: the recipe's
         ``block``, or the largest power of two below it that divides ``in_features`` (SmolLM2's 576 takes 64 where

@@ -180,8 +180,7 @@ def _load(model_dir: Path, inputs: CalibrationInputs, shard_root: bool, cpu_offl
     from ..loading.sharded import load_pretrained
 
     load = load_pretrained if inputs.impl == "shardcal" else load_transformers_sharded
-    rotation = inputs.recipe.rotation
-    untie = rotation is not None and rotation.residual is not None  # a residual rotation parts head and embeddings
+    untie = inputs.recipe.rotates_residual  # a residual rotation parts head and embeddings
     return load(model_dir, shard_root=shard_root, cpu_offload=cpu_offload, untie_word_embeddings=untie)
 
 

@@ -624,7 +624,7 @@ class PreparedModel:
 
     def __init__(self, source: ModelSource, recipe: Recipe, shard_root: bool = True,
                  dtype: torch.dtype | str | None = None):  # fmt: skip
-        residual = recipe.rotation is not None and recipe.rotation.residual is not None
+        residual = recipe.rotates_residual
         if residual:  # loaded untied (the head a unit of its own), every layer's weights rewritten
             source = source.untied()
         st = self.st = source.model_structure()

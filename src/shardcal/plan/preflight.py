@@ -55,7 +55,7 @@ def check_recipe_fits(model: nn.Module, recipe: Recipe) -> list[str]:
     :class:`~shardcal.errors.ModelLayoutError` when ``[rotation] residual`` cannot rotate the model.
     """
     layers = require_decoder_layers(model)
-    if recipe.rotation is not None and recipe.rotation.residual is not None:
+    if recipe.rotates_residual:
         check_residual_layout(model)  # before quantizers change the skeleton
     candidates = _quantizable_names(model)
     _check_patterns(recipe, candidates)
