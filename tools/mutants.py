@@ -56,9 +56,17 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "break-3",
         "layerwise/steps.py",
-        '            if propagate == "qdq" or step.outputs is None:\n',
+        '            if step.outputs is None or (propagate == "qdq" and not step.outputs_final):\n',
         "            if step.outputs is None:\n",
         'propagate="qdq" reuses the full-precision outputs of the observing pass',
+    ),
+    Mutant(
+        "break-3b",
+        "calib/runner.py",
+        "    if step.outputs_final and (activation or fed or dynamic or kv_quantizers or fused):\n",
+        "    if step.outputs_final and (activation or fed or kv_quantizers or fused):\n",
+        "an algorithm's handed-over outputs go on after the runner turned dynamic input quantizers on",
+        tests=("tests/algorithms/test_autoround.py",),
     ),
     Mutant(
         "break-4a",

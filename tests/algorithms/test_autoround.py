@@ -13,6 +13,7 @@ from shardcal.algorithms.autoround import _TunedWeight, batch_schedule
 from shardcal.calib.recipes import parse_recipe
 from shardcal.calib.runner import calibrate
 from shardcal.errors import RecipeError
+from shardcal.layerwise.steps import LayerStep
 from shardcal.models import CausalLM, ModelConfig
 from shardcal.quant import QuantizerSpec, iter_quantizers
 from shardcal.quant.formats import fake_quantize
@@ -189,6 +190,40 @@ def test_guard_keeps_tuned_parameters_that_lower_the_error():
     for layer in report.layers:
         assert 0.0 < layer.algorithm["autoround_loss"]["tuned_ratio"] < 1.0
     assert guarded == unguarded
+
+
+def _run_handing_over(monkeypatch, hand_over: bool, recipe_text: str = "") -> tuple[dict, torch.Tensor, list]:
+    """Calibrate with AutoRound; record the layers whose guard handed its outputs over, or (``hand_over`` False)
+    drop them so that the runner runs every layer again as before."""
+    handed: list[int] = []
+    original = LayerStep.keep_final_outputs
+
+    def keep(self: LayerStep, outputs: list[torch.Tensor]) -> None:
+        handed.append(self.index)
+        if hand_over:
+            original(self, outputs)
+
+    monkeypatch.setattr(LayerStep, "keep_final_outputs", keep)
+    model = _model(dict(LLAMA, num_hidden_layers=3))
+    weight = '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n'
+    recipe = parse_recipe(f'name = "t"\n{weight}{recipe_text}[algorithm]\nname = "autoround"\niters = 12\n', "t.toml")
+    calibrate(model, _data(n=8), recipe, batch_size=2, progress=False)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return state, _logits(model, _data(n=2, seed=9)), handed
+
+
+@pytest.mark.parametrize("inputs", ["", '[input]\nformat = "int8"\ngranularity = "token"\ndynamic = true\n'])
+def test_guard_outputs_go_on_as_the_next_inputs_bit_for_bit(monkeypatch, inputs):
+    """The guard's last pass runs the layer as it is left, so its outputs go on as the next layer's inputs instead
+    of the runner running the layer again: the same bits — every weight and the logits equal those of a run whose
+    runner recomputes them. With input quantizers set after the algorithm (dynamic int8 here) the runner does not
+    take them."""
+    state, logits, handed = _run_handing_over(monkeypatch, True, inputs)
+    want_state, want_logits, _ = _run_handing_over(monkeypatch, False, inputs)
+    assert handed == [0, 1, 2]
+    for name, want in want_state.items():
+        assert torch.equal(state[name], want), name
+    assert torch.equal(logits, want_logits)
 
 
 def test_fp_targets_are_the_float_models_outputs():

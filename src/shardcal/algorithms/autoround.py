@@ -18,8 +18,10 @@ asymmetric, per channel or per group):
   ``1 / iters``) to 0, each on ``batches_per_iter`` batches drawn without replacement from a seeded permutation of
   the run's global batch numbers (epoch after epoch);
 * the guard (``guard``): the tuned parameters are kept only if their error summed over every batch the layer was
-  tuned on is below the starting parameters' (two forwards per batch, no backward); otherwise the layer keeps its
-  start, so no layer ends worse than round to nearest on its tuning data.
+  tuned on is below the starting parameters' (two forwards per batch, no backward, through the layer's own forward
+  with the weights written in); otherwise the layer keeps its start, so no layer ends worse than round to nearest
+  on its tuning data. The second pass runs the layer as it is left: with the tuned parameters kept, its outputs are
+  handed over as the next layer's inputs (:meth:`LayerStep.keep_final_outputs`), a pass the runner then saves.
 
 Exact across ranks: each drawn batch's gradient is computed by the rank that holds it (the same shapes at every
 world size), scaled by a power of two common to all ranks (from the all-reduced maximum) and rounded to an
@@ -47,7 +49,7 @@ from ..layerwise.steps import LayerStep
 from ..quant.formats import FORMATS, qparams
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import QuantMode, TensorQuantizer
-from ..quant.session import quantizer_mode
+from ..quant.session import quantizer_mode, quantizers_in_mode
 from ..runtime.distributed import all_reduce_, all_reduce_many_
 from ..runtime.params import boolean, integer, number, one_of
 from .base import LayerAlgorithm
@@ -85,7 +87,7 @@ class _TunedWeight:
     def __init__(self, name: str, module: QuantLinear, clip: bool):
         q = module.weight_quantizer
         self.name, self.module, self.quantizer = name, module, q
-        self.weight = module.weight.detach().float()
+        self.weight = module.weight.detach().to(torch.float32, copy=True)  # finish() overwrites the Linear's
         self.layout, self.fmt = q.layout, q.spec.format
         self.amax = q.amax.detach().float().to(self.weight.device, copy=True)
         self.amin = None if q.amin is None else q.amin.detach().float().to(self.weight.device, copy=True)
@@ -297,7 +299,9 @@ class AutoRound(LayerAlgorithm):
                 targets = {i: step.reference_outputs[i] for i in wanted}
             else:
                 targets = {i: step.forward(i).to(step.cache_device) for i in wanted}
-            start = _batch_errors(step, tuned, names, targets, wanted) if self.params["guard"] else {}
+            start, _ = (
+                _guard_pass(step, tuned, targets, wanted, keep_outputs=False) if self.params["guard"] else ({}, None)
+            )
             for t, chosen in enumerate(schedule):
                 per_batch = []
                 for i in (local[b] for b in chosen if b in local):
@@ -316,16 +320,20 @@ class AutoRound(LayerAlgorithm):
                     w.step(signs[offset : offset + len(w.params)], rate, self.params["min_clip"])
                     offset += len(w.params)
             self._losses[step.name] = {"first": losses[0], "last": losses[-1]}
+            outputs = None
             if self.params["guard"]:
-                final = _batch_errors(step, tuned, names, targets, wanted)
+                final, outputs = _guard_pass(step, tuned, targets, wanted, keep_outputs=True)
                 before, after = _fixed_point_sum([[start[i], final[i]] for i in wanted], [one, one], group)
                 ratio = float(after) / float(before) if float(before) > 0 else 1.0
                 self._losses[step.name]["tuned_ratio"] = ratio
                 if ratio >= 1.0:  # tuning made the layer worse on its own data: keep the start
                     for w in tuned:
                         w.reset()
+                    outputs = None
         for w in tuned:
             w.finish()
+        if outputs is not None:  # the guard's pass ran the layer as it is left: the runner need not run it again
+            step.keep_final_outputs(outputs)
 
     def layer_report(self, step: Any) -> dict[str, Any]:
         """The summed squared output error of the first and the last step's batches (before each step's update),
@@ -342,17 +350,23 @@ def _parameter_names(step: LayerStep, tuned: list[_TunedWeight]) -> list[str]:
     return [f"{t.name[len(prefix) :]}.weight" if t.name.startswith(prefix) else "weight" for t in tuned]
 
 
-@torch.no_grad()
-def _batch_errors(
-    step: LayerStep, tuned: list[_TunedWeight], names: list[str], targets: dict[int, torch.Tensor], wanted: list[int]
-) -> dict[int, torch.Tensor]:
-    """Each wanted batch's error under the current parameters (shape [1], float32)."""
-    weights = {names[k]: w.quantized() for k, w in enumerate(tuned)}
-    out = {}
-    for i in wanted:
-        got = step.forward_with(i, weights).detach()
-        out[i] = _masked_error(got, targets[i].to(got.device), step.inputs[i].token_mask).reshape(1)
-    return out
+def _guard_pass(
+    step: LayerStep, tuned: list[_TunedWeight], targets: dict[int, torch.Tensor], wanted: list[int], keep_outputs: bool
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor] | None]:
+    """Each wanted batch's error (shape [1], float32) under the current parameters, through the layer's own forward
+    with the weights they give written in (:meth:`_TunedWeight.finish`) and only its weight quantizers on — the
+    function the layer computes when it is left so — and with ``keep_outputs`` every cached batch's output."""
+    for w in tuned:
+        w.finish()
+    errors, outputs = {}, []
+    with quantizers_in_mode([w.quantizer for w in tuned], QuantMode.QUANTIZE):
+        for i in range(len(step.inputs)) if keep_outputs else wanted:
+            got = step.forward(i)
+            if i in targets:
+                errors[i] = _masked_error(got, targets[i].to(got.device), step.inputs[i].token_mask).reshape(1)
+            if keep_outputs:
+                outputs.append(got.to(step.cache_device))
+    return errors, outputs if keep_outputs else None
 
 
 def _masked_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

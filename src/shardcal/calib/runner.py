@@ -215,7 +215,7 @@ def _calibrate_layer_once(
     algorithm.after_weight_calibration(step, recipe, group)
     if algorithm.changes_weights or _rotates(step.layer):
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
-    if not algorithm.preserves_function:
+    if not algorithm.preserves_function and not (step.outputs_final and propagate == "qdq"):
         step.invalidate_outputs()  # outputs the hooks may have kept are not those of the layer as it is now
     activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
     fed = _fed_amax(step, feed, calibrate_all_experts) if feed is not None else {}
@@ -226,6 +226,8 @@ def _calibrate_layer_once(
     dynamic = [q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic]
     for q in dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
         q.mode = QuantMode.DISABLED
+    if step.outputs_final and (activation or fed or dynamic or kv_quantizers or fused):
+        step.invalidate_outputs()  # the algorithm computed them before the layer's other quantizers were set
     start_calibration_all(activation)
     fp_outputs: Any = None
     moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None

@@ -11,8 +11,8 @@ The layers' inputs come from the model (:mod:`shardcal.layerwise.inputs`): shard
 any other causal LM runs its own forward up to the decoder layers, which records what each layer is called with.
 Between iterations it computes the next layer's inputs — reusing the outputs of the step's own pass over
 the data when they are still valid (``propagate="fp"``), or recomputing them with whatever the caller left in
-the layer (quantizers on, updated weights: ``propagate="qdq"``) — then reshards the layer and drops the old
-inputs. There is no forward patching and no mode flag on the layers: the caller sees a plain module.
+the layer (quantizers on, updated weights: ``propagate="qdq"``; unless the caller's last pass over the data
+already computed exactly those and handed them over) — then reshards the layer and drops the old inputs. There is no forward patching and no mode flag on the layers: the caller sees a plain module.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class LayerStep:
     #: This layer's outputs on :attr:`reference_inputs`, computed before the step is handed out (the layer as it
     #: came, no quantizer inserted yet): the full-precision targets, and the next layer's reference inputs.
     reference_outputs: list[torch.Tensor] | None = field(default=None, repr=False)
+    #: Whether :attr:`outputs` are the layer's outputs as the caller leaves it (:meth:`keep_final_outputs`), which
+    #: ``propagate="qdq"`` then takes as the next inputs instead of running the layer again.
+    outputs_final: bool = field(default=False, repr=False)
 
     def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
         """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
@@ -126,12 +129,21 @@ class LayerStep:
         """
         outs = [self.forward(i).to(self.cache_device) for i in range(len(self.inputs))]
         if keep_outputs:
-            self.outputs = outs
+            self.outputs, self.outputs_final = outs, False
             return outs
         return None
 
+    def keep_final_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """Hand over every cached batch's output (on the cache device) of the layer exactly as the caller will
+        leave it — what :meth:`forward_all` would compute after the step, e.g. from an algorithm's last pass over
+        the data — so that ``propagate="qdq"`` takes them as the next inputs without running the layer again.
+        Whoever changes the layer's function afterwards calls :meth:`invalidate_outputs`."""
+        if len(outputs) != len(self.inputs):
+            raise UsageError(f"{self.name}: {len(outputs)} final outputs for {len(self.inputs)} cached batches")
+        self.outputs, self.outputs_final = outputs, True
+
     def invalidate_outputs(self) -> None:
-        self.outputs = None
+        self.outputs, self.outputs_final = None, False
 
 
 class _OwnForward(nn.Module):
@@ -163,8 +175,9 @@ def layer_steps(
 
     ``batches`` are this rank's batches (possibly none: the rank still takes part in every gather).
     ``propagate="fp"`` feeds layer i+1 the outputs of layer i's own pass when the caller kept them
-    (:meth:`LayerStep.forward_all`), else recomputes them after the caller is done; ``"qdq"`` always recomputes
-    them after the caller is done, i.e. with the caller's quantizers enabled. ``offload_activations`` keeps the
+    (:meth:`LayerStep.forward_all`), else recomputes them after the caller is done; ``"qdq"`` recomputes
+    them after the caller is done, i.e. with the caller's quantizers enabled, unless the caller handed them over
+    (:meth:`LayerStep.keep_final_outputs`). ``offload_activations`` keeps the
     cache on CPU while layers run on an accelerator (default: on exactly when the model is on an accelerator).
     ``start``/``initial_inputs`` resume at a layer with inputs restored from a checkpoint. At most two layers'
     worth of activations (inputs and outputs of the current layer) are alive at once. ``batch_numbers``: the
@@ -212,7 +225,7 @@ def layer_steps(
                 step.reference_outputs = [step.forward_reference(i).to(cache_device) for i in range(len(inputs))]
                 _check_finite(step.name, step.reference_outputs, numbers)
             yield step
-            if propagate == "qdq" or step.outputs is None:
+            if step.outputs is None or (propagate == "qdq" and not step.outputs_final):
                 step.forward_all(keep_outputs=True)
             outputs = step.outputs
             _check_finite(step.name, outputs, numbers)

@@ -46,7 +46,14 @@ def set_quantizer_mode(module: nn.Module, mode: QuantMode | str) -> int:
 @contextmanager
 def quantizer_mode(module: nn.Module, mode: QuantMode | str) -> Iterator[None]:
     """Temporarily set every quantizer under ``module`` to ``mode`` (e.g. ``"disabled"`` for a full-precision pass)."""
-    saved = [(q, q.mode) for _, q in iter_quantizers(module)]
+    with quantizers_in_mode([q for _, q in iter_quantizers(module)], mode):
+        yield
+
+
+@contextmanager
+def quantizers_in_mode(quantizers: Iterable[TensorQuantizer], mode: QuantMode | str) -> Iterator[None]:
+    """Temporarily set each of ``quantizers`` to ``mode``; their own modes come back on exit."""
+    saved = [(q, q.mode) for q in quantizers]
     try:
         for q, _ in saved:
             q.mode = mode
