@@ -61,6 +61,14 @@ CATALOGUE: list[Mutant] = [
         'propagate="qdq" reuses the full-precision outputs of the observing pass',
     ),
     Mutant(
+        "break-3c",
+        "algorithms/smoothquant.py",
+        "            cols = m.expand(scales[m.key]).float().to(device)\n",
+        "            cols = torch.ones_like(m.expand(scales[m.key]).float().to(device))\n",
+        "a rotated consumer's input amax taken from its unsmoothed inputs",
+        tests=("tests/calib/test_rotation.py",),
+    ),
+    Mutant(
         "break-3b",
         "calib/runner.py",
         "    if step.outputs_final and (activation or fed or dynamic or kv_quantizers or fused):\n",

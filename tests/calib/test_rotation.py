@@ -365,6 +365,47 @@ def test_smoothquant_smooths_a_rotated_consumer_before_its_rotation():
         assert torch.allclose(models["rotated"](data), reference(data), rtol=1e-4, atol=1e-5)
 
 
+def _rotated_input_maxima(model: CausalLM, data: torch.Tensor) -> dict[str, float]:
+    """Per rotated Linear, ``max |x H|`` over the model's own full-precision forward on ``data`` (every token real):
+    what a max observer records on each layer's inputs under ``propagate="fp"``."""
+    from shardcal.quant.linear import rotated_input
+
+    found: dict[str, float] = {}
+    hooks = []
+    for name, m in quantized_modules(model):
+        if m.input_rotation is not None:
+            record = lambda mod, args, name=name: found.__setitem__(
+                name, max(found.get(name, 0.0), float(rotated_input(mod, args[0]).abs().max()))
+            )
+            hooks.append(m.register_forward_pre_hook(record))
+    with torch.no_grad(), quantizer_mode(model, "disabled"):
+        for rows in data.split(2):
+            model(rows)
+    for h in hooks:
+        h.remove()
+    return found
+
+
+def test_smoothquant_gives_rotated_consumers_their_input_amax_without_an_observing_pass():
+    """SmoothQuant + rotations, static per-tensor max inputs: each rotated consumer's input amax comes from the rows
+    the statistics pass kept, smoothed and rotated as the Linear will — equal, to float rounding, to the maximum the
+    calibrated model's own forward gives its rotated inputs — and every layer runs over the data once (plus the SQNR
+    rows), not twice (an observing pass over the rotated layer)."""
+    smooth = '[algorithm]\nname = "smoothquant"\nalpha = 0.8\n[rotation]\nblock = 64\n'
+    model, data = _with_outliers(_model()), _data(6)
+    runs = []
+    hooks = [layer.register_forward_pre_hook(lambda *a: runs.append(1)) for layer in model.model.layers]
+    calibrate(model, data, _recipe(W8A8 + smooth), batch_size=2, progress=False)
+    for h in hooks:
+        h.remove()
+    assert len(runs) == 2 * (3 + 3)  # per layer: the statistics pass over 3 batches, the SQNR on those 6 rows
+    want = _rotated_input_maxima(model, data)
+    assert len(want) == 2 * 7
+    for name, m in quantized_modules(model):
+        amax = float(m.input_quantizer.amax)
+        assert amax == pytest.approx(want[name], rel=1e-5), name
+
+
 def test_a_transformers_model_exported_rotated_reloads_through_transformers_with_its_rotations(tmp_path):
     """A model shardcal has no class for: calibrated as transformers' Llama, exported, and loaded the way
     ``shardcal eval`` loads it (transformers, then the online rotations from transform_config): our logits."""

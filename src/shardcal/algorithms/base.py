@@ -74,6 +74,13 @@ class LayerAlgorithm:
         return AlgorithmMemory(cls.name)
 
     @property
+    def smooths_before_rotation(self) -> bool:
+        """Whether :meth:`before_weight_calibration` works on each Linear's inputs in their own channels (SmoothQuant's
+        folds), so that the runner folds the recipe's ``[rotation]`` into the weights after it: each weight is rotated
+        once, instead of rotated, then un-rotated and rotated again for a fold."""
+        return False
+
+    @property
     def reference_stream(self) -> bool:
         """Whether the algorithm reads each layer's full-precision stream (``step.reference_inputs`` /
         ``step.reference_outputs``: what the unquantized model gives and makes of the layer), which the runner then

@@ -329,6 +329,11 @@ class GPTQ(LayerAlgorithm):
         """``stream_correction`` reads the full-precision stream."""
         return self.params["stream_correction"] > 0
 
+    @property
+    def smooths_before_rotation(self) -> bool:
+        """As its ``smooth`` algorithm (the only thing it does before weight calibration)."""
+        return self.smoother is not None and self.smoother.smooths_before_rotation
+
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         if self.smoother is not None:
             self.smoother.before_weight_calibration(step, recipe, group)

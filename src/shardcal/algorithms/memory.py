@@ -31,6 +31,8 @@ class PlannedLinear:
     out_features: int
     weight: QuantizerSpec | None
     input: QuantizerSpec | None
+    #: The Hadamard block rotating its inputs (a recipe's ``[rotation]``), or None.
+    rotation: int | None = None
 
     @property
     def static_int_or_fp8_weight(self) -> bool:

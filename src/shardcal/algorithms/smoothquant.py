@@ -27,8 +27,12 @@ rounding, which the folded layer's own computation of the smoothed input differs
 quantizers all follow this way (W8A8 with every Linear smoothed) is calibrated in one pass over the data.
 
 A consumer that rotates its inputs (a recipe's ``[rotation]``) is smoothed before its rotation: the statistics are
-of its unrotated input, and its weight ``W H`` becomes ``(W diag(s)) H`` (smooth, then rotate); its input quantizer
-observes (the rotated input's range is not ``max_j act_max_j / s_j``). With ``alpha_grid`` such pairs are left out.
+of its unrotated input, and the runner folds the rotation in after the smoothing (``smooths_before_rotation``), so
+its weight is ``(W diag(s)) H``, rotated once. Its static per-tensor ``max`` input quantizer's range is not
+``max_j act_max_j / s_j`` but ``max |(x / s) H|``: the statistics pass keeps every real token's row of such a pair
+(on the step's cache device), and after the folds the amax is taken from them, rotated as the Linear will rotate
+(all-reduced MAX: exact), so that such a layer too is calibrated in one pass over the data. With ``alpha_grid``
+such pairs are left out.
 
 Recipe: ``[algorithm] name = "smoothquant"``, ``alpha`` (0.5), ``alpha_grid`` ([]: off), ``sample_tokens`` (128),
 ``mappings`` (which pairs; all four by default), ``propagate`` (``"fp"``: what ``calibrate`` uses when the caller
@@ -46,11 +50,85 @@ from torch import nn
 from ..layerwise.moe import moe_blocks
 from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import fake_quantize
+from ..quant.hadamard import hadamard_blocks_by_factors
+from ..runtime.distributed import all_reduce_
 from ..runtime.params import integer, number, number_list, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .memory import AlgorithmMemory, LayerPlanContext
 from .stats import ExactSum, InputStats, merge_exact
+
+
+def _rotating(context: LayerPlanContext, pair: Any) -> list[Any]:
+    """The planned consumers of ``pair`` whose static per-tensor ``max`` input quantizer sees rotated inputs."""
+    found = [context.linear(name) for name in pair.consumers]
+    return [
+        lin
+        for lin in found
+        if lin is not None
+        and lin.rotation is not None
+        and lin.input is not None
+        and not lin.input.dynamic
+        and lin.input.observer == "max"
+        and lin.input.symmetric
+        and lin.input.granularity == "tensor"
+    ]
+
+
+def _static_max_input(c: nn.Module) -> bool:
+    """Whether ``c``'s input quantizer is static, symmetric, per tensor, with a ``max`` observer: what a maximum
+    over the inputs it will see gives exactly."""
+    q = getattr(c, "input_quantizer", None)
+    if q is None:
+        return False
+    spec = q.spec
+    return not spec.dynamic and spec.observer == "max" and spec.symmetric and q.layout.num_slots == 1
+
+
+def _rotating_consumers(step: Any, smoothings: list[Smoothing], recipe: Any) -> dict[str, list[tuple[nn.Module, int]]]:
+    """Per pair (key), its consumers (outside MoE experts) whose static per-tensor ``max`` input quantizer will see
+    the input rotated by the recipe's ``[rotation]``, with their Hadamard block."""
+    names = {id(m): n for n, m in step.layer.named_modules(prefix=step.name)}
+    in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
+    out = {}
+    for m in smoothings:
+        found = []
+        for c in m.quantized("input"):
+            if id(c) in in_experts or not _static_max_input(c):
+                continue
+            block = getattr(c, "input_rotation", None) or recipe.rotation_block(names[id(c)], c.in_features)
+            if block is not None:
+                found.append((c, block))
+        if found:
+            out[m.key] = found
+    return out
+
+
+@torch.no_grad()
+def _rotated_amax(
+    smoothings: list[Smoothing],
+    rotating: dict[str, list[tuple[nn.Module, int]]],
+    stats: InputStats,
+    scales: dict[str, torch.Tensor],
+    group: Any,
+    device: torch.device,
+) -> dict[int, tuple[torch.Tensor, int]]:
+    """Each rotating consumer's input amax, ``max |(x / s) H|`` over the rows the statistics pass kept (this rank's
+    real tokens; rotated as the Linear will rotate them), all-reduced (MAX: exact), and the elements it stands for:
+    what its max observer would record in a pass over the smoothed, rotated layer (up to float rounding, by which
+    the folded layer's own computation of ``x / s`` differs), without that pass."""
+    found = [(m, c, block) for m in smoothings for c, block in rotating.get(m.key, [])]
+    maxima = torch.zeros(len(found), dtype=torch.float32)
+    for k, (m, _, block) in enumerate(found):
+        rows = stats[m.key].rows
+        if rows:
+            cols = m.expand(scales[m.key]).float().to(device)
+            maxima[k] = max(float(hadamard_blocks_by_factors(x.to(device) / cols, block).abs().max()) for x in rows)
+    all_reduce_(maxima, "max", group)
+    return {
+        id(c): (maxima[k].reshape(c.input_quantizer.layout.amax_shape), stats[m.key].tokens * c.in_features)
+        for k, (m, c, _) in enumerate(found)
+    }
 
 
 def smoothing_scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -93,7 +171,9 @@ class SmoothQuant(LayerAlgorithm):
     def planned_memory(cls, context: LayerPlanContext, params: Mapping[str, Any]) -> AlgorithmMemory:
         """Per-channel maxima (float32, and a count) of the pairs whose consumers quantize their input, all-reduced;
         with ``alpha_grid``, this rank's token samples of each pair (``sample_tokens`` per batch), twice while the
-        grid is searched."""
+        grid is searched; without it, every token row (float32) of each pair whose consumers rotate their inputs
+        into a static per-tensor ``max`` input quantizer, kept from the statistics pass until their amax is taken,
+        and one batch's smoothed, rotated copy."""
         with_input = {lin.name for lin in context.linears if lin.input is not None}
         pairs = [s for s in context.smoothings_of(tuple(params.get("mappings", ()))) if with_input & set(s.consumers)]
         maxima = sum(4 * s.dim + 8 for s in pairs)
@@ -101,8 +181,11 @@ class SmoothQuant(LayerAlgorithm):
         if params.get("alpha_grid"):
             tokens = context.local_batches * int(params.get("sample_tokens", 128))
             samples = sum(4 * tokens * s.dim for s in pairs)
-        return AlgorithmMemory(cls.name, collect=maxima + samples, merge=2 * maxima + samples,
-                               solve=maxima + 2 * samples)  # fmt: skip
+        widths = [max(lin.in_features for lin in rotating) for s in pairs if (rotating := _rotating(context, s))]
+        rows = 0 if params.get("alpha_grid") else 4 * context.local_tokens * sum(widths)
+        batch = 0 if not widths else 8 * max(widths) * context.local_tokens // max(context.local_batches, 1)
+        return AlgorithmMemory(cls.name, collect=maxima + samples + rows, merge=2 * maxima + samples + rows,
+                               solve=maxima + 2 * samples + rows + batch)  # fmt: skip
 
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
@@ -114,9 +197,18 @@ class SmoothQuant(LayerAlgorithm):
         #: Per layer name: ``{smoothing key: alpha}`` chosen (with ``alpha_grid``).
         self.alphas: dict[str, dict[str, float]] = {}
         self._warned: set[str] = set()
+        #: Per consumer (``id``) that rotates its inputs, of the last layer smoothed: its input quantizer's amax and
+        #: the elements it stands for, from the statistics pass's kept rows (:func:`_rotated_amax`).
+        self._rotated_amax: dict[int, tuple[torch.Tensor, int]] = {}
         #: The last layer smoothed from its own statistics pass: its name, and per pair the per-channel maxima and
         #: the tokens seen (for :meth:`derived_amax`, with the scales in :attr:`scales`).
         self._smoothed: tuple[str, list[tuple[Smoothing, torch.Tensor, int]]] | None = None
+
+    @property
+    def smooths_before_rotation(self) -> bool:
+        """Without the alpha grid: its statistics and folds are in the inputs' own channels (the grid's losses are
+        not: they quantize the consumers' weights as they will compute, rotated)."""
+        return not self.grid
 
     def takes_collected_max(self) -> bool:
         return not self.grid  # the grid needs token samples, which a report does not hold
@@ -135,10 +227,13 @@ class SmoothQuant(LayerAlgorithm):
             return
         collected = self._collected(step, smoothings)
         stats = None
+        rotating: dict[str, list[tuple[nn.Module, int]]] = {}
         if collected is None:
             kinds = {"max", "samples"} if self.grid else {"max"}
+            rotating = {} if self.grid else _rotating_consumers(step, smoothings, recipe)
+            points = {m.key: m.point for m in smoothings}
             stats = (
-                InputStats({m.key: m.point for m in smoothings}, kinds, self.params["sample_tokens"], rotated=False)
+                InputStats(points, kinds, self.params["sample_tokens"], rotated=False, keep_rows=list(rotating))
                 .collect(step, keep_outputs=True)  # the folds keep the function: these stay the FP outputs
                 .merge(group)
             )
@@ -168,6 +263,7 @@ class SmoothQuant(LayerAlgorithm):
             if stats is not None:
                 smoothed.append((m, act, stats[m.key].tokens))
         self.scales[step.name] = applied
+        self._rotated_amax = _rotated_amax(smoothings, rotating, stats, applied, group, step.device) if rotating else {}
         if self.grid:
             self.alphas[step.name] = {m.key: a for m, a in zip(smoothings, alphas)}
         if stats is not None:
@@ -188,11 +284,12 @@ class SmoothQuant(LayerAlgorithm):
                 spec = q.spec
                 if id(c) in in_experts or spec.dynamic or spec.observer != "max" or not spec.symmetric:
                     continue
-                if getattr(c, "input_rotation", None) is not None:  # its quantizer sees the rotated input: observed
-                    continue
                 if q.layout.num_slots != 1:
                     continue
-                out.append((q, top.reshape(q.layout.amax_shape).float(), tokens * c.in_features))
+                if id(c) in self._rotated_amax:  # its quantizer sees the rotated input: from the kept rows
+                    out.append((q, *self._rotated_amax[id(c)]))
+                elif getattr(c, "input_rotation", None) is None:
+                    out.append((q, top.reshape(q.layout.amax_shape).float(), tokens * c.in_features))
         return out
 
     def _collected(self, step: Any, smoothings: list[Smoothing]) -> list[torch.Tensor] | None:

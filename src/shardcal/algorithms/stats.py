@@ -94,6 +94,7 @@ class PointStats:
     abssum: ExactSum | None = None  # [dim]: sum over tokens of |x|
     count: ExactSum | None = None  # [1]: tokens seen
     samples: list[torch.Tensor] | None = None  # this rank's: per batch, up to ``sample_tokens`` evenly spaced rows
+    rows: list[torch.Tensor] = field(default_factory=list)  # this rank's: per batch, every real token's row
     _last: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -129,8 +130,13 @@ class InputStats:
         kinds: set[str],
         sample_tokens: int = 128,
         rotated: bool = True,
+        keep_rows: Sequence[str] = (),
     ):
         self.points = dict(points)
+        #: Points whose every real-token row (float32, per batch, on the step's cache device) is kept in
+        #: ``stats[key].rows`` (not merged).
+        self.keep_rows = set(keep_rows)
+        self._rows_device: torch.device | str = "cpu"
         #: Whether a rotating Linear's input is recorded as its weight sees it (``x H``) or as it comes (``x``).
         self.rotated = rotated
         self.kinds = set(kinds)
@@ -191,6 +197,9 @@ class InputStats:
             s.max = torch.maximum(s.max, rows.abs().amax(dim=0).to(s.max.device))
         if s.abssum is not None:
             s.abssum.add(rows.abs().sum(dim=0, dtype=torch.float64))
+        if key in self.keep_rows:  # beside the activation cache (on the host when it is offloaded)
+            kept = rows.to(self._rows_device)
+            s.rows.append(kept if kept.data_ptr() != x.data_ptr() else kept.clone())
         if s.samples is not None:
             n = rows.shape[0]
             k = min(n, self.sample_tokens)
@@ -218,6 +227,7 @@ class InputStats:
         ``keep_outputs`` the layer's outputs are kept as ``step.outputs`` (its full-precision outputs, the next
         layer's inputs under ``propagate="fp"`` unless the caller changes the layer's function)."""
         self._init(step.device)
+        self._rows_device = step.cache_device
         outputs = []
         with ExitStack() as stack:
             stack.enter_context(quantizer_mode(step.layer, "disabled"))

@@ -596,8 +596,9 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
 # ----------------------------------------------------------------------------------------------- applying
 
 
-def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> list[str]:
-    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets.
+def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "", rotate: bool = True) -> list[str]:
+    """Insert ``recipe``'s quantizers into every ``nn.Linear`` under ``module`` whose full name it targets, and with
+    ``rotate`` fold its ``[rotation]`` into them (else the caller does that later: :func:`rotate_modules`).
 
     ``prefix`` is ``module``'s own name in the model (``"model.layers.3"`` when called on one decoder layer), so
     that the recipe's patterns see full names. Modules that are already QuantLinear are left as they are.
@@ -623,13 +624,24 @@ def quantize_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> lis
             raise RecipeError(
                 f"{recipe.source or recipe.name}: recipe {recipe.name!r} does not fit module {name!r}: {exc}"
             ) from None
-        if block is not None:
+        if block is not None and rotate:
             rotate_inputs(sub, block)  # W H folded into the weight; x H computed online
     if recipe.kv_cache is not None:
         attach_kv_cache_quantizers(module, recipe.kv_cache, prefix, recipe.matches)
     if not recipe.quantizes_linears:
         return []
     return [name for name, _ in targets] + _quantize_fused_experts(module, recipe, prefix)
+
+
+def rotate_modules(module: nn.Module, recipe: Recipe, prefix: str = "") -> None:
+    """Rotate the inputs of every QuantLinear under ``module`` that ``recipe``'s ``[rotation]`` selects and that
+    does not rotate them yet (after ``quantize_modules(..., rotate=False)``): ``W H`` folded into its weight, ``x H``
+    computed on every call."""
+    for name, sub in module.named_modules(prefix=prefix):
+        if isinstance(sub, QuantLinear) and sub.input_rotation is None and recipe.matches(name):
+            block = recipe.rotation_block(name, sub.in_features)
+            if block is not None:
+                rotate_inputs(sub, block)
 
 
 def _weight_group(spec: QuantizerSpec | None) -> int | str | None:

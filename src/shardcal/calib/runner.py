@@ -65,7 +65,7 @@ from .checkpoint import (
     restore_weights,
     run_fingerprint,
 )
-from .recipes import Recipe, load_recipe, quantize_modules, weight_fallbacks
+from .recipes import Recipe, load_recipe, quantize_modules, rotate_modules, weight_fallbacks
 from .report import CalibrationReport, LayerReport, amax_summary
 
 
@@ -197,13 +197,16 @@ def _calibrate_layer_once(
     start = time.perf_counter()
     if feed is not None:
         feed.used = []
-    quantize_modules(step.layer, recipe, prefix=step.name)
+    rotate_later = algorithm.smooths_before_rotation
+    quantize_modules(step.layer, recipe, prefix=step.name, rotate=not rotate_later)
     kv_quantizers = _pass_kv_cache(step, recipe)
     reference: dict[int, torch.Tensor] | None = None
     if algorithm.changes_weights and not algorithm.preserves_function:  # SQNR against the layer as it was
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             reference = {i: step.forward(i, rows).to(step.cache_device) for i, rows in local_sqnr.items()}
     algorithm.before_weight_calibration(step, recipe, group)
+    if rotate_later:
+        rotate_modules(step.layer, recipe, prefix=step.name)
     pairs = [(m.weight, m.weight_quantizer) for _, m in _weight_quantizers(step.layer, step.name)]
     calibrate_weights(pairs, group)  # the layer is gathered: the full weights, on every rank (a search: shared)
     weights = [q for _, q in pairs]

@@ -10,10 +10,11 @@ computes "the rest" once per batch and keeps it beside the hidden states:
   the decoder layers that records the arguments a layer is called with (positional and keyword) and stops the
   forward there. Hooks are registered first (``prepend``), so the stopping layer is not even gathered by FSDP2;
   they are removed on exit, also on error. Layers can take different arguments in one model (sliding-window and
-  full-attention layers, per-layer-type rotary tables): on the first batch the forward runs through every layer
-  but the last, recording all of them, and layers whose arguments are identical (the same objects, or equal
-  tensors) and whose declared kind matches (``config.layer_types``, an attention's ``sliding_window``) share a
-  *group*. On later batches only the first layer of each group is recorded, stopping at the last of those.
+  full-attention layers, per-layer-type rotary tables): on the first batch's first sequence the forward runs
+  through every layer but the last, recording all of them, and layers whose arguments are identical (the same
+  objects, or equal tensors) and whose declared kind matches (``config.layer_types``, an attention's
+  ``sliding_window``) share a *group*. On every batch only the first layer of each group is recorded, stopping at
+  the last of those.
 
 Every rank agrees on the groups (rank 0's), and when recording a batch means running layers (several groups), all
 ranks run the same number of forwards — a rank with fewer batches runs small dummy ones — because under FSDP2 each
@@ -282,23 +283,32 @@ def _captured(
     """Every batch's layer inputs from the model's own forward (see the module docstring). Collective."""
     n_layers = len(layers)
     rank, world_size = world()
-    # The first batch: every layer but the last runs, all are recorded; rank 0's grouping is everyone's.
-    first = _record(model, layers, prefix, batches[0] if batches else _dummy_batch(), range(n_layers), device)
-    groups = broadcast_json(_groups(model, layers, first) if rank == 0 else None)
+    # The groups, from the first batch's first sequence alone: every layer but the last runs on it, all are
+    # recorded; rank 0's grouping is everyone's.
+    probe = _first_row(batches[0]) if batches else _dummy_batch()
+    grouping = _record(model, layers, prefix, probe, range(n_layers), device)
+    groups = broadcast_json(_groups(model, layers, grouping) if rank == 0 else None)
+    del grouping
     representatives = [groups.index(g) for g in range(max(groups) + 1)]
 
     forwards = torch.tensor([len(batches)], dtype=torch.int64)
     if max(representatives) > 0 and world_size > 1:  # recording runs layers (collectives): equal counts everywhere
         all_reduce_(forwards, "max")
     out = []
-    for b in range(1, int(forwards)):
+    for b in range(int(forwards)):
         batch = batches[b] if b < len(batches) else _dummy_batch()
         records = _record(model, layers, prefix, batch, representatives, device)
         if b < len(batches):
             out.append(_cached(batch, records, representatives, groups, cache))
-    if batches:
-        out.insert(0, _cached(batches[0], first, representatives, groups, cache))
     return out
+
+
+def _first_row(batch: Batch) -> Batch:
+    """The batch's first sequence (padded as in the batch): what the layer groups are found on, at a fraction of
+    running every layer on the whole batch. A layer's arguments differ from another's by the layer's kind (a
+    sliding window, its rotary table), which shows on any sequence of the batch's length."""
+    mask = None if batch.attention_mask is None else batch.attention_mask[:1]
+    return Batch(batch.input_ids[:1], mask)
 
 
 def _cached(

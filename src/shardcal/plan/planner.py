@@ -420,7 +420,9 @@ def planned_linear(target: QuantTarget) -> PlannedLinear:
     """A quantized Linear as an algorithm's memory model sees it (:mod:`shardcal.algorithms.memory`)."""
     lin = target.linear
     spec = lambda layout: None if layout is None else layout.spec
-    return PlannedLinear(lin.name, lin.in_features, lin.out_features, spec(target.weight), spec(target.input))
+    return PlannedLinear(
+        lin.name, lin.in_features, lin.out_features, spec(target.weight), spec(target.input), target.rotation
+    )
 
 
 def algorithm_memory_model(recipe: Recipe) -> MemoryModel:
