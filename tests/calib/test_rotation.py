@@ -386,19 +386,21 @@ def _rotated_input_maxima(model: CausalLM, data: torch.Tensor) -> dict[str, floa
     return found
 
 
-def test_smoothquant_gives_rotated_consumers_their_input_amax_without_an_observing_pass():
+@pytest.mark.parametrize("source", ["kept-rows", "observe"])
+def test_smoothquant_gives_rotated_consumers_their_input_amax_without_an_observing_pass(source):
     """SmoothQuant + rotations, static per-tensor max inputs: each rotated consumer's input amax comes from the rows
     the statistics pass kept, smoothed and rotated as the Linear will — equal, to float rounding, to the maximum the
     calibrated model's own forward gives its rotated inputs — and every layer runs over the data once (plus the SQNR
-    rows), not twice (an observing pass over the rotated layer)."""
-    smooth = '[algorithm]\nname = "smoothquant"\nalpha = 0.8\n[rotation]\nblock = 64\n'
+    rows), not twice; with ``rotated_amax = "observe"`` an observing pass over the rotated layer records it."""
+    smooth = f'[algorithm]\nname = "smoothquant"\nalpha = 0.8\nrotated_amax = "{source}"\n[rotation]\nblock = 64\n'
     model, data = _with_outliers(_model()), _data(6)
     runs = []
     hooks = [layer.register_forward_pre_hook(lambda *a: runs.append(1)) for layer in model.model.layers]
     calibrate(model, data, _recipe(W8A8 + smooth), batch_size=2, progress=False)
     for h in hooks:
         h.remove()
-    assert len(runs) == 2 * (3 + 3)  # per layer: the statistics pass over 3 batches, the SQNR on those 6 rows
+    passes = 1 if source == "kept-rows" else 2  # per layer: 3 batches a pass, and the SQNR on those 6 rows
+    assert len(runs) == 2 * (3 * passes + 3)
     want = _rotated_input_maxima(model, data)
     assert len(want) == 2 * 7
     for name, m in quantized_modules(model):

@@ -88,16 +88,17 @@ def test_autoround_plans_its_targets_tuned_state_and_graph(tmp_path):
 def test_smoothquant_plans_the_rows_it_keeps_for_rotated_consumers(tmp_path):
     """With rotated consumers behind static per-tensor max input quantizers, SmoothQuant keeps every token row of
     their pairs (float32, this rank's tokens) to take the rotated inputs' amax: at least 4 bytes per token and
-    channel of the q/k/v and down_proj inputs more than without the rotation; none with dynamic inputs."""
+    channel of the q/k/v and down_proj inputs more than without the rotation; none with dynamic inputs, nor with
+    ``rotated_amax = "observe"``."""
     cfg = TINY_CONFIGS["llama"]
     h, f = cfg["hidden_size"], cfg["intermediate_size"]
 
-    def state(rotation: bool, dynamic: bool = False) -> int:
+    def state(rotation: bool, dynamic: bool = False, source: str = "kept-rows") -> int:
         table = {
             "name": "sq",
             "weight": {"format": "int8"},
             "input": {"format": "int8", "granularity": "token" if dynamic else "tensor", "dynamic": dynamic},
-            "algorithm": {"name": "smoothquant", "alpha": 0.8},
+            "algorithm": {"name": "smoothquant", "alpha": 0.8, "rotated_amax": source},
         }
         if rotation:
             table["rotation"] = {"type": "hadamard", "block": 16}
@@ -106,3 +107,4 @@ def test_smoothquant_plans_the_rows_it_keeps_for_rotated_consumers(tmp_path):
     tokens = 4 * 8  # one rank: 4 sequences of 8 tokens
     assert state(True) - state(False) >= 4 * tokens * (h + f)
     assert state(True, dynamic=True) == state(False, dynamic=True)
+    assert state(True, source="observe") == state(False)

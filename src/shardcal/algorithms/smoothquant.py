@@ -31,12 +31,15 @@ of its unrotated input, and the runner folds the rotation in after the smoothing
 its weight is ``(W diag(s)) H``, rotated once. Its static per-tensor ``max`` input quantizer's range is not
 ``max_j act_max_j / s_j`` but ``max |(x / s) H|``: the statistics pass keeps every real token's row of such a pair
 (on the step's cache device), and after the folds the amax is taken from them, rotated as the Linear will rotate
-(all-reduced MAX: exact), so that such a layer too is calibrated in one pass over the data. With ``alpha_grid``
-such pairs are left out.
+(all-reduced MAX: exact), so that such a layer too is calibrated in one pass over the data — at the cost of those
+rows (4 bytes per token and input channel of each such pair, which the planner counts); ``rotated_amax =
+"observe"`` keeps none and observes the rotated inputs in a second pass instead. With ``alpha_grid`` such pairs
+are left out.
 
 Recipe: ``[algorithm] name = "smoothquant"``, ``alpha`` (0.5), ``alpha_grid`` ([]: off), ``sample_tokens`` (128),
 ``mappings`` (which pairs; all four by default), ``propagate`` (``"fp"``: what ``calibrate`` uses when the caller
-does not choose).
+does not choose), ``rotated_amax`` (``"kept-rows"`` or ``"observe"``: where a rotated consumer's static input amax
+comes from).
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ class SmoothQuant(LayerAlgorithm):
         "sample_tokens": (128, integer(1)),
         "mappings": (list(KINDS), subset_of(*KINDS)),
         "propagate": ("fp", one_of(*PROPAGATE_MODES)),
+        "rotated_amax": ("kept-rows", one_of("kept-rows", "observe")),
     }
     changes_weights = True
     preserves_function = True
@@ -182,8 +186,9 @@ class SmoothQuant(LayerAlgorithm):
             tokens = context.local_batches * int(params.get("sample_tokens", 128))
             samples = sum(4 * tokens * s.dim for s in pairs)
         widths = [max(lin.in_features for lin in rotating) for s in pairs if (rotating := _rotating(context, s))]
-        rows = 0 if params.get("alpha_grid") else 4 * context.local_tokens * sum(widths)
-        batch = 0 if not widths else 8 * max(widths) * context.local_tokens // max(context.local_batches, 1)
+        keep = not params.get("alpha_grid") and params.get("rotated_amax", "kept-rows") == "kept-rows"
+        rows = 4 * context.local_tokens * sum(widths) if keep else 0
+        batch = 0 if not (keep and widths) else 8 * max(widths) * context.local_tokens // max(context.local_batches, 1)
         return AlgorithmMemory(cls.name, collect=maxima + samples + rows, merge=2 * maxima + samples + rows,
                                solve=maxima + 2 * samples + rows + batch)  # fmt: skip
 
@@ -230,7 +235,8 @@ class SmoothQuant(LayerAlgorithm):
         rotating: dict[str, list[tuple[nn.Module, int]]] = {}
         if collected is None:
             kinds = {"max", "samples"} if self.grid else {"max"}
-            rotating = {} if self.grid else _rotating_consumers(step, smoothings, recipe)
+            keep = not self.grid and self.params["rotated_amax"] == "kept-rows"
+            rotating = _rotating_consumers(step, smoothings, recipe) if keep else {}
             points = {m.key: m.point for m in smoothings}
             stats = (
                 InputStats(points, kinds, self.params["sample_tokens"], rotated=False, keep_rows=list(rotating))
