@@ -304,9 +304,15 @@ def _calibrate_and_export_sharded(recipe_text: str, data: torch.Tensor, folder: 
     export_checkpoint(model, Path(folder) / "out", max_shard_bytes=150_000)
 
 
-@pytest.mark.parametrize("recipe_text", [W8A8 + ROTATE_DOWN, W4A16_GPTQ], ids=["w8a8", "w4a16-gptq"])
+SQ_ROT = W8A8 + '[algorithm]\nname = "smoothquant"\nalpha = 0.8\n[rotation]\nblock = 64\n'
+
+
+@pytest.mark.parametrize(
+    "recipe_text", [W8A8 + ROTATE_DOWN, W4A16_GPTQ, SQ_ROT], ids=["w8a8", "w4a16-gptq", "smoothquant-rotated"]
+)
 def test_two_ranks_export_the_same_bits_as_one_process(recipe_text, tmp_path):
-    """2 ranks against 1 (both in worker processes, one thread each: GPTQ's solves then run the same kernels)."""
+    """2 ranks against 1 (both in worker processes, one thread each: GPTQ's solves then run the same kernels);
+    SmoothQuant's rotated input amax from each rank's kept rows, all-reduced, is the same bits."""
     data = _data(n=5)
     run_on_ranks(2, _calibrate_and_export_sharded, recipe_text, data, str(tmp_path / "two"))
     run_on_ranks(1, _calibrate_and_export_sharded, recipe_text, data, str(tmp_path / "one"))
