@@ -63,8 +63,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "break-3c",
         "algorithms/smoothquant.py",
-        "            cols = m.expand(scales[m.key]).float().to(device)\n",
-        "            cols = torch.ones_like(m.expand(scales[m.key]).float().to(device))\n",
+        "            cols = by_key[key].expand(scales[key]).float().to(device)\n",
+        "            cols = torch.ones_like(by_key[key].expand(scales[key]).float().to(device))\n",
         "a rotated consumer's input amax taken from its unsmoothed inputs",
         tests=("tests/calib/test_rotation.py",),
     ),

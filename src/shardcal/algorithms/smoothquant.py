@@ -62,30 +62,26 @@ from .memory import AlgorithmMemory, LayerPlanContext
 from .stats import ExactSum, InputStats, merge_exact
 
 
+def _static_max(spec: Any) -> bool:
+    """Whether an input spec is static and symmetric with a ``max`` observer: what a maximum over the inputs it
+    will see gives exactly (per tensor: see the callers)."""
+    return spec is not None and not spec.dynamic and spec.observer == "max" and spec.symmetric
+
+
 def _rotating(context: LayerPlanContext, pair: Any) -> list[Any]:
     """The planned consumers of ``pair`` whose static per-tensor ``max`` input quantizer sees rotated inputs."""
     found = [context.linear(name) for name in pair.consumers]
     return [
         lin
         for lin in found
-        if lin is not None
-        and lin.rotation is not None
-        and lin.input is not None
-        and not lin.input.dynamic
-        and lin.input.observer == "max"
-        and lin.input.symmetric
-        and lin.input.granularity == "tensor"
+        if lin is not None and lin.rotation is not None and _static_max(lin.input) and lin.input.granularity == "tensor"
     ]
 
 
 def _static_max_input(c: nn.Module) -> bool:
-    """Whether ``c``'s input quantizer is static, symmetric, per tensor, with a ``max`` observer: what a maximum
-    over the inputs it will see gives exactly."""
+    """Whether ``c``'s input quantizer is a static per-tensor symmetric ``max`` one (:func:`_static_max`)."""
     q = getattr(c, "input_quantizer", None)
-    if q is None:
-        return False
-    spec = q.spec
-    return not spec.dynamic and spec.observer == "max" and spec.symmetric and q.layout.num_slots == 1
+    return q is not None and _static_max(q.spec) and q.layout.num_slots == 1
 
 
 def _rotating_consumers(step: Any, smoothings: list[Smoothing], recipe: Any) -> dict[str, list[tuple[nn.Module, int]]]:
@@ -120,17 +116,24 @@ def _rotated_amax(
     real tokens; rotated as the Linear will rotate them), all-reduced (MAX: exact), and the elements it stands for:
     what its max observer would record in a pass over the smoothed, rotated layer (up to float rounding, by which
     the folded layer's own computation of ``x / s`` differs), without that pass."""
-    found = [(m, c, block) for m in smoothings for c, block in rotating.get(m.key, [])]
+    # the consumers of one pair take the same scaled columns: one maximum per pair and block (q / k / v share it)
+    found = sorted({(m.key, block) for m in smoothings for _, block in rotating.get(m.key, [])})
+    by_key = {m.key: m for m in smoothings}
     maxima = torch.zeros(len(found), dtype=torch.float32)
-    for k, (m, _, block) in enumerate(found):
-        rows = stats[m.key].rows
+    for k, (key, block) in enumerate(found):
+        rows = stats[key].rows
         if rows:
-            cols = m.expand(scales[m.key]).float().to(device)
+            cols = by_key[key].expand(scales[key]).float().to(device)
             maxima[k] = max(float(hadamard_blocks_by_factors(x.to(device) / cols, block).abs().max()) for x in rows)
     all_reduce_(maxima, "max", group)
+    index = {point: k for k, point in enumerate(found)}
     return {
-        id(c): (maxima[k].reshape(c.input_quantizer.layout.amax_shape), stats[m.key].tokens * c.in_features)
-        for k, (m, c, _) in enumerate(found)
+        id(c): (
+            maxima[index[key, block]].reshape(c.input_quantizer.layout.amax_shape),
+            stats[key].tokens * c.in_features,
+        )
+        for key, consumers in rotating.items()
+        for c, block in consumers
     }
 
 
@@ -287,10 +290,7 @@ class SmoothQuant(LayerAlgorithm):
             top = (act / scales[m.key].to(act.device)).max()
             for c in m.quantized("input"):
                 q = c.input_quantizer
-                spec = q.spec
-                if id(c) in in_experts or spec.dynamic or spec.observer != "max" or not spec.symmetric:
-                    continue
-                if q.layout.num_slots != 1:
+                if id(c) in in_experts or not _static_max_input(c):
                     continue
                 if id(c) in self._rotated_amax:  # its quantizer sees the rotated input: from the kept rows
                     out.append((q, *self._rotated_amax[id(c)]))

@@ -12,7 +12,8 @@ any other causal LM runs its own forward up to the decoder layers, which records
 Between iterations it computes the next layer's inputs — reusing the outputs of the step's own pass over
 the data when they are still valid (``propagate="fp"``), or recomputing them with whatever the caller left in
 the layer (quantizers on, updated weights: ``propagate="qdq"``; unless the caller's last pass over the data
-already computed exactly those and handed them over) — then reshards the layer and drops the old inputs. There is no forward patching and no mode flag on the layers: the caller sees a plain module.
+already computed exactly those and handed them over) — then reshards the layer and drops the old inputs. There is
+no forward patching and no mode flag on the layers: the caller sees a plain module.
 """
 
 from __future__ import annotations
