@@ -715,3 +715,54 @@ def test_shipped_recipes_and_parameter_errors():
         with pytest.raises(RecipeError, match=key.replace(".", r"\.")) as info:
             parse_recipe(f'[weight]\nformat = "int8"\n[algorithm]\n{table}\n', "bad.toml")
         assert "bad.toml" in str(info.value)
+
+
+def test_input_stats_share_one_gram_while_points_see_one_tensor():
+    """Points fed the very same tensor in every batch share one Gram sum (one ``X^T X`` per batch); a point that
+    later sees another tensor gets its own sum from then on, and a module called twice counts both calls. Each
+    Hessian equals the float64 sum of its own inputs, and ``same_gram`` groups by the merged values."""
+    from types import SimpleNamespace
+
+    from shardcal.algorithms.stats import InputStats
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 5, 4, generator=g) for _ in range(3)]
+    ys = [torch.randn(2, 5, 4, generator=g) for _ in range(3)]
+    layer = nn.ModuleDict({k: nn.Linear(4, 3) for k in "abcd"})
+    fed: dict[str, list[torch.Tensor]] = {k: [] for k in "abcd"}
+
+    def forward(i: int) -> torch.Tensor:
+        calls = [("a", xs[i]), ("b", xs[i]), ("c", xs[i] if i == 0 else ys[i]), ("d", xs[i]), ("d", ys[i])]
+        for k, x in calls:
+            fed[k].append(x.reshape(-1, 4).double())
+            layer[k](x)
+        return xs[i]
+
+    step = SimpleNamespace(layer=layer, device=torch.device("cpu"), cache_device=torch.device("cpu"), inputs=xs)
+    step.forward = forward
+    stats = InputStats({k: (layer[k], "input") for k in "abcd"}, {"gram"}).collect(step)
+    assert stats["a"].gram is stats["b"].gram and stats["c"].gram is not stats["a"].gram
+    stats.merge(None)
+    for k, rows in fed.items():
+        x = torch.cat(rows)
+        torch.testing.assert_close(stats[k].hessian(), x.T @ x, rtol=1e-5, atol=1e-5)
+    assert stats.same_gram() == [["a", "b"], ["c"], ["d"]]
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_on_a_prepared_hessian_equals_gptq_on_the_hessian(act_order):
+    """Linears that share their inputs share one ``prepare_hessian``: the result is bit for bit GPTQ's own."""
+    from shardcal.algorithms.gptq import gptq_quantize, prepare_hessian
+
+    x = _correlated_inputs(1024, 64)
+    x[:, 7] = 0.0  # a dead column
+    hessian = x.double().T @ x.double()
+    prepared = prepare_hessian(hessian, act_order=act_order)
+    for seed, spec in enumerate([QuantizerSpec("fp8_e4m3", "tensor"), QuantizerSpec("int4", "group", group_size=32)]):
+        weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+        results = []
+        for h in (hessian, prepared):
+            quantizer = TensorQuantizer(spec, (16, 64))
+            quantizer.calibrate_from(weight)
+            results.append(gptq_quantize(weight, h, quantizer, act_order=act_order))
+        assert torch.equal(results[0], results[1])

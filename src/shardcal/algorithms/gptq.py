@@ -12,8 +12,10 @@ Per quantized Linear of the gathered layer:
    the ones the weight quantizer calibrated (with the recipe's observer) before the update, so export keeps the
    recipe's layout (``pack-quantized`` for int4 groups), and the weight left in the layer is GPTQ's quantized
    result itself: the weight quantizer's fake quantization with its stored amax reproduces it exactly.
-3. Linear ``k`` of the layer (module order) is solved by rank ``k mod N`` and broadcast from there, so N ranks
-   share the solves. The runner writes the gathered weights back into the FSDP2 shards and checkpoints them.
+3. Linears with equal Hessians (one input: q/k/v, gate/up) share one preparation (the column order and the
+   inverse factor, :func:`prepare_hessian`). Such group ``k`` of the layer (module order) is solved by rank
+   ``k mod N`` and broadcast from there, so N ranks share the solves. The runner writes the gathered weights back
+   into the FSDP2 shards and checkpoints them.
 
 The simple per-layer variant: every Hessian of a layer comes from the layer's inputs with the layer's original
 weights (``o_proj``'s from the full-precision attention, not from already-quantized q/k/v; ``down_proj``'s from the
@@ -98,12 +100,11 @@ def _upper_cholesky_of_inverse(h: torch.Tensor) -> tuple[torch.Tensor, int]:
     With ``J`` the reversal permutation and ``J H J = L L^T``: ``H^-1 = (J L^-T J)(J L^-1 J)`` and ``J L^-1 J`` is
     upper triangular with a positive diagonal, i.e. the Cholesky factor of ``H^-1`` (no explicit inverse of H).
     """
-    rev = torch.arange(h.shape[0] - 1, -1, -1, device=h.device)
-    chol, info = torch.linalg.cholesky_ex(h[rev][:, rev])
+    chol, info = torch.linalg.cholesky_ex(h.flip(0, 1))
     if int(info) != 0:
         return chol, int(info)
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    return torch.linalg.solve_triangular(chol, eye, upper=False)[rev][:, rev], 0
+    return torch.linalg.solve_triangular(chol, eye, upper=False).flip(0, 1), 0
 
 
 #: The damping schedule: ``percdamp * 10**k`` of the mean diagonal, ``k = 0 .. DAMPING_TRIES - 1``, until the damped
@@ -135,10 +136,38 @@ def _group_range(spec: Any, values: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return amax, None if q.amin is None else q.amin.clone()
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedHessian:
+    """What GPTQ needs of one Hessian, whatever the weight: computed once for Linears that share their inputs
+    (q/k/v, gate/up). ``factor`` is None when no input ever reached the Linear (every column dead)."""
+
+    perm: torch.Tensor | None  # act_order's column order (decreasing diag H)
+    factor: torch.Tensor | None  # float32 upper Cholesky factor of the damped inverse, in ``perm`` order
+    damping: float  # the relative damping used
+
+
+@torch.no_grad()
+def prepare_hessian(
+    hessian: torch.Tensor, *, percdamp: float = DEFAULTS["percdamp"], act_order: bool = DEFAULTS["act_order"]
+) -> PreparedHessian:
+    """The column order and inverse factor GPTQ derives from ``hessian`` [in, in] (see :func:`gptq_quantize`).
+    Dead columns (``H_jj = 0``) get a unit diagonal; LinAlgError when no damping makes H positive definite."""
+    h = hessian.detach().to(dtype=torch.float64).clone()
+    dead = torch.diag(h) == 0
+    if bool(dead.all()):
+        return PreparedHessian(None, None, percdamp)
+    h[dead, dead] = 1.0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        h = h[perm][:, perm]
+    factor, used = _inverse_hessian_factor(h, percdamp)  # on every thread: one large factorization
+    return PreparedHessian(perm, factor.float(), used)
+
+
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | PreparedHessian,
     quantizer: TensorQuantizer,
     *,
     percdamp: float = DEFAULTS["percdamp"],
@@ -147,7 +176,9 @@ def gptq_quantize(
     static_groups: bool = DEFAULTS["static_groups"],
     info: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """GPTQ's quantized (dequantized values) ``weight`` [out, in] for inputs with Hessian ``hessian`` [in, in].
+    """GPTQ's quantized (dequantized values) ``weight`` [out, in] for inputs with Hessian ``hessian`` [in, in]
+    (or that Hessian as :func:`prepare_hessian` left it, with the same ``percdamp`` and ``act_order``: Linears
+    that share their inputs share one preparation).
 
     ``quantizer`` is the weight's calibrated quantizer. With ``static_groups`` its scales are used as they are;
     without (per-group granularity, no ``act_order``) each group's scales are computed with the recipe's observer
@@ -169,16 +200,20 @@ def gptq_quantize(
     if group is not None:
         block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
     scale, zp = element_qparams(quantizer, w)
-    h = hessian.detach().to(device=w.device, dtype=torch.float64).clone()
     out, n = w.shape
-    dead = torch.diag(h) == 0
-    if bool(dead.all()) and group is None:  # no input ever reached it: round to nearest
-        return _quantize_column(w, scale, fmt, zp).to(weight.dtype)
-    h[dead, dead] = 1.0
-    perm = None
-    if act_order:
-        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
-        w, scale, h = w[:, perm], scale[:, perm], h[perm][:, perm]
+    prepared = (
+        hessian
+        if isinstance(hessian, PreparedHessian)
+        else prepare_hessian(hessian.to(w.device), percdamp=percdamp, act_order=act_order)
+    )
+    if prepared.factor is None:
+        if group is None:  # no input ever reached it: round to nearest
+            return _quantize_column(w, scale, fmt, zp).to(weight.dtype)
+        prepared = PreparedHessian(None, torch.eye(n, device=w.device), prepared.damping)  # dead: per-group RTN
+    perm = prepared.perm
+    if perm is not None:
+        perm = perm.to(w.device)
+        w, scale = w[:, perm], scale[:, perm]
         zp = zp[:, perm] if zp is not None else None
     small = w.device.type == "cpu" and out * block_size <= 1 << 20 and n <= 8192
     amax = quantizer.amax.detach().clone() if group is not None and not nvfp4 else None
@@ -190,10 +225,9 @@ def gptq_quantize(
     )
     global_scale = nvfp4_global_scale(quantizer.amax.detach().to(w.device)) if nvfp4 else None
     with threads(1 if small else None):
-        hinv, used = _inverse_hessian_factor(h, percdamp)
-        hinv = hinv.float()
+        hinv = prepared.factor.to(w.device)
         if info is not None:
-            info["damping"] = used
+            info["damping"] = prepared.damping
         # Work on the transposed weight: a column of W is a contiguous row here.
         wt, st = w.T.clone(memory_format=torch.contiguous_format), scale.T.contiguous()
         zt = zp.T.contiguous() if zp is not None else None
@@ -356,26 +390,34 @@ class GPTQ(LayerAlgorithm):
         plain = {n: (m, "input") for n, m in targets if n not in paired}
         stats = InputStats(plain, {"gram"}).collect(step).merge(group) if plain else None
         rank, size = group_rank_size(group)
+        modules = dict(targets)
+        # Linears that share their inputs share one Hessian and its preparation, and one rank solves them all.
+        solves = [[n] for n, _ in targets if n in paired] + (stats.same_gram() if stats is not None else [])
+        owner = {n: k % size for k, names in enumerate(solves) for n in names}
         damping: dict[str, float] = {}
         failed: dict[str, str] = {}
-        for k, (n, m) in enumerate(targets):
-            if k % size != rank:
-                continue
-            info: dict[str, Any] = {}
+        for names in (names for k, names in enumerate(solves) if k % size == rank):
             try:
-                if n in paired:
-                    cqq, ctq = paired[n]
-                    moved = corrected_weight(m.weight, cqq, ctq, fraction, self.params["percdamp"])
-                    m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds
-                    q = self._solve(m, cqq, info, moved)
-                else:
-                    q = self._solve(m, stats[n].hessian(), info)
+                prepared = None if names[0] in paired else self._prepare(stats[names[0]].hessian())
             except torch.linalg.LinAlgError as exc:
-                failed[n] = str(exc)
+                failed.update({n: str(exc) for n in names})
                 continue
-            damping[n] = info["damping"]
-            with torch.no_grad():
-                m.weight.copy_(q)
+            for n in names:
+                m, info = modules[n], {}
+                try:
+                    if n in paired:
+                        cqq, ctq = paired[n]
+                        moved = corrected_weight(m.weight, cqq, ctq, fraction, self.params["percdamp"])
+                        m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds
+                        q = self._solve(m, cqq, info, moved)
+                    else:
+                        q = self._solve(m, stats[n].hessian(), info, prepared=prepared)
+                except torch.linalg.LinAlgError as exc:
+                    failed[n] = str(exc)
+                    continue
+                damping[n] = info["damping"]
+                with torch.no_grad():
+                    m.weight.copy_(q)
         del stats, paired
         # Every rank learns every Linear's damping, and stops together if any Linear could not be solved.
         parts = [json.loads(p) for p in all_gather_strings(json.dumps({"damping": damping, "failed": failed}), group)]
@@ -385,11 +427,11 @@ class GPTQ(LayerAlgorithm):
             raise NumericsError(f"{name}: GPTQ cannot quantize it: {why}; raise the recipe's percdamp or exclude it")
         self._damping[step.name] = {n: d for p in parts for n, d in sorted(p["damping"].items())}
         with torch.no_grad():
-            for k, (_, m) in enumerate(targets):
-                broadcast_(m.weight.data, k % size, group)
-                broadcast_(m.weight_quantizer.amax, k % size, group)  # in-order, searched or refitted scales
+            for n, m in targets:
+                broadcast_(m.weight.data, owner[n], group)
+                broadcast_(m.weight_quantizer.amax, owner[n], group)  # in-order, searched or refitted scales
                 if m.weight_quantizer.amin is not None:
-                    broadcast_(m.weight_quantizer.amin, k % size, group)
+                    broadcast_(m.weight_quantizer.amin, owner[n], group)
 
     def _check_options(self, q: TensorQuantizer, name: str) -> None:
         if not q.spec.symmetric and self.params["refit_scales"]:
@@ -400,8 +442,15 @@ class GPTQ(LayerAlgorithm):
                 "'hessian' do not apply to nvfp4 weights; leave them at their defaults"
             )
 
+    def _prepare(self, hessian: torch.Tensor) -> PreparedHessian:
+        return prepare_hessian(hessian, percdamp=self.params["percdamp"], act_order=self.params["act_order"])
+
     def _gptq(
-        self, weight: torch.Tensor, hessian: torch.Tensor, quantizer: TensorQuantizer, info: dict[str, Any]
+        self,
+        weight: torch.Tensor,
+        hessian: torch.Tensor | PreparedHessian,
+        quantizer: TensorQuantizer,
+        info: dict[str, Any],
     ) -> torch.Tensor:
         return gptq_quantize(
             weight,
@@ -415,12 +464,18 @@ class GPTQ(LayerAlgorithm):
         )
 
     def _solve(
-        self, m: QuantLinear, hessian: torch.Tensor, info: dict[str, Any], weight: torch.Tensor | None = None
+        self,
+        m: QuantLinear,
+        hessian: torch.Tensor,
+        info: dict[str, Any],
+        weight: torch.Tensor | None = None,
+        prepared: PreparedHessian | None = None,
     ) -> torch.Tensor:
         """One Linear: the scale search (fixed scales only), GPTQ, then ``max(refit_scales, refine_sweeps > 0)``
         rounds of: ``refine_sweeps`` rounding sweeps, then (while rounds of ``refit_scales`` remain) a least-squares
-        refit of the scales. ``weight``: what to quantize (default: the Linear's own). ``info["damping"]``: the
-        relative damping GPTQ needed."""
+        refit of the scales. ``weight``: what to quantize (default: the Linear's own); ``prepared``: ``hessian`` as
+        :meth:`_prepare` left it, shared with the Linears of the same inputs. ``info["damping"]``: the relative
+        damping GPTQ needed."""
         wq = m.weight_quantizer
         weight = (m.weight if weight is None else weight).detach()
         fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
@@ -429,7 +484,7 @@ class GPTQ(LayerAlgorithm):
             found = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])
             if found is not None:
                 wq.set_amax(*found)
-        q = self._gptq(weight, hessian, wq, info)
+        q = self._gptq(weight, hessian if prepared is None else prepared, wq, info)
         sweeps, refits = self.params["refine_sweeps"], self.params["refit_scales"]
         for r in range(max(refits, 1 if sweeps else 0)):
             if sweeps:

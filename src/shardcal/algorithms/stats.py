@@ -3,7 +3,8 @@
 * :class:`InputStats` runs a gathered decoder layer over this rank's cached batches with forward hooks on chosen
   modules (their inputs, or a norm's output) and records per capture point what an algorithm asks for: the
   per-channel ``max |x|``, the Gram matrix ``X^T X`` (GPTQ's Hessian), ``sum |x|``, the token count, and token
-  samples. Padding tokens are never counted (the step declares the batch's token mask, :mod:`shardcal.quant.tokens`;
+  samples. Points fed the very same tensor (q/k/v, gate/up) share its per-batch work and one Gram sum (see
+  :meth:`InputStats.same_gram`). Padding tokens are never counted (the step declares the batch's token mask, :mod:`shardcal.quant.tokens`;
   an MoE expert's routed tokens are masked too). Hooks are removed afterwards and every quantizer of the layer is
   disabled during the pass (an algorithm sees the full-precision function).
 * Merging is exact, so a result does not depend on how the batches are split over ranks: maxima with one
@@ -71,6 +72,11 @@ class ExactSum:
 
     def value(self) -> torch.Tensor:
         return self.hi + self.lo / _FRAC
+
+    def copy(self) -> ExactSum:
+        out = ExactSum((0,))
+        out.hi, out.lo = self.hi.clone(), self.lo.clone()
+        return out
 
     def limbs(self) -> list[torch.Tensor]:
         return [self.hi, self.lo]
@@ -144,6 +150,10 @@ class InputStats:
         self.stats: dict[str, PointStats] = {}
         self._cache: dict[int, list] = {}
         self._rotated: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: This batch's input entry per gram point, and the points that have shared one Gram sum with an earlier
+        #: point so far (the same input tensor in every batch: q/k/v, gate/up) -> that point.
+        self._gram_inputs: dict[str, list] = {}
+        self._gram_shared: dict[str, str] = {}
 
     def __getitem__(self, key: str) -> PointStats:
         return self.stats[key]
@@ -183,11 +193,11 @@ class InputStats:
 
     def _record(self, key: str, x: torch.Tensor) -> None:
         s = self.stats[key]
-        x = x.detach()
         # q/k/v (gate/up, a norm and its consumers) see the very same tensor object: work on it once per batch
+        # (keyed on the object the hook got: detach() makes a new one at every call)
         entry = self._cache.get(id(x))
         if entry is None or entry[0] is not x:
-            entry = [x, self._rows(x).float(), None]
+            entry = [x, self._rows(x.detach()).float(), None]
             self._cache[id(x)] = entry
         rows = entry[1]
         s.count.add(torch.tensor([float(rows.shape[0])], dtype=torch.float64))
@@ -206,9 +216,57 @@ class InputStats:
             index = torch.linspace(0, n - 1, k, device=rows.device).round().long()
             s.samples.append(rows[index].clone())
         if s.gram is not None:
-            if entry[2] is None:
-                entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly over batches
-            s.gram.add(entry[2])
+            self._gram_inputs.setdefault(key, []).append(entry)  # summed at the end of the batch (_add_grams)
+
+    def _add_grams(self, first: bool) -> None:
+        """Add this batch's ``X^T X`` to the Gram sums: one product and one sum per distinct input tensor. Points
+        that saw the same tensor as an earlier point in the first batch share that point's sum (one object) for as
+        long as they keep seeing its tensor; one that stops gets a copy of the sum so far."""
+        calls, self._gram_inputs = self._gram_inputs, {}
+
+        def seen(key: str) -> list[int]:
+            return [id(entry) for entry in calls.get(key, [])]
+
+        if first:
+            owner: dict[tuple[int, ...], str] = {}
+            for key in calls:
+                leader = owner.setdefault(tuple(seen(key)), key)
+                if leader != key:
+                    self.stats[key].gram = self.stats[leader].gram
+                    self._gram_shared[key] = leader
+        for key, leader in list(self._gram_shared.items()):
+            if seen(key) != seen(leader):
+                self.stats[key].gram = self.stats[leader].gram.copy()
+                del self._gram_shared[key]
+        for key, entries in calls.items():
+            if key in self._gram_shared:
+                continue
+            for entry in entries:  # each call of the module
+                if entry[2] is None:
+                    rows = entry[1]
+                    entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly
+                self.stats[key].gram.add(entry[2])
+
+    def same_gram(self) -> list[list[str]]:
+        """The points grouped by equal merged Gram sums (q/k/v, gate/up: one input), in the order of the points.
+        Found from the values, so every rank finds the same groups whichever batches it saw. Call after
+        :meth:`merge`."""
+        groups: list[list[str]] = []
+        for key, s in self.stats.items():
+            if s.gram is None:
+                continue
+            for g in groups:
+                first = self.stats[g[0]].gram
+                if first is s.gram or (
+                    first.hi.shape == s.gram.hi.shape
+                    and torch.equal(first.hi.diagonal(), s.gram.hi.diagonal())  # cheap first: most differ there
+                    and all(torch.equal(a, b) for a, b in zip(first.limbs(), s.gram.limbs()))
+                ):
+                    g.append(key)
+                    break
+            else:
+                groups.append([key])
+        return groups
 
     def _record_input(self, key: str, module: nn.Module, x: torch.Tensor) -> None:
         """A Linear's input as its weight sees it: rotated when the Linear rotates its inputs (once per tensor and
@@ -242,6 +300,7 @@ class InputStats:
                 stack.callback(hook.remove)
             for i in range(len(step.inputs)):
                 out = step.forward(i)  # declares the batch's token mask (shardcal.quant.tokens)
+                self._add_grams(first=i == 0)
                 self._cache, self._rotated = {}, {}
                 if keep_outputs:
                     outputs.append(out.to(step.cache_device))
@@ -253,5 +312,5 @@ class InputStats:
         """Merge over ``group`` (collective; every rank calls it, in the same order of points): exact."""
         all_reduce_many_([s.max for s in self.stats.values() if s.max is not None], "max", group, dtype=torch.float32)
         sums = [e for s in self.stats.values() for e in (s.count, s.gram, s.abssum) if e is not None]
-        merge_exact(sums, group)
+        merge_exact(sums, group)  # a shared Gram sum in each of its points' slots: the same collective on every rank
         return self
