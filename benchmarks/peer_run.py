@@ -109,8 +109,13 @@ RECIPES: dict[str, dict[str, str | None]] = {
     },
 }
 #: (scheme, tool) -> variant -> what it changes: closer to shardcal's recipe than the tool's documented one
-#: (``--variant``; ``vs_peers.py`` runs each after the documented recipe).
+#: (``--variant``; ``vs_peers.py`` runs each after the documented recipe, on SmolLM2, and on every model those in
+#: :data:`EVERY_MODEL_VARIANTS`).
 VARIANTS: dict[tuple[str, str], dict[str, str]] = {
+    ("fp8", "llmcompressor"): {
+        "gptq": 'GPTQModifier(scheme="FP8") (defaults: block 128, dampening 0.01, actorder static): fp8 per-tensor '
+        "weights chosen by GPTQ, static per-tensor fp8 inputs; the algorithm of shardcal's `fp8-gptq`",
+    },
     ("w8a8-int8-sq", "llmcompressor"): {
         "sq-0.8-static": "SmoothQuantModifier(smoothing_strength=0.8) + QuantizationModifier: int8 per-channel weights, "
         "int8 static per-tensor inputs (static_minmax observer), round to nearest",
@@ -144,6 +149,8 @@ VARIANTS: dict[tuple[str, str], dict[str, str]] = {
         "per-channel weights, int8 static per-tensor inputs with the static_minmax observer (running min/max)",
     },
 }
+#: (scheme, tool, variant): the variants ``vs_peers.py`` runs on every model, not on SmolLM2 only.
+EVERY_MODEL_VARIANTS: set[tuple[str, str, str]] = {("fp8", "llmcompressor", "gptq")}
 
 
 def load_ids(path: str) -> torch.Tensor:
@@ -237,7 +244,8 @@ def llmcompressor_recipe(scheme: str, variant: str = "default") -> list:
         groups["group_0"].weights.observer = "mse"
         return [GPTQModifier(targets="Linear", config_groups=groups, ignore=ignore)]
     if scheme == "fp8":
-        return [QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore)]
+        quantize = GPTQModifier if variant == "gptq" else QuantizationModifier
+        return [quantize(targets="Linear", scheme="FP8", ignore=ignore)]
     if scheme == "fp8-dynamic":
         return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=ignore)]
     if scheme == "fp8-dynamic-kv":

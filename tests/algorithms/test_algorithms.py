@@ -766,3 +766,40 @@ def test_gptq_on_a_prepared_hessian_equals_gptq_on_the_hessian(act_order):
             quantizer.calibrate_from(weight)
             results.append(gptq_quantize(weight, h, quantizer, act_order=act_order))
         assert torch.equal(results[0], results[1])
+
+
+def test_gptq_hessian_pass_input_amax_is_the_inputs_max_before_the_solve_one_pass_fewer():
+    """``input_amax = "hessian-pass"``: each static per-tensor max input quantizer takes the maximum of the inputs
+    GPTQ's Hessian pass saw, the layer's inputs through its weights before the solve. On layer 0 (inputs the same in
+    both streams) that is the unquantized model's own forward; the layer runs one pass over the data fewer than
+    with the default, whose observers see the solved weights' inputs."""
+    data = _data(n=8)
+    original = _model(outliers=True)
+    want: dict[str, float] = {}
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda m, args, n=n: want.__setitem__(n, max(want.get(n, 0.0), args[0].abs().max().item()))
+        )
+        for n, m in original.named_modules()
+        if isinstance(m, nn.Linear) and n.startswith("model.layers.0.")
+    ]
+    with torch.no_grad():
+        for batch in data.split(4):
+            original(batch)
+    for h in hooks:
+        h.remove()
+    calls: dict[str, dict[int, int]] = {}
+    amax: dict[str, dict[str, float]] = {}
+    for mode in ("observe", "hessian-pass"):
+        model = _model(outliers=True)
+        counts = calls.setdefault(mode, {})
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i, c=counts: c.__setitem__(i, c.get(i, 0) + 1))
+        recipe = _recipe("gptq", weight_only=False, input_amax=f'"{mode}"')
+        calibrate(model, data, recipe, batch_size=4, progress=False)
+        amax[mode] = {n: model.get_submodule(n).input_quantizer.amax.item() for n in want}
+    assert len(want) == 7
+    assert all(calls["hessian-pass"][i] == calls["observe"][i] - 2 for i in calls["observe"]), calls
+    for name, value in want.items():
+        assert amax["hessian-pass"][name] == pytest.approx(value, rel=1e-6), name
+    assert any(amax["observe"][n] != pytest.approx(v, rel=1e-6) for n, v in want.items())  # the solved weights'

@@ -26,7 +26,9 @@ Columns whose input is always zero (``H_jj = 0``: dead channels, experts that go
 and pass no error on. Recipe: ``[algorithm] name = "gptq"``, ``block_size`` (128), ``percdamp`` (0.01),
 ``act_order`` (false), ``static_groups`` (false), ``propagate`` ("qdq"), ``smooth`` (a table naming ``smoothquant`` or
 ``awq`` with its parameters: that algorithm folds its scales first, in the same step, then GPTQ quantizes the
-smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination), ``stream_correction`` (0: off).
+smoothed weights — SmoothQuant + GPTQ is the usual W8A8 int8 combination), ``stream_correction`` (0: off),
+``input_amax`` ("observe": static input quantizers observe the layer after the solve; "hessian-pass": they take
+the maximum of the Hessian pass's inputs, one pass fewer).
 
 ``stream_correction = α`` (0 < α <= 1) makes GPTQ's objective asymmetric (:mod:`.paired`): the runner carries the
 full-precision stream beside the quantized one, and each Linear outside an MoE block is first moved by the fraction
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import NumericsError, RecipeError
+from ..layerwise.moe import moe_blocks
 from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import FORMATS, fake_quantize, nvfp4_global_scale, qparams, round_e2m1, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
@@ -58,7 +61,7 @@ from .base import LayerAlgorithm
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .paired import PairedGrams, corrected_weight, pairable
 from .scales import clip_search_amax, element_qparams, nvfp4_element_scales, refine_rounding, refit_scales
-from .smoothquant import SmoothQuant
+from .smoothquant import SmoothQuant, _static_max_input
 from .stats import InputStats, threads
 
 #: GPTQ's parameter defaults: the recipe schema's and :func:`gptq_quantize`'s, one source for both.
@@ -312,6 +315,7 @@ class GPTQ(LayerAlgorithm):
         "refit_scales": (0, integer(0)),
         "refine_sweeps": (0, integer(0)),
         "stream_correction": (0.0, number(0.0, 1.0)),
+        "input_amax": ("observe", one_of("observe", "hessian-pass")),
     }
     changes_weights = True
     default_propagate = "qdq"
@@ -353,6 +357,7 @@ class GPTQ(LayerAlgorithm):
     def __init__(self, params: Mapping[str, Any] | None = None):
         super().__init__(params)
         self._damping: dict[str, dict[str, float]] = {}  # layer -> Linear -> relative damping used
+        self._derived: dict[str, list[tuple[Any, torch.Tensor, int]]] = {}  # layer -> derived_amax's entries
         self.smoother: LayerAlgorithm | None = None
         if "smooth" in self.params:
             table = dict(self.params["smooth"])
@@ -388,7 +393,23 @@ class GPTQ(LayerAlgorithm):
         fraction = self.params["stream_correction"]
         paired = PairedGrams(pairable(step.layer, targets) if fraction > 0 else []).collect(step, group)
         plain = {n: (m, "input") for n, m in targets if n not in paired}
-        stats = InputStats(plain, {"gram"}).collect(step).merge(group) if plain else None
+        in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
+        derivable = [
+            n
+            for n, (m, _) in plain.items()
+            if self.params["input_amax"] == "hessian-pass" and id(m) not in in_experts and _static_max_input(m)
+        ]
+        kinds = {"gram", "max"} if derivable else {"gram"}
+        stats = InputStats(plain, kinds).collect(step).merge(group) if plain else None
+        self._derived[step.name] = [
+            (
+                m.input_quantizer,
+                stats[n].max.max().reshape(m.input_quantizer.layout.amax_shape),
+                stats[n].tokens * m.in_features,
+            )
+            for n in derivable
+            for m in [plain[n][0]]
+        ]
         rank, size = group_rank_size(group)
         modules = dict(targets)
         # Linears that share their inputs share one Hessian and its preparation, and one rank solves them all.
@@ -432,6 +453,13 @@ class GPTQ(LayerAlgorithm):
                 broadcast_(m.weight_quantizer.amax, owner[n], group)  # in-order, searched or refitted scales
                 if m.weight_quantizer.amin is not None:
                     broadcast_(m.weight_quantizer.amin, owner[n], group)
+
+    def derived_amax(self, step: Any) -> list[tuple[Any, torch.Tensor, int]]:
+        """With ``input_amax = "hessian-pass"``, every static per-tensor ``max`` input quantizer of the layer's
+        Linears (outside MoE experts and the stream-corrected ones): the maximum of the inputs the Hessian pass saw
+        (the weights as they were before the solve, as llm-compressor's GPTQ observes them), so the runner runs no
+        observing pass for them. By default (``"observe"``) none: they observe the layer with the solved weights."""
+        return self._derived.pop(step.name, [])
 
     def _check_options(self, q: TensorQuantizer, name: str) -> None:
         if not q.spec.symmetric and self.params["refit_scales"]:
