@@ -484,6 +484,8 @@ CASES = [
     # inputs calibrated first; MoE experts keep the plain Hessian, W8A8 with static per-tensor inputs
     ("gptq", True, "llama", {"nvfp4": True, "act_order": True, "stream_correction": 0.25}),
     ("gptq", False, "qwen2_moe", {"stream_correction": 0.5}),
+    # static input scales from the merged Hessian pass (MoE experts observe their routed tokens after the solve)
+    ("gptq", False, "qwen2_moe", {"input_amax": '"hessian-pass"'}),
 ]
 
 

@@ -61,8 +61,8 @@ from .base import LayerAlgorithm
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .paired import PairedGrams, corrected_weight, pairable
 from .scales import clip_search_amax, element_qparams, nvfp4_element_scales, refine_rounding, refit_scales
-from .smoothquant import SmoothQuant, _static_max_input
-from .stats import InputStats, threads
+from .smoothquant import SmoothQuant
+from .stats import InputStats, static_max_input, threads
 
 #: GPTQ's parameter defaults: the recipe schema's and :func:`gptq_quantize`'s, one source for both.
 DEFAULTS: dict[str, Any] = {"block_size": 128, "percdamp": 0.01, "act_order": False, "static_groups": False}
@@ -397,7 +397,7 @@ class GPTQ(LayerAlgorithm):
         derivable = [
             n
             for n, (m, _) in plain.items()
-            if self.params["input_amax"] == "hessian-pass" and id(m) not in in_experts and _static_max_input(m)
+            if self.params["input_amax"] == "hessian-pass" and id(m) not in in_experts and static_max_input(m)
         ]
         kinds = {"gram", "max"} if derivable else {"gram"}
         stats = InputStats(plain, kinds).collect(step).merge(group) if plain else None

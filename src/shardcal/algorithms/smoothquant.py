@@ -59,13 +59,7 @@ from ..runtime.params import integer, number, number_list, one_of, subset_of
 from .base import LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .memory import AlgorithmMemory, LayerPlanContext
-from .stats import ExactSum, InputStats, merge_exact
-
-
-def _static_max(spec: Any) -> bool:
-    """Whether an input spec is static and symmetric with a ``max`` observer: what a maximum over the inputs it
-    will see gives exactly (per tensor: see the callers)."""
-    return spec is not None and not spec.dynamic and spec.observer == "max" and spec.symmetric
+from .stats import ExactSum, InputStats, merge_exact, static_max, static_max_input
 
 
 def _rotating(context: LayerPlanContext, pair: Any) -> list[Any]:
@@ -74,14 +68,8 @@ def _rotating(context: LayerPlanContext, pair: Any) -> list[Any]:
     return [
         lin
         for lin in found
-        if lin is not None and lin.rotation is not None and _static_max(lin.input) and lin.input.granularity == "tensor"
+        if lin is not None and lin.rotation is not None and static_max(lin.input) and lin.input.granularity == "tensor"
     ]
-
-
-def _static_max_input(c: nn.Module) -> bool:
-    """Whether ``c``'s input quantizer is a static per-tensor symmetric ``max`` one (:func:`_static_max`)."""
-    q = getattr(c, "input_quantizer", None)
-    return q is not None and _static_max(q.spec) and q.layout.num_slots == 1
 
 
 def _rotating_consumers(step: Any, smoothings: list[Smoothing], recipe: Any) -> dict[str, list[tuple[nn.Module, int]]]:
@@ -93,7 +81,7 @@ def _rotating_consumers(step: Any, smoothings: list[Smoothing], recipe: Any) -> 
     for m in smoothings:
         found = []
         for c in m.quantized("input"):
-            if id(c) in in_experts or not _static_max_input(c):
+            if id(c) in in_experts or not static_max_input(c):
                 continue
             block = getattr(c, "input_rotation", None) or recipe.rotation_block(names[id(c)], c.in_features)
             if block is not None:
@@ -290,7 +278,7 @@ class SmoothQuant(LayerAlgorithm):
             top = (act / scales[m.key].to(act.device)).max()
             for c in m.quantized("input"):
                 q = c.input_quantizer
-                if id(c) in in_experts or not _static_max_input(c):
+                if id(c) in in_experts or not static_max_input(c):
                     continue
                 if id(c) in self._rotated_amax:  # its quantizer sees the rotated input: from the kept rows
                     out.append((q, *self._rotated_amax[id(c)]))

@@ -44,6 +44,19 @@ def threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def static_max(spec: Any) -> bool:
+    """Whether an input spec is static and symmetric with a ``max`` observer: what a maximum over the inputs it
+    will see gives exactly (per tensor: see :func:`static_max_input`)."""
+    return spec is not None and not spec.dynamic and spec.observer == "max" and spec.symmetric
+
+
+def static_max_input(module: nn.Module) -> bool:
+    """Whether ``module``'s input quantizer is a static per-tensor symmetric ``max`` one (:func:`static_max`): the
+    maximum of the recorded inputs is its amax."""
+    q = getattr(module, "input_quantizer", None)
+    return q is not None and static_max(q.spec) and q.layout.num_slots == 1
+
+
 # ----------------------------------------------------------------------------------------------- exact sums
 
 #: Fraction bits of :class:`ExactSum`'s low limb: values are kept to 2**-36 (absolute), and up to 2**17 summands
