@@ -418,8 +418,9 @@ class GPTQ(LayerAlgorithm):
         damping: dict[str, float] = {}
         failed: dict[str, str] = {}
         for names in (names for k, names in enumerate(solves) if k % size == rank):
+            hessian = None if names[0] in paired else stats[names[0]].hessian()  # the group's one value
             try:
-                prepared = None if names[0] in paired else self._prepare(stats[names[0]].hessian())
+                prepared = None if hessian is None else self._prepare(hessian)
             except torch.linalg.LinAlgError as exc:
                 failed.update({n: str(exc) for n in names})
                 continue
@@ -432,7 +433,7 @@ class GPTQ(LayerAlgorithm):
                         m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds
                         q = self._solve(m, cqq, info, moved)
                     else:
-                        q = self._solve(m, stats[n].hessian(), info, prepared=prepared)
+                        q = self._solve(m, hessian, info, prepared=prepared)
                 except torch.linalg.LinAlgError as exc:
                     failed[n] = str(exc)
                     continue
