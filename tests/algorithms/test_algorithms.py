@@ -4,6 +4,7 @@ round-to-nearest, world-size independence on FSDP2-sharded models (gloo), resume
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -116,16 +117,18 @@ def test_smoothquant_reduces_w8a8_error_with_outlier_channels():
     assert errors["smoothquant"] < 0.5 * errors["rtn"], errors
 
 
-def _consumer_input_max(model: nn.Module, data: torch.Tensor, batch_size: int) -> dict[str, float]:
-    """Per Linear with an input quantizer: max |x| of its input over ``data`` in the model's own full-precision
-    forward (quantizers off) — what a max observer would record."""
+def _input_max(
+    model: nn.Module, data: torch.Tensor, batch_size: int, chosen: Callable[[str, nn.Module], bool]
+) -> dict[str, float]:
+    """Per ``chosen`` module: max |x| of its input over ``data`` in the model's own full-precision forward
+    (quantizers off) — what a max observer would record."""
     found: dict[str, float] = {}
     hooks = [
         m.register_forward_pre_hook(
             lambda m, args, n=n: found.__setitem__(n, max(found.get(n, 0.0), args[0].abs().max().item()))
         )
         for n, m in model.named_modules()
-        if getattr(m, "input_quantizer", None) is not None
+        if chosen(n, m)
     ]
     set_quantizer_mode(model, "disabled")
     with torch.no_grad():
@@ -137,6 +140,19 @@ def _consumer_input_max(model: nn.Module, data: torch.Tensor, batch_size: int) -
     return found
 
 
+def _consumer_input_max(model: nn.Module, data: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """:func:`_input_max` of every Linear with an input quantizer."""
+    return _input_max(model, data, batch_size, lambda n, m: getattr(m, "input_quantizer", None) is not None)
+
+
+def _count_layer_calls(model: nn.Module) -> dict[int, int]:
+    """Decoder layer index -> how often it runs from now on (a forward pre-hook that stays)."""
+    counts: dict[int, int] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts.get(i, 0) + 1))
+    return counts
+
+
 @pytest.mark.parametrize("alpha_grid", [[], [0.5, 0.9]])
 def test_smoothquant_input_amax_is_the_smoothed_inputs_max_in_one_pass(alpha_grid):
     """Static per-tensor max inputs of smoothed Linears take ``max_j act_max_j / s_j`` from SmoothQuant's own
@@ -146,9 +162,7 @@ def test_smoothquant_input_amax_is_the_smoothed_inputs_max_in_one_pass(alpha_gri
     calls: dict[str, dict[int, int]] = {}
     for algorithm in ("rtn", "smoothquant"):
         model = _model(outliers=True)
-        counts = calls.setdefault(algorithm, {})
-        for i, layer in enumerate(model.model.layers):
-            layer.register_forward_pre_hook(lambda m, a, i=i, c=counts: c.__setitem__(i, c.get(i, 0) + 1))
+        calls[algorithm] = _count_layer_calls(model)
         params = {"alpha_grid": alpha_grid} if alpha_grid and algorithm == "smoothquant" else {}
         calibrate(model, data, _recipe(algorithm, weight_only=False, **params), batch_size=4, progress=False)
     assert calls["smoothquant"] == calls["rtn"], calls
@@ -776,27 +790,13 @@ def test_gptq_hessian_pass_input_amax_is_the_inputs_max_before_the_solve_one_pas
     both streams) that is the unquantized model's own forward; the layer runs one pass over the data fewer than
     with the default, whose observers see the solved weights' inputs."""
     data = _data(n=8)
-    original = _model(outliers=True)
-    want: dict[str, float] = {}
-    hooks = [
-        m.register_forward_pre_hook(
-            lambda m, args, n=n: want.__setitem__(n, max(want.get(n, 0.0), args[0].abs().max().item()))
-        )
-        for n, m in original.named_modules()
-        if isinstance(m, nn.Linear) and n.startswith("model.layers.0.")
-    ]
-    with torch.no_grad():
-        for batch in data.split(4):
-            original(batch)
-    for h in hooks:
-        h.remove()
+    layer0 = lambda n, m: isinstance(m, nn.Linear) and n.startswith("model.layers.0.")
+    want = _input_max(_model(outliers=True), data, 4, layer0)
     calls: dict[str, dict[int, int]] = {}
     amax: dict[str, dict[str, float]] = {}
     for mode in ("observe", "hessian-pass"):
         model = _model(outliers=True)
-        counts = calls.setdefault(mode, {})
-        for i, layer in enumerate(model.model.layers):
-            layer.register_forward_pre_hook(lambda m, a, i=i, c=counts: c.__setitem__(i, c.get(i, 0) + 1))
+        calls[mode] = _count_layer_calls(model)
         recipe = _recipe("gptq", weight_only=False, input_amax=f'"{mode}"')
         calibrate(model, data, recipe, batch_size=4, progress=False)
         amax[mode] = {n: model.get_submodule(n).input_quantizer.amax.item() for n in want}

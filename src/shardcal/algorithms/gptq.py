@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import NumericsError, RecipeError
-from ..layerwise.moe import moe_blocks
+from ..layerwise.moe import in_moe_blocks
 from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import FORMATS, fake_quantize, nvfp4_global_scale, qparams, round_e2m1, round_to_fp8_e4m3
 from ..quant.linear import QuantLinear
@@ -393,12 +393,10 @@ class GPTQ(LayerAlgorithm):
         fraction = self.params["stream_correction"]
         paired = PairedGrams(pairable(step.layer, targets) if fraction > 0 else []).collect(step, group)
         plain = {n: (m, "input") for n, m in targets if n not in paired}
-        in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
-        derivable = [
-            n
-            for n, (m, _) in plain.items()
-            if self.params["input_amax"] == "hessian-pass" and id(m) not in in_experts and static_max_input(m)
-        ]
+        derivable = {}  # Linear name -> module, for input_amax = "hessian-pass"
+        if self.params["input_amax"] == "hessian-pass":
+            in_experts = in_moe_blocks(step.layer)
+            derivable = {n: m for n, (m, _) in plain.items() if id(m) not in in_experts and static_max_input(m)}
         kinds = {"gram", "max"} if derivable else {"gram"}
         stats = InputStats(plain, kinds).collect(step).merge(group) if plain else None
         self._derived[step.name] = [
@@ -407,8 +405,7 @@ class GPTQ(LayerAlgorithm):
                 stats[n].max.max().reshape(m.input_quantizer.layout.amax_shape),
                 stats[n].tokens * m.in_features,
             )
-            for n in derivable
-            for m in [plain[n][0]]
+            for n, m in derivable.items()
         ]
         rank, size = group_rank_size(group)
         modules = dict(targets)

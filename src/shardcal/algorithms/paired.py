@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layerwise.moe import ExpertTokenMasks, moe_blocks
+from ..layerwise.moe import ExpertTokenMasks, in_moe_blocks
 from ..layerwise.steps import LayerStep
 from ..quant.linear import QuantLinear, rotated_input
 from ..quant.quantizer import QuantMode, TensorQuantizer
@@ -42,7 +42,7 @@ from .stats import ExactSum, merge_exact
 
 def pairable(layer: nn.Module, targets: Sequence[tuple[str, QuantLinear]]) -> list[tuple[str, QuantLinear]]:
     """The targets whose inputs line up token by token in both streams: those outside sparse MoE blocks."""
-    inside = {id(m) for block in moe_blocks(layer) for m in block.modules()}
+    inside = in_moe_blocks(layer)
     return [(n, m) for n, m in targets if id(m) not in inside]
 
 

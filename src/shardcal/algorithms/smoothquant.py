@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layerwise.moe import moe_blocks
+from ..layerwise.moe import in_moe_blocks
 from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import fake_quantize
 from ..quant.hadamard import hadamard_blocks_by_factors
@@ -76,7 +76,7 @@ def _rotating_consumers(step: Any, smoothings: list[Smoothing], recipe: Any) -> 
     """Per pair (key), its consumers (outside MoE experts) whose static per-tensor ``max`` input quantizer will see
     the input rotated by the recipe's ``[rotation]``, with their Hadamard block."""
     names = {id(m): n for n, m in step.layer.named_modules(prefix=step.name)}
-    in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
+    in_experts = in_moe_blocks(step.layer)
     out = {}
     for m in smoothings:
         found = []
@@ -271,7 +271,7 @@ class SmoothQuant(LayerAlgorithm):
         docstring). Not for MoE experts (each observes its routed tokens only)."""
         if self._smoothed is None or self._smoothed[0] != step.name:
             return []
-        in_experts = {id(m) for block in moe_blocks(step.layer) for m in block.modules()}
+        in_experts = in_moe_blocks(step.layer)
         out = []
         scales = self.scales[step.name]
         for m, act, tokens in self._smoothed[1]:

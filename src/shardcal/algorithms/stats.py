@@ -130,6 +130,33 @@ class PointStats:
         return self.abssum.value() / n
 
 
+@dataclass
+class _BatchInput:
+    """One tensor a hook got in this batch, shared by every point fed it (q/k/v, gate/up): its real-token rows, and
+    what the points record of it, each computed once."""
+
+    x: torch.Tensor  # the object the hook got (the cache key's owner)
+    rows: torch.Tensor  # [real tokens, channels] float32
+    _absmax: torch.Tensor | None = None
+    _abssum: torch.Tensor | None = None
+    _gram: torch.Tensor | None = None
+
+    def absmax(self) -> torch.Tensor:
+        if self._absmax is None:
+            self._absmax = self.rows.abs().amax(dim=0)
+        return self._absmax
+
+    def abssum(self) -> torch.Tensor:
+        if self._abssum is None:
+            self._abssum = self.rows.abs().sum(dim=0, dtype=torch.float64)
+        return self._abssum
+
+    def gram(self) -> torch.Tensor:
+        if self._gram is None:
+            self._gram = self.rows.T @ self.rows  # float32 per batch, as GPTQ implementations do; summed exactly
+        return self._gram
+
+
 class InputStats:
     """Per-capture-point statistics of one decoder layer's inputs; see the module docstring.
 
@@ -161,11 +188,11 @@ class InputStats:
         self.kinds = set(kinds)
         self.sample_tokens = sample_tokens
         self.stats: dict[str, PointStats] = {}
-        self._cache: dict[int, list] = {}
+        self._cache: dict[int, _BatchInput] = {}
         self._rotated: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         #: This batch's input entry per gram point, and the points that have shared one Gram sum with an earlier
         #: point so far (the same input tensor in every batch: q/k/v, gate/up) -> that point.
-        self._gram_inputs: dict[str, list] = {}
+        self._gram_inputs: dict[str, list[_BatchInput]] = {}
         self._gram_shared: dict[str, str] = {}
 
     def __getitem__(self, key: str) -> PointStats:
@@ -209,17 +236,17 @@ class InputStats:
         # q/k/v (gate/up, a norm and its consumers) see the very same tensor object: work on it once per batch
         # (keyed on the object the hook got: detach() makes a new one at every call)
         entry = self._cache.get(id(x))
-        if entry is None or entry[0] is not x:
-            entry = [x, self._rows(x.detach()).float(), None]
+        if entry is None or entry.x is not x:
+            entry = _BatchInput(x, self._rows(x.detach()).float())
             self._cache[id(x)] = entry
-        rows = entry[1]
+        rows = entry.rows
         s.count.add(torch.tensor([float(rows.shape[0])], dtype=torch.float64))
         if rows.shape[0] == 0:
             return
         if s.max is not None:
-            s.max = torch.maximum(s.max, rows.abs().amax(dim=0).to(s.max.device))
+            s.max = torch.maximum(s.max, entry.absmax().to(s.max.device))
         if s.abssum is not None:
-            s.abssum.add(rows.abs().sum(dim=0, dtype=torch.float64))
+            s.abssum.add(entry.abssum())
         if key in self.keep_rows:  # beside the activation cache (on the host when it is offloaded)
             kept = rows.to(self._rows_device)
             s.rows.append(kept if kept.data_ptr() != x.data_ptr() else kept.clone())
@@ -255,10 +282,7 @@ class InputStats:
             if key in self._gram_shared:
                 continue
             for entry in entries:  # each call of the module
-                if entry[2] is None:
-                    rows = entry[1]
-                    entry[2] = rows.T @ rows  # float32 per batch, as GPTQ implementations do; summed exactly
-                self.stats[key].gram.add(entry[2])
+                self.stats[key].gram.add(entry.gram())
 
     def same_gram(self) -> list[list[str]]:
         """The points grouped by equal merged Gram sums (q/k/v, gate/up: one input), in the order of the points.

@@ -27,6 +27,12 @@ def moe_blocks(layer: nn.Module) -> list[nn.Module]:
     ]
 
 
+def in_moe_blocks(layer: nn.Module) -> set[int]:
+    """The ids of every module inside ``layer``'s sparse MoE blocks (:func:`moe_blocks`): what sees only the tokens
+    routed to it."""
+    return {id(m) for block in moe_blocks(layer) for m in block.modules()}
+
+
 class AllExpertsObserve:
     """While active, each expert's quantizers observe all tokens of the batch; the layer output is unchanged.
 
