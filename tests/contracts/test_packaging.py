@@ -30,7 +30,8 @@ def test_calibration_folder_holds_recipes_only():
 
 def test_make_bench_runs_every_benchmark():
     """``make bench`` runs benchmarks/run_all.py, which lists every benchmark script (gpu_check runs alone;
-    peer_run is no benchmark but the script vs_peers runs inside the peers' venv)."""
+    peer_run is no benchmark but the script vs_peers runs inside the peers' venv; _-prefixed modules are shared
+    helpers)."""
     import importlib.util
 
     makefile = (ROOT / "Makefile").read_text()
@@ -38,6 +39,7 @@ def test_make_bench_runs_every_benchmark():
     spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
     run_all = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_all)
-    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"run_all", "gpu_check", "peer_run"}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+    scripts -= {"run_all", "gpu_check", "peer_run"}
     assert set(run_all.BENCHMARKS) == scripts
     assert "bench-peers:" in makefile and "benchmarks/vs_peers.py" in makefile
