@@ -384,7 +384,9 @@ def test_import_gguf_command(capsys, tmp_path):
         "generation_config.json",
     }
     status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir)
-    assert status == 2 and err.startswith(f"error: {out_dir}: already exists")
+    assert (
+        status == 2 and err == f"error: {out_dir}: holds an earlier shardcal output (pass --overwrite to replace it)\n"
+    )
     status, _, err = run_cli(capsys, "import-gguf", gguf_file, out_dir, "--overwrite")
     assert status == 0, err
     np.save(tmp_path / "ids.npy", np.arange(64).reshape(2, 32))
@@ -475,7 +477,12 @@ def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir,
     assert status == 0 and "removed" not in out and (ckpt / "manifest.json").is_file()
     assert "warning" not in err and "resuming" not in err
     status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "b")
-    assert status == 2 and err == f"error: {tmp_path / 'b'}: exists and is not empty (pass --overwrite to replace it)\n"
+    assert (
+        status == 2
+        and err == f"error: {tmp_path / 'b'}: holds an earlier shardcal output (pass --overwrite to replace it)\n"
+    )
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--overwrite")  # an earlier export (and plot)
+    assert status == 0 and "calibration_sqnr.png" in {f.name for f in (tmp_path / "b").iterdir()}, err
 
 
 def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
@@ -647,3 +654,24 @@ def test_a_requirement_transformers_states_becomes_the_pip_command(tmp_path):
     error = foreign._missing_package(tmp_path, "compressed-tensors>=0.15.0 is required")
     assert isinstance(error, MissingDependencyError)
     assert str(error).endswith("compressed-tensors>=0.15.0 is required; pip install 'compressed-tensors>=0.15.0'")
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_out_over_the_working_directory_is_one_error_line_and_deletes_nothing(tiny_dir, tmp_path, out):
+    """``--out .`` (or a parent of the working directory) with ``--overwrite``: refused before anything runs, one
+    ``error:`` line, the user's files where they were."""
+    work = tmp_path / "home" / "project"
+    work.mkdir(parents=True)
+    (work / "my_script.py").write_text("print('mine')\n")
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "ids.npy", np.arange(64).reshape(4, 16) % 300)
+    argv = ["calibrate", str(tiny_dir), "--recipe", "fp8", "--out", out, "--overwrite", "--data", "../../data/ids.npy"]
+    result = subprocess.run(
+        [sys.executable, "-m", "shardcal", *argv], cwd=work, capture_output=True, text=True, timeout=300
+    )
+    relation = "is" if out == "." else "contains"
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert f"{relation} the working directory {work}" in result.stderr
+    assert [p.name for p in work.iterdir()] == ["my_script.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "home"]

@@ -209,7 +209,7 @@ def _api_export_existing(env: Env) -> Callable[[], Any]:
 
         model = from_pretrained(env.model)
         calibrate(model, torch.ones(2, 16, dtype=torch.long), "w8a8-int8", progress=False)
-        return export_checkpoint(model, env.out, recipe="w8a8-int8")
+        return export_checkpoint(model, env.out, recipe="w8a8-int8", overwrite=True)
 
     return run
 
@@ -1038,10 +1038,55 @@ def _(env: Env):
     return env.calibrate("--checkpoint-dir", env.model), str(env.model)
 
 
-@case("out-not-empty", "--out an existing, non-empty directory", ExportError, "exists and is not empty")
+@case(
+    "out-not-empty",
+    "--out an existing directory holding a user's file",
+    ExportError,
+    "holds 'keep.txt', which shardcal did not write",
+)
 def _(env: Env):
     env.out.mkdir()
     (env.out / "keep.txt").write_text("mine")
+    return env.calibrate(), str(env.out)
+
+
+@case(
+    "out-foreign-overwrite",
+    "--out a directory of the user's files, with --overwrite (never deleted)",
+    ExportError,
+    "holds 'notes.txt', which shardcal did not write; --overwrite replaces only an earlier shardcal output",
+)
+def _(env: Env):
+    (env.out / "sub").mkdir(parents=True)
+    (env.out / "notes.txt").write_text("mine")
+    (env.out / "sub" / "data.bin").write_bytes(b"\x00" * 10)
+    return env.calibrate("--overwrite"), str(env.out)
+
+
+@case(
+    "out-export-plus-user-file",
+    "--out an earlier export to which the user added a file, with --overwrite",
+    ExportError,
+    "holds 'notes.txt', which shardcal did not write",
+)
+def _(env: Env):
+    env.out.mkdir()
+    (env.out / "config.json").write_text("{}")
+    (env.out / "shardcal_export.json").write_text(json.dumps({"files": {"config.json": 2}}))
+    (env.out / "notes.txt").write_text("mine")
+    return env.calibrate("--overwrite"), str(env.out)
+
+
+@case(
+    "out-earlier-export",
+    "--out an earlier export, without --overwrite",
+    ExportError,
+    "holds an earlier shardcal output (pass --overwrite to replace it)",
+)
+def _(env: Env):
+    env.out.mkdir()
+    (env.out / "config.json").write_text("{}")
+    (env.out / "shardcal_export.json").write_text(json.dumps({"files": {"config.json": 2}}))
     return env.calibrate(), str(env.out)
 
 
@@ -1064,9 +1109,9 @@ def _(env: Env):
 
 @case(
     "out-api-not-empty",
-    "export_checkpoint(model, an existing non-empty directory)",
+    "export_checkpoint(model, a directory holding a user's file, overwrite=True)",
     ExportError,
-    "exists and is not empty",
+    "holds 'keep.txt', which shardcal did not write; overwrite=True replaces only",
     via="API",
 )
 def _(env: Env):

@@ -487,24 +487,76 @@ def test_destination_errors_and_overwrite(exported, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(ExportError, match=r"out: exists and is not empty \(pass overwrite=True"):
+    for overwrite in (False, True):  # a user's file is never replaced, whatever overwrite says
+        with pytest.raises(ExportError, match=r"out: holds 'keep.txt', which shardcal did not write; overwrite=True"):
+            export_checkpoint(model, out, overwrite=overwrite)
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    export_checkpoint(model, out)  # an empty directory is written into
+    manifest = json.loads((out / "shardcal_export.json").read_text())
+    on_disk = {p.name: p.stat().st_size for p in out.iterdir() if p.name != "shardcal_export.json"}
+    assert manifest["files"] == on_disk  # it lists every file the export wrote, with its size
+    with pytest.raises(ExportError, match=r"out: holds an earlier shardcal output \(pass overwrite=True"):
         export_checkpoint(model, out)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "calibration_sqnr.png").write_bytes(b"png")  # what the pipeline adds beside an export
     export_checkpoint(model, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "calibration_sqnr.png").exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old copy left behind
-    with pytest.raises(ExportError, match="not empty"):
+    with pytest.raises(ExportError, match="holds an earlier shardcal output"):
         check_destination(out)  # the same checks, up front, creating nothing
     check_destination(out, overwrite=True)
+    for foreign in ("notes.txt", "sub"):  # anything added to an export makes it the user's
+        (out / foreign).mkdir() if foreign == "sub" else (out / foreign).write_text("mine")
+        with pytest.raises(ExportError, match=f"holds '{foreign}', which shardcal did not write"):
+            export_checkpoint(model, out, overwrite=True)
+        assert (out / foreign).exists() and (out / "config.json").is_file()
+        (out / foreign).rmdir() if foreign == "sub" else (out / foreign).unlink()
+    (out / "shardcal_export.json").unlink()  # without its manifest nothing in it is known to be shardcal's
+    with pytest.raises(ExportError, match="holds 'config.json', which shardcal did not write"):
+        export_checkpoint(model, out, overwrite=True)
     check_destination(tmp_path / "new" / "deeper")
     assert not (tmp_path / "new").exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     for dest in (blocker, blocker / "sub" / "out"):  # a file where the directory or its parent should be
         with pytest.raises(ExportError, match=str(blocker)):
-            check_destination(dest)
+            check_destination(dest, overwrite=True)
         with pytest.raises(ExportError, match=str(blocker)):
-            export_checkpoint(model, dest)
+            export_checkpoint(model, dest, overwrite=True)
+    assert blocker.read_text() == "x"
+
+
+def test_export_never_replaces_the_working_directory(exported, tmp_path, monkeypatch):
+    """``out_dir`` that is, or holds, the working directory is refused even when it is empty or an export."""
+    model, _ = exported("fp8")
+    here = tmp_path / "work" / "here"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    for out, relation in ((".", "is"), (here, "is"), (tmp_path / "work", "contains")):
+        with pytest.raises(ExportError, match=f"{relation} the working directory {here}; write the output elsewhere"):
+            export_checkpoint(model, out, overwrite=True)
+    assert here.is_dir() and list(here.iterdir()) == []
+
+
+def test_a_file_added_during_the_export_stops_the_swap(exported, tmp_path, monkeypatch):
+    """The destination is checked again just before the finished export replaces it: a user's file that appeared
+    meanwhile is not deleted, and the staging directory goes."""
+    import shardcal.export.export as export_module
+
+    model, _ = exported("fp8")
+    out = tmp_path / "out"
+    export_checkpoint(model, out)
+    real_finish = export_module._finish
+
+    def finish_then_user_writes(*args, **kwargs):
+        real_finish(*args, **kwargs)
+        (out / "notes.txt").write_text("written meanwhile")
+
+    monkeypatch.setattr(export_module, "_finish", finish_then_user_writes)
+    with pytest.raises(ExportError, match="holds 'notes.txt', which shardcal did not write"):
+        export_checkpoint(model, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "written meanwhile" and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_interrupted_export_leaves_nothing(exported, tmp_path):
@@ -512,14 +564,15 @@ def test_interrupted_export_leaves_nothing(exported, tmp_path):
     with pytest.raises(ExportInterrupted), fail_export_at(1):
         export_checkpoint(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "old.txt").write_text("old")
+    export_checkpoint(model, tmp_path / "out")  # an earlier export
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     with (
         pytest.raises(ExportInterrupted),
         fail_export_at(2),
     ):  # with overwrite: the old export stays until the new one is complete
         export_checkpoint(model, tmp_path / "out", overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (tmp_path / "out" / "old.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
 
 # ------------------------------------------------------------------------------------- distributed

@@ -468,11 +468,25 @@ def test_import_refuses_a_non_empty_out_dir_and_cache_reimports_when_stale(tmp_p
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(ExportError, match="already exists"):
+    for overwrite in (False, True):  # a user's file is never replaced
+        with pytest.raises(ExportError, match="holds 'keep.txt', which shardcal did not write"):
+            import_gguf(gguf_file, out, overwrite=overwrite)
+    with pytest.raises(ExportError, match="holds 'keep.txt', which shardcal did not write"):
+        import_gguf_cached(gguf_file, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and not is_valid_import(out, gguf_file)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not a directory"):
+        import_gguf(gguf_file, blocker, overwrite=True)
+    assert blocker.read_text() == "mine"
+    (out / "keep.txt").unlink()
+    import_gguf(gguf_file, out)
+    with pytest.raises(ExportError, match="holds an earlier shardcal output"):
         import_gguf(gguf_file, out)
+    (out / "config.json").write_text("{}")  # a stale import (a file changed) is imported again
     assert not is_valid_import(out, gguf_file)
-    import_gguf_cached(gguf_file, out)  # replaces the stale directory
-    assert is_valid_import(out, gguf_file) and not (out / "keep.txt").exists()
+    import_gguf_cached(gguf_file, out)
+    assert is_valid_import(out, gguf_file)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     import_gguf_cached(gguf_file, out)  # valid: reused as is
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp

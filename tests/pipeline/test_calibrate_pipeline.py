@@ -4,6 +4,7 @@ loading anything what the command refuses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,13 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    """Every file of an export, by name; the report's timings and the plot's bytes left out."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in (PLOT, REPORT)}
+    """Every file of an export, by name; the report's timings and the plot's bytes left out (and so the report's
+    size in the export's manifest)."""
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in (PLOT, REPORT)}
+    manifest = json.loads(files.pop("shardcal_export.json"))
+    assert REPORT in manifest["files"]
+    manifest["files"][REPORT] = None
+    return {**files, "shardcal_export.json": manifest}
 
 
 def _untimed(value):
@@ -187,7 +193,18 @@ def nothing_read(monkeypatch) -> list[str]:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({}, ExportError, "{out}: exists and is not empty (pass overwrite=True to replace it)"),
+        (
+            {},
+            ExportError,
+            "{out}: holds 'keep.txt', which shardcal did not write; overwrite=True replaces only an earlier shardcal "
+            "output or an empty directory, so choose another output directory",
+        ),
+        (
+            {"overwrite": True},
+            ExportError,
+            "{out}: holds 'keep.txt', which shardcal did not write; overwrite=True replaces only an earlier shardcal "
+            "output or an empty directory, so choose another output directory",
+        ),
         ({"format": "gguf"}, ExportError, "format 'gguf': unknown export format (known: compressed-tensors)"),
         ({"model_impl": "mine"}, ConfigError, "model_impl must be one of auto, shardcal, transformers, got 'mine'"),
         (
@@ -219,9 +236,9 @@ def test_the_command_names_its_flags_in_the_same_refusals(model_and_data, tmp_pa
     (tmp_path / "out" / "keep.txt").write_text("mine")
     argv = _cli_argv(model_dir, data, tmp_path / "out")
     assert cli.main(argv) == 2
-    assert (
-        capsys.readouterr().err
-        == f"error: {tmp_path / 'out'}: exists and is not empty (pass --overwrite to replace it)\n"
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'out'}: holds 'keep.txt', which shardcal did not write; --overwrite replaces only an "
+        "earlier shardcal output or an empty directory, so choose another output directory\n"
     )
     assert cli.main([*argv, "--overwrite", "--format", "gguf"]) == 2
     assert capsys.readouterr().err == "error: --format 'gguf': unknown export format (known: compressed-tensors)\n"

@@ -85,13 +85,14 @@ def test_export_on_a_full_disk_leaves_nothing(tmp_path):
         folder = tmp_path / str(world_size)
         folder.mkdir()
         (folder / "existing").mkdir()
-        (folder / "existing" / "old.txt").write_text("the previous export")
+        (folder / "existing" / "old.txt").write_text("the previous export")  # an earlier export, as its manifest says
+        (folder / "existing" / "shardcal_export.json").write_text('{"files": {"old.txt": 19}}')
         for r in run_on_ranks(world_size, _export_on_full_disk, str(folder)):
             for error in r["errors"]:
                 assert "File too large" in error and "Traceback" not in error, error
                 assert len(error.splitlines()) == 1
         assert sorted(p.name for p in folder.iterdir()) == ["after", "existing"]  # no staging, no fresh/
-        assert [p.name for p in (folder / "existing").iterdir()] == ["old.txt"]
+        assert sorted(p.name for p in (folder / "existing").iterdir()) == ["old.txt", "shardcal_export.json"]
         assert (folder / "after" / "config.json").is_file()
 
 

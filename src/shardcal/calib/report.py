@@ -142,6 +142,8 @@ class CalibrationReport:
 #: The SQNR plot's line when the recipe sets no ``[fallback] min_layer_sqnr_db``: a reference, not a rule (8-bit
 #: formats usually stay above it; a layer far under it is worth a look).
 REFERENCE_SQNR_DB = 30.0
+#: The per-layer SQNR plot's file name in an export directory (written beside the export by the pipeline).
+SQNR_PLOT_NAME = "calibration_sqnr.png"
 #: What ``propagate`` means for the SQNR plot's subtitle: the inputs each layer was calibrated and measured on.
 PROPAGATE_MEANING = {
     "fp": "full-precision outputs of the previous layer",

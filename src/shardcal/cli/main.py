@@ -162,7 +162,12 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-offload", action="store_true", help="keep parameter shards in host memory (FSDP2 CPUOffloadPolicy)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it holds an earlier shardcal export (a directory holding any other file is "
+        "never replaced)",
+    )
     parser.add_argument(
         "--force",
         action="store_true",
@@ -719,7 +724,11 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT_DIR",
         help="where to write the Hugging Face-format directory (must not exist or be empty)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it holds an earlier import (a directory holding any other file is never replaced)",
+    )
 
 
 @command(
@@ -875,6 +884,7 @@ def _weights_mb(folder: Path) -> float:
 def demo_job(options: dict) -> None:
     """One rank of ``shardcal demo``: sharded load, calibrate, fake-quant perplexity, export."""
     from ..calib.recipes import load_recipe
+    from ..calib.report import SQNR_PLOT_NAME
     from ..calib.runner import calibrate
     from ..data.calibration import token_blocks
     from ..data.perplexity import distributed_perplexity
@@ -899,7 +909,7 @@ def demo_job(options: dict) -> None:
     peaks = all_gather_floats(torch_peak_memory_mb())
     if rank == 0:
         threshold = load_recipe(options["recipe"]).min_layer_sqnr_db
-        report.save_plot(Path(options["out"]) / "calibration_sqnr.png", threshold)
+        report.save_plot(Path(options["out"]) / SQNR_PLOT_NAME, threshold)
         Path(options["result"]).write_text(
             json.dumps(
                 {

@@ -11,7 +11,8 @@ Collective under torch.distributed: every rank calls it. The flow (see docs/expo
    owner encodes and appends its tensors to its own shard files; after each unit one small all-reduce tells every
    rank whether any rank failed, so all of them stop together;
 4. rank 0 writes the index, tokenizer files, report and config.json into the staging directory, then renames it
-   to ``out_dir`` (an existing one, with ``overwrite``, is renamed away first and deleted after).
+   to ``out_dir`` (an existing one, with ``overwrite`` and only when it holds nothing but an earlier export, is
+   renamed away first and deleted after).
 
 An export that fails or is interrupted leaves no ``out_dir`` (and removes its staging directory).
 """
@@ -32,12 +33,20 @@ import torch
 from torch import nn
 
 from ..calib.recipes import Recipe, load_recipe
+from ..calib.report import SQNR_PLOT_NAME
 from ..errors import ExportError
 from ..quant.experts import bias_slice, weight_slice
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..runtime.faults import fault_point
-from ..runtime.fsutil import check_apart, check_creatable, read_json_object, umask
+from ..runtime.fsutil import (
+    check_apart,
+    check_creatable,
+    check_replaceable,
+    read_json_object,
+    umask,
+    write_manifest,
+)
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
 from .plan import ExportPlan, QuantModule, Unit, build_plan
@@ -48,6 +57,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 REPORT_NAME = "calibration_report.json"
+#: Written last into every export: the files it holds. ``overwrite`` replaces only a directory it describes.
+MANIFEST_NAME = "shardcal_export.json"
+#: Files shardcal may add to a finished export (not in its manifest) that ``overwrite`` may replace as well.
+EXPORT_EXTRAS: tuple[str, ...] = (SQNR_PLOT_NAME,)
 #: Files copied from ``tokenizer_dir`` when present.
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
@@ -71,17 +84,15 @@ def _describe(exc: OSError) -> str:
 
 
 def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
-    if out_dir.exists() or out_dir.is_symlink():
-        if not out_dir.is_dir():
-            raise ExportError(f"{out_dir}: exists and is not a directory")
-        if any(out_dir.iterdir()) and not overwrite:
-            raise ExportError(f"{out_dir}: exists and is not empty (pass {flag} to replace it)")
+    """``out_dir`` may be written: absent, empty, or (with ``overwrite``) an earlier export and nothing else."""
+    check_replaceable(out_dir, MANIFEST_NAME, overwrite=overwrite, flag=flag, error=ExportError, extras=EXPORT_EXTRAS)
 
 
 def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
     """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
-    calibration): a non-empty directory without ``overwrite``, a file, or a parent that cannot be created or
-    written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
+    calibration): a directory holding anything but an earlier shardcal export (never replaced, whatever
+    ``overwrite`` says), an earlier export without ``overwrite``, the working directory, a file, or a parent that
+    cannot be created or written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
     replacing (a command line says ``--overwrite``)."""
     out_dir = Path(out_dir).absolute()
     _check_destination(out_dir, overwrite, flag)
@@ -263,7 +274,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any, tokenizer_dir: Path | None) -> None:
-    """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json (last)."""
+    """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json, the manifest (last)."""
     for shard in plan.shards:
         path = staging / shard.file
         expected = len(header_bytes(shard.entries)) + shard.nbytes
@@ -283,6 +294,7 @@ def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any
             report.save_json(staging / REPORT_NAME)
             os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
         _write_json(staging / CONFIG_NAME, {**config, plan.export_format.config_key: plan.quantization_config})
+        write_manifest(staging, MANIFEST_NAME, writer="shardcal export", format=plan.export_format.name)
     except OSError as exc:
         raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
 
@@ -315,8 +327,10 @@ def export_checkpoint(
 
     ``recipe`` (optional): every quantized module must match it; a plain Linear it targets is quantized at export
     (weight-only or dynamic-input recipes only). Collective under torch.distributed (every rank calls it; with an
-    FSDP2-wrapped model no rank gathers more than one unit at a time, and ranks share the writing). Atomic: an
-    existing non-empty ``out_dir`` is refused unless ``overwrite``; a failed export leaves no ``out_dir``.
+    FSDP2-wrapped model no rank gathers more than one unit at a time, and ranks share the writing). Atomic: a
+    failed export leaves no ``out_dir``. An existing non-empty ``out_dir`` is replaced only when it holds an earlier
+    shardcal export and nothing else (its manifest ``shardcal_export.json`` lists its files) and ``overwrite`` is
+    set; a directory holding any other file is refused, never deleted.
     Returns ``out_dir``. Problems with the destination or the model raise :class:`~shardcal.errors.ExportError`.
 
     ``format``: the checkpoint format, a name from :func:`shardcal.export.format.formats` (``"compressed-tensors"``,

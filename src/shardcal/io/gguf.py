@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, ExportError, ShardcalError, TokenizerError
+from ..runtime.fsutil import check_replaceable
 
 #: Bumped when the written directory changes, so cached imports made by older code are redone.
 IMPORT_FORMAT_VERSION = 1
@@ -866,15 +867,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     """Convert a GGUF file into an HF-format model directory; returns ``out_dir``.
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place, so a crash never
-    leaves a half-written model behind. An existing non-empty ``out_dir`` is an error unless ``overwrite``.
+    leaves a half-written model behind. An existing non-empty ``out_dir`` is replaced only when it holds an earlier
+    import and nothing else (its manifest lists its files) and ``overwrite`` is set; anything else is an
+    :class:`ExportError` naming the first file shardcal did not write, and is never deleted.
     """
     from safetensors.numpy import save_file
 
     path, out = Path(gguf_path), Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(
-            f"{out}: already exists and is not an empty directory; remove it or choose another output directory"
-        )
+    check_replaceable(out, MANIFEST_NAME, overwrite=overwrite, flag="--overwrite", error=ExportError)
     file = read_gguf(path)
     meta = _Metadata(file.metadata, path)
     arch = meta.get("general.architecture")
@@ -930,16 +930,16 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
 
 
 def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``, replacing whatever is there (an old directory is deleted only afterwards)."""
+    """Move ``new`` to ``target``, replacing an empty directory or an earlier import (checked again just before:
+    a foreign file that appeared meanwhile stops it); an old import is deleted only afterwards."""
+    check_replaceable(target, MANIFEST_NAME, overwrite=True, flag="--overwrite", error=ExportError)
     old = None
-    if target.is_dir() and not target.is_symlink():
+    if target.is_dir():
         if any(target.iterdir()):
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.rename(target, old / "dir")
         else:
             target.rmdir()
-    elif target.exists() or target.is_symlink():
-        target.unlink()
     os.rename(new, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..calib.checkpoint import remove_checkpoint
 from ..calib.recipes import Recipe
-from ..calib.report import CalibrationReport
+from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
 from ..export.export import export_checkpoint
 from ..export.format import DEFAULT_FORMAT, ExportFormat
@@ -33,7 +33,7 @@ from ..runtime.distributed import all_gather_floats, init_distributed
 from .inputs import CalibrationInputs, check_calibration_inputs, read_token_data
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
-PLOT_NAME = "calibration_sqnr.png"
+PLOT_NAME = SQNR_PLOT_NAME
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,69 @@ def remove_manifested_dir(folder: str | Path, manifest: str, own: re.Pattern[str
     return freed
 
 
+def write_manifest(folder: Path, manifest: str, **fields: object) -> None:
+    """Write ``folder/manifest`` (JSON, atomically): ``fields`` plus ``files``, every file now in ``folder`` with
+    its size — what :func:`foreign_entry` later recognises as written by shardcal."""
+    import json
+
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != manifest}
+    atomic_write_text(folder / manifest, json.dumps({**fields, "files": files}, indent=1) + "\n")
+
+
+def foreign_entry(folder: Path, manifest: str, extras: Container[str] = ()) -> str | None:
+    """The first entry of directory ``folder`` that shardcal did not write, or None when every entry is its own.
+
+    Its own: ``manifest`` and the files that manifest lists (see :func:`write_manifest`), plus ``extras`` (files
+    shardcal adds beside them, e.g. a plot) — and nothing at all without a readable manifest. Subdirectories,
+    links and unlisted files are foreign. This is the rule that keeps ``--overwrite`` from deleting a user's file.
+    """
+    import json
+
+    entries = sorted(folder.iterdir()) if folder.is_dir() else []
+    own: set[str] = set()
+    try:
+        listed = json.loads((folder / manifest).read_text(encoding="utf-8")).get("files")
+        if isinstance(listed, dict):
+            own = {str(name) for name in listed} | {manifest}
+    except (OSError, ValueError, AttributeError):
+        pass
+    for path in entries:
+        mine = path.name in own or (bool(own) and path.name in extras)
+        if not mine or path.is_symlink() or not path.is_file():
+            return path.name
+    return None
+
+
+def check_replaceable(
+    folder: Path, manifest: str, *, overwrite: bool, flag: str, error: type[ShardcalError], extras: Container[str] = ()
+) -> None:
+    """Refuse to write into ``folder`` unless it is absent or empty, or it holds only an earlier output of the same
+    shardcal writer (:func:`foreign_entry`) and ``overwrite`` is set (``flag``: how the caller names that option).
+    A file where the directory should be, and a directory that is or contains the working directory, are refused
+    too. Checks only; changes nothing."""
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory itself is gone: nothing left to protect
+        cwd = None
+    if cwd is not None and (folder.resolve() == cwd or cwd.is_relative_to(folder.resolve())):
+        relation = "is" if folder.resolve() == cwd else "contains"
+        raise error(f"{folder}: {relation} the working directory {cwd}; write the output elsewhere")
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        raise error(f"{folder}: exists and is not a directory")
+    if not any(folder.iterdir()):
+        return
+    foreign = foreign_entry(folder, manifest, extras)
+    if foreign is not None:
+        raise error(
+            f"{folder}: holds {foreign!r}, which shardcal did not write; {flag} replaces only an earlier shardcal "
+            "output or an empty directory, so choose another output directory"
+        )
+    if not overwrite:
+        raise error(f"{folder}: holds an earlier shardcal output (pass {flag} to replace it)")
+
+
 def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) -> None:
     """Raise ``error`` now if directory ``path`` could not be created and written (before hours of work).
 
