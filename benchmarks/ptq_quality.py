@@ -1,7 +1,12 @@
-"""PTQ quality per recipe on the embedded SmolLM2-135M: perplexity and calibration time, measured in one run.
+"""PTQ quality per recipe on a reference model: perplexity and calibration time, measured in one run.
 
-    python benchmarks/ptq_quality.py [--samples 32] [--seq-len 256] [--eval-samples 8] [--eval-seed 0]
-                                     [--recipes fp8 w4a16-gptq ... | path/to/recipe.toml ...]
+    python benchmarks/ptq_quality.py [--model smollm2|gemma3-270m] [--samples 32] [--seq-len 256]
+                                     [--eval-samples 8] [--eval-seed 0]
+                                     [--recipes fp8 w4a16-gptq ... | path/to/recipe.toml ...] [--no-save]
+
+``--model``: the embedded SmolLM2-135M (default), or Gemma-3-270M (see vs_peers.py; transformers' class).
+Every shipped recipe by default. The table is written to ``docs/results/ptq_quality_<model>.json`` (what
+``shardcal recipes`` shows and ``tools/results_page.py`` renders) unless ``--no-save`` or ``--recipes`` names a file.
 
 Calibration data: ``--samples`` blocks of ``--seq-len`` tokens from the Wikipedia summaries' "calib" split;
 perplexity on ``--eval-samples`` held-out blocks of the "eval" split (its articles shuffled with ``--eval-seed``;
@@ -23,7 +28,7 @@ import time
 
 import torch
 
-DEFAULT_RECIPES = ["fp8", "w8a8-int8", "w8a8-int8-sq", "w8a8-int8-sq-gptq", "w4a16", "w4a16-gptq", "w4a16-awq"]
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma-3-270M"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,38 +38,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--eval-seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--recipes", nargs="*", default=DEFAULT_RECIPES)
+    parser.add_argument("--model", choices=list(MODEL_NAMES), default="smollm2")
+    parser.add_argument("--recipes", nargs="*", default=None, help="default: every shipped recipe")
+    parser.add_argument("--no-save", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
 
+    from _results import write_table
+    from vs_peers import gemma3_dir, load_model
+
     from shardcal import calibrate, load_recipe
+    from shardcal.calib.recipes import shipped_recipes
     from shardcal.data.calibration import token_blocks
     from shardcal.data.perplexity import perplexity
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
-    from shardcal.models import from_pretrained
 
-    model_dir = embedded_model_dir()
+    recipes = args.recipes or list(shipped_recipes())
+    model_dir = embedded_model_dir() if args.model == "smollm2" else gemma3_dir()
+    eval_batch = 8 if args.model == "smollm2" else 2
     tokenizer = Tokenizer.from_dir(model_dir)
     calib = token_blocks(tokenizer, args.samples, args.seq_len, split="calib")
     held_out = token_blocks(tokenizer, args.eval_samples, args.seq_len, split="eval", seed=args.eval_seed)
+    title = MODEL_NAMES[args.model]
     print(
-        f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} tokens, eval {args.eval_samples} x {args.seq_len}, "
+        f"{title}, calibration {args.samples} x {args.seq_len} tokens, eval {args.eval_samples} x {args.seq_len}, "
         f"{torch.get_num_threads()} threads",
         flush=True,
     )
 
     rows = []
-    model = from_pretrained(model_dir).eval()
-    fp32 = perplexity(model, held_out)
+    model = load_model(model_dir)
+    fp32 = perplexity(model, held_out, batch_size=eval_batch)
     rows.append(("FP32", "", fp32, None, ""))
     print(f"  FP32: perplexity {fp32:.3f}", flush=True)
-    for name in args.recipes:
-        model = from_pretrained(model_dir).eval()
+    for name in recipes:
+        model = load_model(model_dir)
         recipe = load_recipe(name)
         start = time.perf_counter()
         report = calibrate(model, calib, recipe, batch_size=args.batch_size, progress=False)
         seconds = time.perf_counter() - start
-        ppl = perplexity(model, held_out)
+        ppl = perplexity(model, held_out, batch_size=eval_batch)
         fitted = report.group_sizes
         note = f"{len(fitted)} Linears g{'/'.join(sorted({str(v) for v in fitted.values()}))}" if fitted else ""
         rows.append((name, recipe.algorithm["name"], ppl, seconds, f"{report.propagate}{', ' + note if note else ''}"))
@@ -78,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, algorithm, ppl, seconds, note in rows:
         secs = "" if seconds is None else f"{seconds:.1f}"
         print(f"| {name:<18} | {algorithm:<11} | {ppl:>10.3f} | {ppl / fp32:>6.3f} | {secs:>7} | {note:<12} |")
+    if not args.no_save and not any(str(r).endswith(".toml") for r in recipes):
+        path = write_table(
+            f"ptq_quality_{args.model}",
+            title=f"PTQ quality per recipe, {title}",
+            columns=["recipe", "algorithm", "perplexity", "vs FP32", "calibration s", "notes"],
+            rows=[
+                [n, a, round(p, 3), None if n == "FP32" else f"{p / fp32 - 1:+.1%}", s and round(s, 1), note]
+                for n, a, p, s, note in rows
+            ],
+            notes=[
+                f"Calibration: {args.samples} x {args.seq_len} tokens of the Wikipedia summaries' calib split, "
+                f"batch {args.batch_size}; perplexity on {args.eval_samples} x {args.seq_len} held-out tokens "
+                f"(eval split, seed {args.eval_seed}). One process, a fresh model per recipe, each recipe's default "
+                "propagation; fake-quant perplexity of the calibrated model.",
+            ],
+        )
+        print(f"wrote {path}")
     w8 = [(p, n) for n, a, p, s, _ in rows if n.startswith("w8a8")]
     w4 = [(p, n) for n, a, p, s, _ in rows if n.startswith("w4a16")]
     if w8:

@@ -7,6 +7,9 @@ exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class ShardcalError(Exception):
     """Base class of every error caused by bad input or a failed environment, not by a bug."""
@@ -82,6 +85,18 @@ class MissingDependencyError(ShardcalError):
     package and the ``pip install`` command."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a command's work outside the layer loop (loading, exporting, finishing): a
+    :class:`KeyboardInterrupt` whose message says what was written and what was lost, in one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)  # the args rebuild it after pickling (a rank's queue)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class CalibrationInterrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`shardcal.calibrate`: a :class:`KeyboardInterrupt` (code catching that still does) that
     says how far the run got — ``done`` of ``total`` layers calibrated, ``committed`` of them in ``checkpoint_dir``
@@ -94,3 +109,15 @@ class CalibrationInterrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return f"interrupted at layer {self.done} of {self.total}"
+
+
+@contextlib.contextmanager
+def interrupted_as(message: str) -> Iterator[None]:
+    """Ctrl-C inside the block becomes a :class:`RunInterrupted` with ``message`` (what was written, what was lost);
+    a more specific interruption (a calibration's, or an inner block's) passes through as it is."""
+    try:
+        yield
+    except (RunInterrupted, CalibrationInterrupted):
+        raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(message) from None

@@ -33,11 +33,21 @@ def test_load_by_path_and_passthrough(tmp_path):
     assert r.name == "mine" and r.weight.axis == 0 and load_recipe(str(f)) == r and load_recipe(r) is r
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe(tmp_path / "missing.toml")
-    with pytest.raises(
-        RecipeError,
-        match=r"unknown recipe 'w3a3' \(shipped: fp8, .*nvfp4, nvfp4-gptq, nvfp4-sq-gptq, w4a16, .*w8a8-int8",
-    ):
+    with pytest.raises(RecipeError, match=r"^unknown recipe 'w3a3'; `shardcal recipes` lists them, or pass a path"):
         load_recipe("w3a3")
+    with pytest.raises(RecipeError, match=r"^unknown recipe 'fp8-dynamc' \(did you mean 'fp8-dynamic'\?\)"):
+        load_recipe("fp8-dynamc")
+    with pytest.raises(RecipeError, match=r"'w8a8-int9' \(did you mean 'w8a8-int8'\?\)"):
+        load_recipe("w8a8-int9")
+
+
+def test_a_toml_name_is_a_file_never_the_shipped_recipe(tmp_path, monkeypatch):
+    """``--recipe w4a16-gptq.toml`` where no such file exists is an error, not the shipped ``w4a16-gptq``."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"^w4a16-gptq.toml: no such recipe file; 'w4a16-gptq' is the name of a "):
+        load_recipe("w4a16-gptq.toml")
+    (tmp_path / "w4a16-gptq.toml").write_text('name = "mine"\n[weight]\nformat = "int8"\ngranularity = "channel"\n')
+    assert load_recipe("w4a16-gptq.toml").name == "mine"  # an existing file is read, whatever its name
 
 
 def test_default_excludes_and_patterns():

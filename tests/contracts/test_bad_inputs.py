@@ -630,9 +630,24 @@ def _(env: Env):
 # --- recipes ----------------------------------------------------------------------------------------------------
 
 
-@case("recipe-unknown-name", "--recipe w3a3 (no such shipped recipe)", RecipeError, "unknown recipe 'w3a3' (shipped: ")
+@case("recipe-unknown-name", "--recipe w3a3 (no such shipped recipe)", RecipeError, "`shardcal recipes` lists them")
 def _(env: Env):
     return env.calibrate(recipe="w3a3"), "w3a3"
+
+
+@case("recipe-typo", "--recipe fp8-dynamc (a typo)", RecipeError, "did you mean 'fp8-dynamic'?")
+def _(env: Env):
+    return env.calibrate(recipe="fp8-dynamc"), "fp8-dynamc"
+
+
+@case(
+    "recipe-toml-name-missing",
+    "--recipe w4a16-gptq.toml, no such file (a shipped recipe has that stem)",
+    RecipeError,
+    "no such recipe file; 'w4a16-gptq' is the name of a shipped recipe",
+)
+def _(env: Env):
+    return env.calibrate(recipe="w4a16-gptq.toml"), "w4a16-gptq.toml"
 
 
 @case("recipe-file-missing", "--recipe a .toml file that does not exist", RecipeError, "no such recipe file")

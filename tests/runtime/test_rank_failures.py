@@ -86,6 +86,35 @@ def test_a_user_error_every_rank_raises_is_itself_one_rank_is_named():
         launch(_refuse, 2, [1])
 
 
+def _ctrl_c(kind: str) -> None:
+    """Every rank interrupted as Ctrl-C to the process group would: with rank 0's account (``RunInterrupted``), or a
+    plain ``KeyboardInterrupt`` after rank 0 recorded where it was."""
+    import torch.distributed as dist
+
+    from shardcal.errors import RunInterrupted
+    from shardcal.runtime.health import report_phase
+
+    dist.barrier()
+    if kind == "account":
+        raise RunInterrupted(f"interrupted during the export: out was not written (rank {dist.get_rank()})")
+    report_phase("export model.layers.1")
+    raise KeyboardInterrupt
+
+
+def test_the_launcher_relays_rank_0s_account_of_an_interruption():
+    """Ctrl-C outside the layer loop on 2 ranks: the launcher raises rank 0's ``RunInterrupted`` as it was (the line the
+    command prints); without one, where rank 0 was."""
+    from shardcal.errors import RunInterrupted
+    from shardcal.runtime.launcher import launch
+
+    with pytest.raises(RunInterrupted) as info:
+        launch(_ctrl_c, 2, "account")
+    assert str(info.value) == "interrupted during the export: out was not written (rank 0)"
+    with pytest.raises(RunInterrupted) as info:
+        launch(_ctrl_c, 2, "plain")
+    assert str(info.value) == "interrupted (rank 0 was at: export model.layers.1)"
+
+
 # torchrun stops the other workers (SIGTERM) as soon as its monitor sees one die, which races with the survivor's own
 # report. The survivor ignores SIGTERM here so that what is checked is the survivor's message, not that race; it
 # exits by itself once it has reported (torchrun would SIGKILL it 30 s later).

@@ -306,18 +306,22 @@ def shipped_recipes() -> list[str]:
 
 
 def shipped_recipe_path(name: str) -> Path:
-    """The TOML file of shipped recipe ``name`` (with or without ``.toml``); :class:`RecipeError` if unknown."""
-    stem = name[: -len(".toml")] if name.endswith(".toml") else name
+    """The TOML file of shipped recipe ``name``; :class:`RecipeError` naming the closest shipped names if unknown."""
     shipped = shipped_recipes()
-    if stem not in shipped and stem != name:
-        raise RecipeError(
-            f"{name}: no such recipe file, and no shipped recipe is called {stem!r} (shipped: {', '.join(shipped)})"
-        )
-    if stem not in shipped:
-        raise RecipeError(
-            f"unknown recipe {name!r} (shipped: {', '.join(shipped)}); pass a path to a .toml file for your own"
-        )
-    return shipped_recipes_dir() / f"{stem}.toml"
+    if name not in shipped:
+        raise RecipeError(f"unknown recipe {name!r}{_did_you_mean(name, shipped)}; `shardcal recipes` lists them, "
+                          "or pass a path to a .toml file of your own")  # fmt: skip
+    return shipped_recipes_dir() / f"{name}.toml"
+
+
+def _did_you_mean(name: str, shipped: list[str]) -> str:
+    import difflib
+
+    word = name.removesuffix(".toml")
+    ratio = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in shipped}
+    best = max(ratio.values(), default=0.0)
+    close = [c for c in difflib.get_close_matches(word, shipped, n=3, cutoff=0.6) if ratio[c] >= best - 0.02]
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def algorithm_summary(recipe: Recipe) -> str:
@@ -358,23 +362,23 @@ def _read(path: Path) -> str:
 
 
 def load_recipe(name_or_path: str | Path | Recipe) -> Recipe:
-    """A shipped recipe by name (``"w8a8-int8"``, also ``"w8a8-int8.toml"``) or a TOML file by path.
+    """A shipped recipe by name (``"w8a8-int8"``) or a TOML file by path.
 
-    A string with a path separator, or an existing file, is a path; a bare name ending in ``.toml`` that is no file
-    here is looked up among the shipped recipes. Raises :class:`RecipeError` naming the file and key for anything
-    wrong.
+    A :class:`~pathlib.Path`, a string with a path separator or ending in ``.toml``, or an existing file, is a path:
+    a path that does not exist is an error (never silently a shipped recipe of the same name). Raises
+    :class:`RecipeError` naming the file and key for anything wrong, and the closest shipped names for an unknown one.
     """
     if isinstance(name_or_path, Recipe):
         return name_or_path
     text = str(name_or_path)
     path = Path(name_or_path)
-    is_path = isinstance(name_or_path, Path) or "/" in text or "\\" in text
+    is_path = isinstance(name_or_path, Path) or "/" in text or "\\" in text or text.endswith(".toml")
     if path.is_file():
         return parse_recipe(_read(path), source=str(path), default_name=path.stem)
     if is_path:
         hint = ""
         if path.stem in shipped_recipes():
-            hint = f"; {path.stem!r} is also the name of a shipped recipe (pass it without a folder)"
+            hint = f"; {path.stem!r} is the name of a shipped recipe (pass the name alone: --recipe {path.stem})"
         raise RecipeError(f"{path}: no such recipe file{hint}")
     shipped = shipped_recipe_path(text)
     return parse_recipe(_read(shipped), source=str(shipped), default_name=shipped.stem)

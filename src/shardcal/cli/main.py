@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CalibrationInterrupted, CollectionError, DataError, ShardcalError, UsageError
+from ..errors import (
+    CalibrationInterrupted,
+    CollectionError,
+    DataError,
+    RunInterrupted,
+    ShardcalError,
+    UsageError,
+    interrupted_as,
+)
 from ..layerwise.options import DEFAULT_SQNR_TOKENS
 
 if TYPE_CHECKING:
@@ -196,8 +204,9 @@ def _model_impl_argument(parser: argparse.ArgumentParser) -> None:
     arguments=_calibrate_arguments,
 )
 def _calibrate(args: argparse.Namespace) -> int:
-    request = calibrate_request(args)
-    return run_ranks(args, lambda _: check_request(request), calibrate_job, request)
+    with interrupted_as(f"interrupted before calibrating {args.model_dir}: nothing was written"):
+        request = calibrate_request(args)
+        return run_ranks(args, lambda _: check_request(request), calibrate_job, request)
 
 
 def calibrate_request(args: argparse.Namespace) -> dict[str, Any]:
@@ -961,8 +970,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def interrupted_message(exc: KeyboardInterrupt) -> str:
-    """The line Ctrl-C ends a command with: plain ``interrupted``, or for a calibration how far it got, what is
-    lost, and where a rerun resumes (with ``--checkpoint-dir``) or how to keep it next time (without)."""
+    """The line Ctrl-C ends a command with: for a calibration how far it got, what is lost, and where a rerun resumes
+    (with ``--checkpoint-dir``) or how to keep it next time (without); what was written and lost when it came while
+    loading or exporting; plain ``interrupted`` for a command that writes nothing."""
+    if isinstance(exc, RunInterrupted):
+        return str(exc)
     if not isinstance(exc, CalibrationInterrupted):
         return "interrupted"
     if exc.checkpoint_dir is None:

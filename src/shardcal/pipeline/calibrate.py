@@ -26,21 +26,22 @@ from ..calib.checkpoint import remove_checkpoint
 from ..calib.recipes import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
+from ..errors import interrupted_as
 from ..export.export import export_checkpoint
 from ..export.format import DEFAULT_FORMAT, ExportFormat
 from ..layerwise.options import CalibrationOptions
 from ..runtime.distributed import all_gather_floats, init_distributed
-from .inputs import CalibrationInputs, check_calibration_inputs, read_token_data
+from .inputs import CalibrationInputs, check_calibration_inputs, input_name, read_token_data
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
 PLOT_NAME = SQNR_PLOT_NAME
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineResult:
     """What one rank's :func:`calibrate_to_checkpoint` did.
 
-    ``seconds``: loading and calibration (not the export); ``peak_memory_mb``: every rank's peak (host RSS, or the
+    Built by keyword. ``seconds``: loading and calibration (not the export); ``peak_memory_mb``: every rank's peak (host RSS, or the
     accelerator's peak allocation on CUDA), in rank order, in MiB (2^20 bytes; the name predates the unit).
     ``memory_growth_mib``: every rank's measured peak growth over its baseline (on CPU: the kernel's high-water mark
     ``VmHWM``, restarted when the call begins, less the resident size then — after imports, the process group
@@ -117,33 +118,53 @@ def calibrate_to_checkpoint(
         model_impl=model_impl, format=format, input_names=input_names,
     )  # fmt: skip
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    ids, source = read_token_data(
-        model_dir, inputs.vocab_size, data=data, num_samples=num_samples, seq_len=seq_len, split="calib",
-        input_names=input_names,
-    )  # fmt: skip
-    planned = None
-    if not force:
-        planned = _refuse_before_loading(
-            model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload, inputs.impl
-        )
-    start = time.perf_counter()
-    model = _load(model_dir, inputs, shard_root, cpu_offload)
-    report = calibrate(model, ids, inputs.recipe, options)
+    with interrupted_as(f"interrupted before calibrating {model_dir}: nothing was written"):
+        ids, source = read_token_data(
+            model_dir, inputs.vocab_size, data=data, num_samples=num_samples, seq_len=seq_len, split="calib",
+            input_names=input_names,
+        )  # fmt: skip
+        planned = None
+        if not force:
+            planned = _refuse_before_loading(
+                model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload, inputs.impl
+            )
+        start = time.perf_counter()
+        model = _load(model_dir, inputs, shard_root, cpu_offload)
+    report = calibrate(model, ids, inputs.recipe, options)  # Ctrl-C here: CalibrationInterrupted, how far it got
     seconds = time.perf_counter() - start
-    export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
-                      overwrite=overwrite, format=inputs.export_format)  # fmt: skip
-    peaks = all_gather_floats(torch_peak_memory_mb())
-    growth = all_gather_floats(memory_growth_mib(baseline))
-    baselines = all_gather_floats(reported_baseline_mib(baseline))
-    plot, removed = None, None
-    if rank == 0:
-        threshold = inputs.recipe.min_layer_sqnr_db
-        plot = report.save_plot(out_dir / PLOT_NAME, threshold) if out_dir.exists() else None
-        if options.checkpoint_dir is not None and not keep_checkpoint:
-            removed = remove_checkpoint(options.checkpoint_dir)
-    return PipelineResult(out_dir, report, inputs.recipe, rank, world, (int(ids.shape[0]), int(ids.shape[1])),
-                          source, seconds, peaks, options.checkpoint_dir, plot, removed, growth, baselines,
-                          planned)  # fmt: skip
+    with interrupted_as(_export_interrupted(out_dir, options.checkpoint_dir, input_names)):
+        export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
+                          overwrite=overwrite, format=inputs.export_format)  # fmt: skip
+    with interrupted_as(f"interrupted after the export: {out_dir} is complete"):
+        peaks = all_gather_floats(torch_peak_memory_mb())
+        growth = all_gather_floats(memory_growth_mib(baseline))
+        baselines = all_gather_floats(reported_baseline_mib(baseline))
+        plot, removed = None, None
+        if rank == 0:
+            threshold = inputs.recipe.min_layer_sqnr_db
+            plot = report.save_plot(out_dir / PLOT_NAME, threshold) if out_dir.exists() else None
+            if options.checkpoint_dir is not None and not keep_checkpoint:
+                removed = remove_checkpoint(options.checkpoint_dir)
+    return PipelineResult(
+        out_dir=out_dir, report=report, recipe=inputs.recipe, rank=rank, world_size=world,
+        data_shape=(int(ids.shape[0]), int(ids.shape[1])), data_source=source, seconds=seconds, peak_memory_mb=peaks,
+        checkpoint_dir=options.checkpoint_dir, plot=plot, checkpoint_removed_bytes=removed,
+        memory_growth_mib=growth, memory_baseline_mib=baselines, planned_growth_mib=planned,
+    )  # fmt: skip
+
+
+def _export_interrupted(out_dir: Path, checkpoint_dir: str | Path | None, input_names: Mapping[str, str] | None) -> str:
+    """What Ctrl-C during the export leaves: no ``out_dir``, and the calibration committed or lost."""
+    if checkpoint_dir is not None:
+        return (
+            f"interrupted during the export: {out_dir} was not written; the calibration is committed in "
+            f"{checkpoint_dir}: rerun the same command to export it without calibrating again"
+        )
+    flag = input_name(input_names, "checkpoint_dir")
+    return (
+        f"interrupted during the export: {out_dir} was not written and the calibration is lost; pass {flag} to "
+        "keep it next time"
+    )
 
 
 def _refuse_before_loading(

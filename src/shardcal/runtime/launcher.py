@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .. import errors
-from ..errors import CalibrationInterrupted, DistributedError
+from ..errors import CalibrationInterrupted, DistributedError, RunInterrupted
 from .distributed import destroy_distributed, host_rendezvous, init_distributed, is_initialized
 from .health import read_status_file
 from .hostmem import pin_mmap_threshold
@@ -39,8 +39,8 @@ def _child(
         init_distributed()
         fn(*args)
     except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: the launcher says "interrupted" once
-        if rank == 0 and isinstance(exc, CalibrationInterrupted):
-            errors.put((rank, _INTERRUPTED_AT, "", exc.args))  # how far it got, for the launcher to re-raise
+        if rank == 0 and isinstance(exc, _RELAYED):
+            errors.put((rank, _INTERRUPTED_AT, type(exc).__name__, exc.args))  # for the launcher to re-raise
         _hard_exit(errors, INTERRUPTED)
     except BaseException as exc:  # a failed rank does not wait for its peers in a teardown: report and go
         errors.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
@@ -61,8 +61,10 @@ def _hard_exit(errors: Any, status: int) -> None:
     os._exit(status)
 
 
-#: The error-queue kind of rank 0's report of how far an interrupted calibration got (never a failure).
-_INTERRUPTED_AT = "CalibrationInterrupted"
+#: The error-queue kind of rank 0's report of what an interrupted run wrote and lost (never a failure).
+_INTERRUPTED_AT = "interrupted"
+#: The interruptions rank 0 reports to the launcher, which raises them again as they were.
+_RELAYED: tuple[type[KeyboardInterrupt], ...] = (CalibrationInterrupted, RunInterrupted)
 #: A rank's exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
 #: Seconds the launcher gives interrupted ranks to leave on their own before it terminates them.
@@ -99,10 +101,16 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
             raise _origin_of_failure(procs, reports, first_failed, status_dir)
     except KeyboardInterrupt:  # Ctrl-C reached the ranks too: let them close their progress bar and go
         _stop_now(procs, grace=INTERRUPT_GRACE_S)
-        where = [r[3] for r in _drain(errors) if r[1] == _INTERRUPTED_AT]
-        if where:  # rank 0's CalibrationInterrupted, as itself
-            raise CalibrationInterrupted(*where[0]) from None
-        raise
+        relayed = [r for r in _drain(errors) if r[1] == _INTERRUPTED_AT]
+        if relayed:  # rank 0's own account of what was written and lost, as itself
+            kind = {c.__name__: c for c in _RELAYED}[relayed[0][2]]
+            raise kind(*relayed[0][3]) from None
+        status = read_status_file(status_dir, 0)
+        raise RunInterrupted(
+            "interrupted while the ranks were starting: nothing was written"
+            if status is None
+            else f"interrupted (rank 0 was at: {status.removeprefix('running: ')})"
+        ) from None
     finally:
         _drain(errors)
         errors.close()
