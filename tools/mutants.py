@@ -514,8 +514,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "export-owner",
         "export/plan.py",
-        "            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused, fmt))\n",
-        "            Unit(i, prefix, kind, module, 0, _entries_for(assigned[prefix], params, quant, fused, fmt))\n",
+        "                i, prefix, kind, module, i % world_size,\n",
+        "                i, prefix, kind, module, 0,\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(

@@ -723,3 +723,31 @@ def test_ctrl_c_while_loading_exporting_or_finishing_says_what_was_written(tiny_
         f"interrupted after the export: {tmp_path / 'c'} is complete"
     )
     assert (tmp_path / "c" / "shardcal_export.json").is_file()
+
+
+def test_eval_of_an_export_also_gives_its_source_models_perplexity(tiny_dir, tmp_path, capsys):
+    """``eval OUT`` of an export prints the perplexity of the model it was made from beside its own (the same number
+    ``eval MODEL_DIR`` prints), unless ``--no-baseline`` or the source is gone."""
+    import shutil
+
+    source = tmp_path / "model"
+    shutil.copytree(tiny_dir, source)
+    np.save(tmp_path / "ids.npy", np.arange(4 * 16).reshape(4, 16) % 300)
+    data = ["--data", tmp_path / "ids.npy"]
+    status, _, err = run_cli(capsys, "calibrate", source, "--recipe", "fp8", "--out", tmp_path / "out", *data)
+    assert status == 0, err
+    status, plain, _ = run_cli(capsys, "eval", source, *data)
+    want = float(plain.split()[1])
+    status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data)
+    lines = out.splitlines()
+    assert status == 0 and len(lines) == 2, (out, err)
+    ours = float(lines[0].split()[1])
+    assert lines[1] == f"source model {source}: perplexity {want:.4f} (the export: {ours / want - 1:+.1%})"
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--json")
+    result = json.loads(out)
+    assert result["source_perplexity"] == pytest.approx(want, abs=1e-4) and result["source_model_dir"] == str(source)
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--no-baseline")
+    assert len(out.splitlines()) == 1
+    source.rename(tmp_path / "moved")
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data)
+    assert status == 0 and len(out.splitlines()) == 1

@@ -300,7 +300,7 @@ def test_tiny_family_matches_transformers_gguf_loader(tmp_path, arch, tied, head
     from shardcal.models import from_pretrained
 
     gguf_file = write_family_gguf(tmp_path / f"tiny-{arch}.gguf", arch, tied=tied, head_dim=head_dim)
-    out = import_gguf(gguf_file, tmp_path / "hf")
+    out = import_gguf(gguf_file, tmp_path / "hf", dtype="float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["tie_word_embeddings"] is tied
     reference, ours = load_pair(gguf_file, out)
@@ -320,7 +320,7 @@ def test_tiny_family_matches_transformers_gguf_loader(tmp_path, arch, tied, head
 
 def test_tiny_llama_sentencepiece_tokenizer_matches_transformers(tmp_path):
     gguf_file = write_family_gguf(tmp_path / "spm.gguf", "llama", tokenizer="llama", types=[Q.Q8_0])
-    out = import_gguf(gguf_file, tmp_path / "hf")
+    out = import_gguf(gguf_file, tmp_path / "hf", dtype="float32")
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_file.name)
     ours = hf_tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     assert json.loads(theirs.backend_tokenizer.to_str()) == json.loads(ours.to_str())
@@ -347,7 +347,7 @@ def test_every_block_format_gguf_can_dequantize_imports(tmp_path, qtype):
     from shardcal.io.gguf import read_gguf, unpermute_qk
 
     gguf_file = write_family_gguf(tmp_path / "t.gguf", "llama", types=[qtype])
-    out = import_gguf(gguf_file, tmp_path / "hf")
+    out = import_gguf(gguf_file, tmp_path / "hf", dtype="float32")
     weights = load_file(str(out / "model.safetensors"))
     raw = {t.name: t for t in read_gguf(gguf_file).tensors}
     stored = raw["blk.1.attn_k.weight"]

@@ -398,7 +398,7 @@ def test_tiny_gguf_import_recovers_hf_weights(tmp_path, quant):
 
     sd = tiny_state_dict(tied=quant == "F32")
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", sd, quant=quant)
-    out = import_gguf(gguf_file, tmp_path / "hf")
+    out = import_gguf(gguf_file, tmp_path / "hf", dtype="float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["torch_dtype"] == "float32"
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (
@@ -460,6 +460,35 @@ def test_gguf_errors_name_the_file(tmp_path):
     assert not any(p.name.startswith((".a", ".b", ".c", ".d")) for p in tmp_path.iterdir())  # no temp dirs left
 
 
+def test_import_writes_bfloat16_unless_asked_otherwise(tmp_path, capsys):
+    """The default import is the float32 import's values rounded to bf16 (config.json says so) — half the bytes —
+    and ``--dtype`` chooses; shardcal loads either."""
+    pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from shardcal.cli import main as cli
+    from shardcal.io.gguf import import_gguf
+    from shardcal.models import from_pretrained
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="Q8_0")
+    exact = import_gguf(gguf_file, tmp_path / "f32", dtype="float32")
+    assert cli.main(["import-gguf", str(gguf_file), str(tmp_path / "bf16")]) == 0
+    assert cli.main(["import-gguf", str(gguf_file), str(tmp_path / "f16"), "--dtype", "float16"]) == 0
+    capsys.readouterr()
+    want = load_file(str(exact / "model.safetensors"))
+    for folder, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        got = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key].dtype == dtype and torch.equal(got[key], want[key].to(dtype)), key
+        assert json.loads((tmp_path / folder / "config.json").read_text())["torch_dtype"] == str(dtype)[6:]
+        size = (tmp_path / folder / "model.safetensors").stat().st_size
+        assert size < 0.6 * (exact / "model.safetensors").stat().st_size
+        assert from_pretrained(tmp_path / folder).model.embed_tokens.weight.dtype == dtype
+    with pytest.raises(ExportError, match=r"dtype 'int8': an import is written as one of bfloat16, float16, float32"):
+        import_gguf(gguf_file, tmp_path / "x", dtype="int8")
+
+
 def test_import_refuses_a_non_empty_out_dir_and_cache_reimports_when_stale(tmp_path):
     pytest.importorskip("gguf")
     from shardcal.io.gguf import import_gguf, import_gguf_cached, is_valid_import
@@ -480,7 +509,8 @@ def test_import_refuses_a_non_empty_out_dir_and_cache_reimports_when_stale(tmp_p
         import_gguf(gguf_file, blocker, overwrite=True)
     assert blocker.read_text() == "mine"
     (out / "keep.txt").unlink()
-    import_gguf(gguf_file, out)
+    import_gguf(gguf_file, out, dtype="float32")
+    assert is_valid_import(out, gguf_file) and not is_valid_import(out, gguf_file, "bfloat16")
     with pytest.raises(ExportError, match="holds an earlier shardcal output"):
         import_gguf(gguf_file, out)
     (out / "config.json").write_text("{}")  # a stale import (a file changed) is imported again

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
 import shardcal
@@ -95,7 +96,7 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     result = _library(model_dir, data, tmp_path / "lib")
     model = load_pretrained(model_dir)
     report = calibrate(model, load_token_data(data), RECIPE, batch_size=2, progress=False)
-    export_checkpoint(model, tmp_path / "ref", recipe=RECIPE, report=report, tokenizer_dir=model_dir)
+    export_checkpoint(model, tmp_path / "ref", recipe=RECIPE, report=report, tokenizer_dir=model_dir, source=model_dir)
 
     assert _files(tmp_path / "lib") == _files(tmp_path / "cli") == _files(tmp_path / "ref")
     assert _report(tmp_path / "lib") == _report(tmp_path / "cli") == _report(tmp_path / "ref")
@@ -107,6 +108,49 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     said = "\n".join(cli.calibrate_summary(result)) + "\n"  # what the command prints for it, up to times and paths
     assert _masked(said, tmp_path / "lib") == _masked(printed, tmp_path / "cli")
     assert "calibrated 2 layers on 6 x 16 tokens of " in said and "over 1 rank(s)" in said
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_unquantized_tensors_are_exported_in_the_checkpoints_dtype(tmp_path, capsys):
+    """A bf16 checkpoint's export stores its unquantized tensors (embeddings, norms, head) in bf16 and a float32
+    one's in float32 (``--export-dtype auto``), whatever dtype the model was calibrated in; ``--export-dtype``
+    chooses another, config.json says which, and the quantized tensors are the same bytes either way."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, size=(6, 16)))
+
+    def export(model_dir: Path, out: str, *flags: str) -> tuple[dict, dict]:
+        argv = ["calibrate", model_dir, "--recipe", RECIPE, "--data", data, "--batch-size", 2, "--out", tmp_path / out]
+        assert cli.main([str(a) for a in [*argv, *flags]]) == 0, capsys.readouterr().err
+        tensors = {}
+        for file in sorted((tmp_path / out).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        return tensors, json.loads((tmp_path / out / "config.json").read_text())
+
+    f32 = make_tiny_checkpoint(tmp_path, "llama", seed=3)
+    bf16 = make_tiny_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, seed=3)
+    plain, config = export(f32, "auto")
+    as_bf16, config_bf16 = export(f32, "bf16", "--export-dtype", "bfloat16")
+    from_bf16, config_from_bf16 = export(bf16, "from-bf16")
+    assert (
+        config["torch_dtype"] == "float32"
+        and config_bf16["torch_dtype"] == config_from_bf16["torch_dtype"] == "bfloat16"
+    )
+    unquantized = [k for k, v in plain.items() if v.dtype == torch.float32 and not k.endswith("_scale")]
+    assert "model.embed_tokens.weight" in unquantized and "model.norm.weight" in unquantized
+    for key, value in plain.items():
+        if key in unquantized:
+            assert as_bf16[key].dtype == from_bf16[key].dtype == torch.bfloat16, key
+            assert torch.equal(as_bf16[key], value.to(torch.bfloat16)), key
+        else:  # weights, scales: what the calibration gave, in the format's own dtypes
+            assert torch.equal(as_bf16[key], value) and as_bf16[key].dtype == value.dtype, key
+    capsys.readouterr()
+    assert cli.main([str(a) for a in ["calibrate", f32, "--recipe", RECIPE, "--data", data, "--out", tmp_path / "x",
+                                      "--export-dtype", "int8"]]) == 2  # fmt: skip
+    assert capsys.readouterr().err == (
+        "error: --export-dtype 'int8': unquantized tensors are stored as bfloat16, float16, float32\n"
+    )
 
 
 def _masked(text: str, out: Path) -> str:

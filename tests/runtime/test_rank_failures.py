@@ -402,3 +402,19 @@ def test_a_rank_killed_at_each_step_of_a_commit_resumes_to_the_uninterrupted_res
             assert got["resumed"] == resumes_from, step
             assert all(torch.equal(want["amax"][n], got["amax"][n]) for n in want["amax"]), step
             assert got["stray"] == [], (step, got["stray"])  # the killed commit's files and temporaries are gone
+
+
+def test_more_cpu_ranks_than_cores_is_one_warning(monkeypatch):
+    """``--nproc-per-node`` above the usable cores on CPU warns once, naming both numbers; at the core count it is
+    silent."""
+    import warnings
+
+    from shardcal.runtime import launcher
+
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
+    with pytest.warns(UserWarning, match=r"--nproc-per-node 3 starts 3 ranks on 2 CPU core\(s\).*use at most 2"):
+        launcher.warn_if_oversubscribed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launcher.warn_if_oversubscribed(2)
+    assert launcher.usable_cores() >= 1

@@ -103,6 +103,7 @@ CLI_INPUT_NAMES: dict[str, str] = {
     "seq_len": "--seq-len",
     "model_impl": "--model-impl",
     "format": "--format",
+    "export_dtype": "--export-dtype",
 }
 
 
@@ -187,6 +188,13 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FORMAT",
         help="checkpoint format of the export: compressed-tensors, the one there is (default %(default)s)",
     )
+    parser.add_argument(
+        "--export-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="dtype of the export's unquantized tensors (embeddings, norms, LM head): bfloat16, float16, float32, or "
+        "auto: the checkpoint's own (default %(default)s)",
+    )
     _model_impl_argument(parser)
 
 
@@ -221,7 +229,7 @@ def calibrate_request(args: argparse.Namespace) -> dict[str, Any]:
         model_dir=args.model_dir, out_dir=args.out, recipe=args.recipe, data=args.data, num_samples=args.num_samples,
         seq_len=args.seq_len, options=options, keep_checkpoint=args.keep_checkpoint, overwrite=args.overwrite,
         model_impl=args.model_impl, force=args.force, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload,
-        format=args.format, input_names=CLI_INPUT_NAMES,
+        format=args.format, export_dtype=args.export_dtype, input_names=CLI_INPUT_NAMES,
     )  # fmt: skip
 
 
@@ -233,7 +241,8 @@ def check_request(request: dict[str, Any]) -> Any:
     return check_calibration_inputs(
         request["model_dir"], request["out_dir"], request["recipe"], data=request["data"],
         checkpoint_dir=request["options"].checkpoint_dir, overwrite=request["overwrite"],
-        model_impl=request["model_impl"], format=request["format"], input_names=request["input_names"],
+        model_impl=request["model_impl"], format=request["format"], export_dtype=request["export_dtype"],
+        input_names=request["input_names"],
     )  # fmt: skip
 
 
@@ -664,38 +673,48 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     data_arguments(parser, num_samples=8, seq_len=None, batch_size=4)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="for an export, skip the perplexity of the model it was made from (computed when that is still there)",
+    )
     _model_impl_argument(parser)
 
 
 @command("eval", help="perplexity of a model on held-out text or a data file", arguments=_eval_arguments)
 def _eval(args: argparse.Namespace) -> int:
-    from ..data.perplexity import perplexity
-    from ..loading.foreign import choose_impl, load_transformers_plain, raw_config, text_field
-    from ..loading.plain import from_pretrained
+    from ..export.export import export_source
+    from ..loading.foreign import raw_config, text_field
 
     model_dir = Path(args.model_dir)
-    impl = choose_impl(model_dir, args.model_impl)
     ids, source = load_data(args, model_dir, text_field(raw_config(model_dir), "vocab_size"), split="eval")
-    model = from_pretrained(model_dir) if impl == "shardcal" else load_transformers_plain(model_dir)
     start = time.perf_counter()
-    value = perplexity(model, ids, batch_size=args.batch_size)
+    value = _perplexity_of(model_dir, ids, args)
     seconds = time.perf_counter() - start
+    origin = None if args.no_baseline else export_source(model_dir)
+    baseline = _perplexity_of(origin, ids, args) if origin is not None else None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model_dir": str(model_dir),
-                    "perplexity": value,
-                    "num_samples": ids.shape[0],
-                    "seq_len": ids.shape[1],
-                    "data": source,
-                    "seconds": round(seconds, 3),
-                }
-            )
-        )
-    else:
-        print(f"perplexity {value:.4f}  ({ids.shape[0]} x {ids.shape[1]} tokens of {source}; {seconds:.1f} s)")
+        result = {"model_dir": str(model_dir), "perplexity": value, "num_samples": ids.shape[0],
+                  "seq_len": ids.shape[1], "data": source, "seconds": round(seconds, 3)}  # fmt: skip
+        if baseline is not None:
+            result.update(source_model_dir=str(origin), source_perplexity=baseline)
+        print(json.dumps(result))
+        return 0
+    print(f"perplexity {value:.4f}  ({ids.shape[0]} x {ids.shape[1]} tokens of {source}; {seconds:.1f} s)")
+    if baseline is not None:
+        print(f"source model {origin}: perplexity {baseline:.4f} (the export: {value / baseline - 1:+.1%})")
     return 0
+
+
+def _perplexity_of(model_dir: Path, ids: torch.Tensor, args: argparse.Namespace) -> float:  # noqa: F821
+    """Perplexity of the model (or export) in ``model_dir`` on ``ids``, loaded by the class ``--model-impl`` picks."""
+    from ..data.perplexity import perplexity
+    from ..loading.foreign import choose_impl, load_transformers_plain
+    from ..loading.plain import from_pretrained
+
+    impl = choose_impl(model_dir, args.model_impl)
+    model = from_pretrained(model_dir) if impl == "shardcal" else load_transformers_plain(model_dir)
+    return perplexity(model, ids, batch_size=args.batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -738,6 +757,12 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace OUT_DIR when it holds an earlier import (a directory holding any other file is never replaced)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="dtype of the written weights (float32 keeps the dequantized values exactly; default %(default)s)",
+    )
 
 
 @command(
@@ -747,7 +772,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
     from ..io.gguf import import_gguf
 
     start = time.perf_counter()
-    out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite)
+    out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite, dtype=args.dtype)
     print(f"imported {args.file} -> {out} ({time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -78,6 +78,32 @@ TOKENIZER_FILES: tuple[str, ...] = (
 
 # ----------------------------------------------------------------------------------------------- destination
 
+#: What ``dtype=`` (``--export-dtype``) takes: the floating dtypes unquantized tensors may be stored in.
+EXPORT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def export_dtype(dtype: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """``dtype`` as a torch dtype (None stays None); anything but bfloat16, float16 or float32 is an
+    :class:`ExportError` naming ``what`` (the parameter or flag)."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in EXPORT_DTYPES:
+        raise ExportError(f"{what} {dtype!r}: unquantized tensors are stored as {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def export_source(out_dir: str | Path) -> Path | None:
+    """The model directory a shardcal export was made from, as its manifest records it, when that directory still
+    holds a model (a ``config.json``); None otherwise (no export, no source recorded, moved or deleted)."""
+    try:
+        source = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(source, str) or not (Path(source) / CONFIG_NAME).is_file():
+        return None
+    return Path(source)
+
 
 def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
@@ -232,9 +258,12 @@ def _check_scale(key: str, scale: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------- finishing
 
 
-def model_config_dict(model: nn.Module, config_dir: Path | None = None) -> dict[str, Any]:
+def model_config_dict(
+    model: nn.Module, config_dir: Path | None = None, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """The model's config.json contents, by duck typing: shardcal's ``config.raw``, anything with ``to_dict()``
-    (transformers' configs), else ``config_dir/config.json``. Raises :class:`ExportError` naming what is missing."""
+    (transformers' configs), else ``config_dir/config.json``, with its dtype key set to ``dtype`` (None: the model's
+    own). Raises :class:`ExportError` naming what is missing."""
     config = getattr(model, "config", None)
     raw = getattr(config, "raw", None)
     if not isinstance(raw, dict) and callable(getattr(config, "to_dict", None)):
@@ -255,7 +284,7 @@ def model_config_dict(model: nn.Module, config_dir: Path | None = None) -> dict[
         raise ExportError(f"{type(model).__name__}: its config is not JSON-serialisable ({exc})") from None
     if not out.get("architectures"):
         out["architectures"] = [_original_class(model).__name__]
-    dtype_name = str(dominant_dtype(model)).removeprefix("torch.")
+    dtype_name = str(dtype or dominant_dtype(model)).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
     for k in keys:  # the dtype the unquantized tensors are stored in, so that a reload picks it by default
         out[k] = dtype_name
@@ -273,7 +302,14 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any, tokenizer_dir: Path | None) -> None:
+def _finish(
+    config: dict[str, Any],
+    plan: ExportPlan,
+    staging: Path,
+    report: Any,
+    tokenizer_dir: Path | None,
+    source: str | None = None,
+) -> None:
     """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json, the manifest (last)."""
     for shard in plan.shards:
         path = staging / shard.file
@@ -294,7 +330,7 @@ def _finish(config: dict[str, Any], plan: ExportPlan, staging: Path, report: Any
             report.save_json(staging / REPORT_NAME)
             os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
         _write_json(staging / CONFIG_NAME, {**config, plan.export_format.config_key: plan.quantization_config})
-        write_manifest(staging, MANIFEST_NAME, writer="shardcal export", format=plan.export_format.name)
+        write_manifest(staging, MANIFEST_NAME, writer="shardcal export", format=plan.export_format.name, source=source)
     except OSError as exc:
         raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
 
@@ -313,6 +349,8 @@ def export_checkpoint(
     tokenizer_dir: str | Path | None = None,
     config_dir: str | Path | None = None,
     format: str | ExportFormat = DEFAULT_FORMAT,
+    dtype: str | torch.dtype | None = None,
+    source: str | Path | None = None,
 ) -> Path:
     """Write ``model`` (calibrated: its targeted Linears are ``QuantLinear``) as a checkpoint in ``format``.
 
@@ -335,16 +373,24 @@ def export_checkpoint(
 
     ``format``: the checkpoint format, a name from :func:`shardcal.export.format.formats` (``"compressed-tensors"``,
     the one today) or an :class:`~shardcal.export.format.ExportFormat`; an unknown name is an ``ExportError``.
+
+    ``dtype``: the dtype of every unquantized floating tensor (embeddings, norms, biases, the LM head, unquantized
+    Linears): ``"bfloat16"``, ``"float16"`` or ``"float32"``; None stores each in the model's own dtype (a bf16
+    checkpoint calibrated in float32 is best exported with ``dtype="bfloat16"``: ``shardcal calibrate`` passes the
+    source checkpoint's dtype). ``config.json``'s dtype key says it. ``source``: the model directory the export was
+    made from, recorded in the export's manifest (``shardcal eval`` compares the two when it is at hand).
     """
     out_dir = Path(out_dir).absolute()
     tok_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
     if recipe is not None and not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     export_format = get_format(format)
+    stored_dtype = export_dtype(dtype)
     rank, world_size = world()
     check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
-    plan = build_plan(model, recipe, world_size, max_shard_bytes, export_format)
-    config = model_config_dict(model, Path(config_dir) if config_dir is not None else None)
+    plan = build_plan(model, recipe, world_size, max_shard_bytes, export_format, stored_dtype)
+    config = model_config_dict(model, Path(config_dir) if config_dir is not None else None, stored_dtype)
+    origin = str(Path(source).absolute()) if source is not None else None
 
     prepared: tuple[str, str]
     if rank == 0:
@@ -388,7 +434,7 @@ def export_checkpoint(
         outcome: tuple[str, str] | None = None
         if rank == 0:
             try:
-                _finish(config, plan, staging, report, tok_dir)
+                _finish(config, plan, staging, report, tok_dir, origin)
                 _swap_into_place(staging, out_dir, overwrite)
                 outcome = ("ok", "")
             except ExportError as exc:

@@ -360,15 +360,22 @@ def _expert_bias_entries(pname: str, dtype: torch.dtype, layout: ExpertsLayout) 
     ]
 
 
+def _stored_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype an unquantized tensor is stored in: ``dtype`` for a floating one (when given), else its own."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def _entries_for(
     names: list[str],
     params: dict[str, torch.Tensor],
     quant: dict[str, QuantModule],
     fused: dict[str, ExpertsLayout],
     fmt: ExportFormat,
+    dtype: torch.dtype | None = None,
 ) -> list[Entry]:
     """The stored tensors of the named parameters and persistent buffers (``params`` holds both); a fused-experts
-    parameter becomes per-expert tensors (see :func:`_per_expert`)."""
+    parameter becomes per-expert tensors (see :func:`_per_expert`). Unquantized floating tensors are stored in
+    ``dtype`` (None: their own)."""
     entries: list[Entry] = []
     for pname in names:
         mod, _, leaf = pname.rpartition(".")
@@ -378,12 +385,12 @@ def _entries_for(
             continue
         per_expert = mod in fused and _per_expert(mod, fused[mod], quant)
         if per_expert and leaf in ("gate_up_proj_bias", "down_proj_bias"):
-            entries += _expert_bias_entries(pname, params[pname].dtype, fused[mod])
+            entries += _expert_bias_entries(pname, _stored_dtype(params[pname], dtype), fused[mod])
             continue
         if per_expert and leaf in ("gate_up_proj", "down_proj"):
             projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
             experts, hidden, inter = fused[mod].shape
-            dtype = params[pname].dtype
+            stored = _stored_dtype(params[pname], dtype)
             for e in range(experts):
                 for p in projections:
                     name = f"{mod}.{e}.{p}"
@@ -391,11 +398,11 @@ def _entries_for(
                         entries += _quant_entries(quant[name], fmt)
                     else:
                         shape = (hidden, inter) if p == "down_proj" else (inter, hidden)
-                        entries.append(Entry(f"{name}.weight", dtype, shape, ("expert", mod, str(e), p)))
+                        entries.append(Entry(f"{name}.weight", stored, shape, ("expert", mod, str(e), p)))
             continue
         p = params[pname]
         kind = "param" if isinstance(p, nn.Parameter) else "buffer"
-        entries.append(Entry(pname, p.dtype, tuple(int(d) for d in p.shape), (kind, pname)))
+        entries.append(Entry(pname, _stored_dtype(p, dtype), tuple(int(d) for d in p.shape), (kind, pname)))
     return entries
 
 
@@ -425,9 +432,10 @@ def build_plan(
     world_size: int,
     max_shard_bytes: int,
     export_format: ExportFormat | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ExportPlan:
     """The whole export in ``export_format`` (default compressed-tensors), decided from module structure only;
-    identical on every rank."""
+    identical on every rank. Unquantized floating tensors are stored in ``dtype`` (None: their own)."""
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     fmt = get_format(export_format)
@@ -466,9 +474,13 @@ def build_plan(
     units: list[Unit] = []
     for i, (kind, prefix, module) in enumerate(prefixes):
         units.append(
-            Unit(i, prefix, kind, module, i % world_size, _entries_for(assigned[prefix], params, quant, fused, fmt))
-        )
-    units.append(Unit(len(prefixes), "<root>", "root", None, 0, _entries_for(root_names, params, quant, fused, fmt)))
+            Unit(
+                i, prefix, kind, module, i % world_size,
+                _entries_for(assigned[prefix], params, quant, fused, fmt, dtype),
+            )
+        )  # fmt: skip
+    root_entries = _entries_for(root_names, params, quant, fused, fmt, dtype)
+    units.append(Unit(len(prefixes), "<root>", "root", None, 0, root_entries))
     for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
         owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
         unit = next((u for u in units if u.name == owner), units[-1])

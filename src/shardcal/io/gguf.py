@@ -1,6 +1,6 @@
 """Import a GGUF file (llama.cpp's format) as a Hugging Face-format model directory.
 
-``import_gguf(file, out_dir)`` writes ``config.json``, ``model.safetensors`` (float32, HF key names),
+``import_gguf(file, out_dir)`` writes ``config.json``, ``model.safetensors`` (bfloat16 unless asked otherwise, HF key names),
 ``tokenizer.json`` (HF ``tokenizers`` format), ``tokenizer_config.json`` and ``generation_config.json``: the
 directory transformers' own GGUF loader would build from the same file, so it loads with
 :func:`shardcal.models.from_pretrained` (``llama``, ``qwen2``, ``qwen3``) or with transformers (all of them).
@@ -454,7 +454,6 @@ def _config(meta: _Metadata, arch: str, tensors: dict[str, Any], vocab_size: int
             del cfg["head_dim"]
     if arch != "llama":  # llama.cpp has no sliding window for Qwen2/Qwen3 (nor does the HF config enable one)
         cfg.update({"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0})
-    cfg["torch_dtype"] = "float32"
     return _special_ids(meta, cfg)
 
 
@@ -503,7 +502,6 @@ def _gemma3_config(
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
     }
 
 
@@ -863,16 +861,27 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+#: What ``import_gguf(dtype=)`` (``import-gguf --dtype``) writes the dequantized weights as.
+IMPORT_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = False, dtype: str = "bfloat16") -> Path:
     """Convert a GGUF file into an HF-format model directory; returns ``out_dir``.
+
+    The weights are dequantized to float32 and written as ``dtype`` (``"bfloat16"`` by default, as most Hugging
+    Face checkpoints are: half the size of float32, and what an export of it stores its unquantized tensors in;
+    ``"float32"`` keeps the dequantized values exactly). ``config.json``'s ``torch_dtype`` says it.
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place, so a crash never
     leaves a half-written model behind. An existing non-empty ``out_dir`` is replaced only when it holds an earlier
     import and nothing else (its manifest lists its files) and ``overwrite`` is set; anything else is an
     :class:`ExportError` naming the first file shardcal did not write, and is never deleted.
     """
-    from safetensors.numpy import save_file
+    import torch
+    from safetensors.torch import save_file
 
+    if dtype not in IMPORT_DTYPES:
+        raise ExportError(f"dtype {dtype!r}: an import is written as one of {', '.join(IMPORT_DTYPES)}")
     path, out = Path(gguf_path), Path(out_dir)
     check_replaceable(out, MANIFEST_NAME, overwrite=overwrite, flag="--overwrite", error=ExportError)
     file = read_gguf(path)
@@ -890,7 +899,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     declared = meta.int(f"{arch}.vocab_size", vocab_size)
     if declared != vocab_size:
         raise CheckpointError(f"{path}: {arch}.vocab_size={declared} but token_embd.weight has {vocab_size} rows")
-    cfg = _config(meta, arch, tensors, vocab_size)
+    cfg = {**_config(meta, arch, tensors, vocab_size), "torch_dtype": dtype}
     tok = tokenizer_json(meta)
     tokens = meta.list("tokenizer.ggml.tokens")
     if len(tokens) > vocab_size:
@@ -904,6 +913,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         "source": path.name,
         "source_size": path.stat().st_size,
         "general.name": meta.get("general.name", None),
+        "dtype": dtype,
     }
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -915,8 +925,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         _write_json(tmp / "generation_config.json", generation)
         _write_json(tmp / "tokenizer.json", tok)
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config(meta, tokens))
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        stored = {k: torch.tensor(v, dtype=getattr(torch, dtype)) for k, v in weights.items()}  # copies: read-only
         del weights
+        save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del stored
         manifest["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         _write_json(tmp / MANIFEST_NAME, manifest)
         for file_path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
@@ -945,14 +957,17 @@ def _replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def is_valid_import(out_dir: str | Path, gguf_path: str | Path) -> bool:
-    """Whether ``out_dir`` holds a complete import of ``gguf_path`` made by this version of the importer."""
+def is_valid_import(out_dir: str | Path, gguf_path: str | Path, dtype: str = "float32") -> bool:
+    """Whether ``out_dir`` holds a complete import of ``gguf_path`` in ``dtype`` made by this version of the
+    importer."""
     out, path = Path(out_dir), Path(gguf_path)
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
         if manifest.get("format_version") != IMPORT_FORMAT_VERSION:
             return False
         if manifest.get("source") != path.name or manifest.get("source_size") != path.stat().st_size:
+            return False
+        if manifest.get("dtype", "float32") != dtype:
             return False
         files = manifest.get("files")
         return (
@@ -964,11 +979,13 @@ def is_valid_import(out_dir: str | Path, gguf_path: str | Path) -> bool:
         return False
 
 
-def import_gguf_cached(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """``out_dir`` if it already holds a valid import of ``gguf_path``, else (re)import it there."""
-    if is_valid_import(out_dir, gguf_path):
+def import_gguf_cached(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """``out_dir`` if it already holds a valid import of ``gguf_path`` in ``dtype``, else (re)import it there. The
+    reference models (the demo's, the benchmarks') are imported in float32: the GGUF's dequantized values exactly,
+    which the FP32 baselines they report are computed from."""
+    if is_valid_import(out_dir, gguf_path, dtype):
         return Path(out_dir)
-    return import_gguf(gguf_path, out_dir, overwrite=True)
+    return import_gguf(gguf_path, out_dir, overwrite=True, dtype=dtype)
 
 
 def default_cache_dir() -> Path:

@@ -7,6 +7,7 @@ naming the file and, where there is one, the tensor key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,13 @@ class CheckpointReader:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.keys():
             yield key, self.get(key)
+
+    def floating_dtype(self) -> torch.dtype | None:
+        """The floating dtype that holds most of the checkpoint's elements (``torch.bfloat16`` for a bf16
+        checkpoint), read from the headers alone; None when no tensor is floating."""
+        counts: dict[torch.dtype, int] = {}
+        for key in self.keys():
+            dtype = _DTYPE_NAMES.get(self.dtype_name(key))
+            if dtype is not None and dtype.is_floating_point and dtype.itemsize >= 2:
+                counts[dtype] = counts.get(dtype, 0) + math.prod(self.shape(key))
+        return max(counts, key=counts.get) if counts else None

@@ -92,6 +92,7 @@ def calibrate_to_checkpoint(
     shard_root: bool = True,
     cpu_offload: bool = False,
     format: str | ExportFormat = DEFAULT_FORMAT,
+    export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
 ) -> PipelineResult:
     """Calibrate the Hugging Face-format model in ``model_dir`` with ``recipe``, sharded over the ranks, and export it
@@ -104,7 +105,9 @@ def calibrate_to_checkpoint(
     - ``overwrite``: replace a non-empty ``out_dir``; ``model_impl``: ``"auto"``, ``"shardcal"`` or
       ``"transformers"`` (whose model class loads the directory); ``force``: run even when the planner predicts more
       memory than is free; ``shard_root`` / ``cpu_offload``: as :func:`shardcal.load_pretrained`; ``format``: the
-      export format (``"compressed-tensors"``).
+      export format (``"compressed-tensors"``); ``export_dtype``: the dtype of the export's unquantized tensors,
+      ``"auto"`` (the checkpoint's own: bf16 for a bf16 checkpoint, whatever dtype the model was calibrated in),
+      ``"bfloat16"``, ``"float16"``, ``"float32"``, or None (the loaded model's).
     - ``input_names``: how errors name the inputs (:data:`~.inputs.PARAMETER_NAMES`; the CLI passes its flags).
 
     Everything that can be refused without weights is refused before any weight or data is read. Collective (every
@@ -115,7 +118,7 @@ def calibrate_to_checkpoint(
     baseline = memory_baseline()
     inputs = check_calibration_inputs(
         model_dir, out_dir, recipe, data=data, checkpoint_dir=options.checkpoint_dir, overwrite=overwrite,
-        model_impl=model_impl, format=format, input_names=input_names,
+        model_impl=model_impl, format=format, export_dtype=export_dtype, input_names=input_names,
     )  # fmt: skip
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     with interrupted_as(f"interrupted before calibrating {model_dir}: nothing was written"):
@@ -134,7 +137,8 @@ def calibrate_to_checkpoint(
     seconds = time.perf_counter() - start
     with interrupted_as(_export_interrupted(out_dir, options.checkpoint_dir, input_names)):
         export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
-                          overwrite=overwrite, format=inputs.export_format)  # fmt: skip
+                          overwrite=overwrite, format=inputs.export_format, dtype=inputs.export_dtype,
+                          source=model_dir)  # fmt: skip
     with interrupted_as(f"interrupted after the export: {out_dir} is complete"):
         peaks = all_gather_floats(torch_peak_memory_mb())
         growth = all_gather_floats(memory_growth_mib(baseline))

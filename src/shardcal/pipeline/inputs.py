@@ -15,8 +15,10 @@ import torch
 from ..calib.recipes import Recipe, load_recipe
 from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
+from ..export.export import export_dtype as dtype_of_export
 from ..export.format import DEFAULT_FORMAT, ExportFormat, get_format
 from ..loading.foreign import MODEL_IMPLS, choose_impl, raw_config, text_field
+from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
 from ..plan.preflight import check_recipe_fits, meta_skeleton
 from ..runtime.fsutil import check_apart
@@ -30,6 +32,7 @@ PARAMETER_NAMES: dict[str, str] = {
     "seq_len": "seq_len",
     "model_impl": "model_impl",
     "format": "format",
+    "export_dtype": "export_dtype",
 }
 
 
@@ -38,7 +41,7 @@ def input_name(input_names: Mapping[str, str] | None, key: str) -> str:
     return (input_names or {}).get(key, PARAMETER_NAMES[key])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CalibrationInputs:
     """What the checks before loading found: the recipe, whose model class runs it (``"shardcal"`` or
     ``"transformers"``), the model's vocabulary size (what token data is checked against) and the export format."""
@@ -47,6 +50,8 @@ class CalibrationInputs:
     impl: str
     vocab_size: int | None
     export_format: ExportFormat
+    #: The dtype of the export's unquantized tensors (``export_dtype``; ``"auto"``: the checkpoint's own).
+    export_dtype: torch.dtype | None = None
 
 
 def check_calibration_inputs(
@@ -59,6 +64,7 @@ def check_calibration_inputs(
     overwrite: bool = False,
     model_impl: str = "auto",
     format: str | ExportFormat = DEFAULT_FORMAT,
+    export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
 ) -> CalibrationInputs:
     """Everything a calibration can refuse before loading weights or data, in this order: the recipe, the export
@@ -72,6 +78,8 @@ def check_calibration_inputs(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     recipe = load_recipe(recipe)
     export_format = get_format(format, input_name(input_names, "format"))
+    if export_dtype != "auto":
+        dtype_of_export(export_dtype, input_name(input_names, "export_dtype"))
     protected = {"the model directory": model_dir, "the data file": data}
     check_apart(out_dir, input_name(input_names, "out_dir"), protected, ExportError)
     if checkpoint_dir is not None:
@@ -94,7 +102,14 @@ def check_calibration_inputs(
         check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
     check_data_tokenizer(model_dir, data)
     check_destination(out_dir, overwrite, flag=input_name(input_names, "overwrite"))
-    return CalibrationInputs(recipe, impl, vocab_size, export_format)
+    if export_dtype == "auto":
+        with CheckpointReader(model_dir) as reader:
+            stored = reader.floating_dtype()
+    else:
+        stored = dtype_of_export(export_dtype, input_name(input_names, "export_dtype"))
+    return CalibrationInputs(
+        recipe=recipe, impl=impl, vocab_size=vocab_size, export_format=export_format, export_dtype=stored
+    )
 
 
 def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None:

@@ -81,6 +81,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """
     if nproc < 1:
         raise DistributedError(f"--nproc-per-node must be >= 1, got {nproc}")
+    warn_if_oversubscribed(nproc)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     store, env = host_rendezvous()  # kept alive (referenced) until the ranks are done
@@ -117,6 +118,28 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
         errors.join_thread()
         shutil.rmtree(status_dir, ignore_errors=True)
         del store
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def warn_if_oversubscribed(nproc: int) -> None:
+    """One warning when ``nproc`` CPU ranks (no CUDA device) share fewer cores: each rank then waits for a core
+    in every collective, and the run is slower than with one rank per core."""
+    import warnings
+
+    cores = usable_cores()
+    if nproc > cores and not torch.cuda.is_available():
+        warnings.warn(
+            f"--nproc-per-node {nproc} starts {nproc} ranks on {cores} CPU core(s): each rank gets less than a core "
+            f"and the run is slower than with {cores}; use at most {cores}",
+            stacklevel=3,
+        )
 
 
 def _drain(errors: Any) -> list[tuple]:
