@@ -134,43 +134,38 @@ def test_help_defaults_are_what_the_commands_use():
     assert checked >= 15, checked
 
 
-def test_version_and_recipes_list(capsys):
+def test_version_and_recipes_chooser(capsys):
+    """``shardcal recipes``: every shipped recipe once, grouped by scheme, the recommended one first and marked, with
+    where its export runs; ``recipes NAME``: the TOML file as it is, then notes as comments (still valid TOML)."""
+    import tomllib
+
     from shardcal import __version__
-    from shardcal.calib.recipes import (
-        load_recipe,
-        parse_recipe,
-        recipe_row,
-        recipe_rows,
-        shipped_recipes,
-        shipped_recipes_dir,
-    )
+    from shardcal.calib.recipes import load_recipe, shipped_recipes, shipped_recipes_dir
+    from shardcal.export.consumers import deployment
 
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith(f"shardcal {__version__} (torch ")
     status, out, _ = run_cli(capsys, "recipes")
     lines = out.splitlines()
-    assert status == 0 and lines[0].split()[:3] == ["recipe", "weight", "input"]
-    assert [line.split()[0] for line in lines[1:]] == shipped_recipes()
-    for line in lines[1:]:
-        recipe = load_recipe(line.split()[0])
-        assert line.endswith(recipe.description) and recipe.weight.describe() in line
-    rows = {row[0]: row for row in recipe_rows()}
-    assert rows["w8a8-int8-dynamic"][2] == "int8, per token, dynamic"  # dynamic per-token inputs
-    assert rows["fp8-dynamic-kv"][2] == "fp8_e4m3, per token, dynamic + kv cache fp8_e4m3, max"
-    fallback = parse_recipe(
-        '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 128\n'
-        "[fallback]\nmin_layer_sqnr_db = 20\nfull_precision = true\n",
-        "fb.toml",
-    )
-    assert recipe_row(fallback)[1:4] == ("int4, groups of 128, max", "- (weight only)", "rtn; fallback under 20 dB")
-    status, out, _ = run_cli(capsys, "recipes", "w4a16")
-    assert status == 0 and out.startswith((shipped_recipes_dir() / "w4a16.toml").read_text())  # the file, comments too
+    assert status == 0 and lines[0].split()[:3] == ["recipe", "runs", "in"]
+    rows = [line for line in lines if line[:2] in ("* ", "  ") and line.split()[-1] != "for"]
+    rows = [line for line in rows if line.split()[1 if line.startswith("*") else 0] in shipped_recipes()]
+    names = [line.split()[1] if line.startswith("*") else line.split()[0] for line in rows]
+    assert sorted(names) == shipped_recipes() and max(len(line) for line in lines) <= 130
+    for line, name in zip(rows, names):
+        recipe = load_recipe(name)
+        assert 10 < len(recipe.use) <= 48, name  # a few words, not the description
+        assert line.startswith("* ") == recipe.recommended and deployment(recipe).short() in line and recipe.use in line
+    marked = [name for line, name in zip(rows, names) if line.startswith("* ")]
+    assert marked == ["fp8-dynamic", "w8a8-int8-dynamic-sq", "w4a16-awq-gptq", "nvfp4-sq-gptq"]  # first of each group
+    status, out, _ = run_cli(capsys, "recipes", "w4a16-gptq-rot")
+    text = (shipped_recipes_dir() / "w4a16-gptq-rot.toml").read_text()
+    assert status == 0 and out.startswith(text) and "ignores its transform_config" in out
+    assert tomllib.loads(out) == tomllib.loads(text)  # the notes are comments: the output is still the recipe
     status, _, err = run_cli(capsys, "recipes", "w3a3")
-    assert (
-        status == 2
-        and err
-        == "error: unknown recipe 'w3a3'; `shardcal recipes` lists them, or pass a path to a .toml file of your own\n"
+    assert status == 2 and err == (
+        "error: unknown recipe 'w3a3'; `shardcal recipes` lists them, or pass a path to a .toml file of your own\n"
     )
 
 

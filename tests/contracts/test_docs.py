@@ -120,7 +120,7 @@ def test_documented_commands_without_placeholders_run(capsys):
 
 def shipped_recipes_table() -> str:
     """docs/quant-recipes.md's table of shipped recipes, from the recipe files (``shardcal recipes``' rows)."""
-    from shardcal.calib.recipes import recipe_rows
+    from shardcal.pipeline.chooser import recipe_rows
 
     lines = ["| recipe | weight | input | algorithm | description |", "|---|---|---|---|---|"]
     lines += [f"| `{name}` | {' | '.join(cells)} |" for name, *cells in recipe_rows()]

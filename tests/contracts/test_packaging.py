@@ -18,8 +18,10 @@ def test_every_subpackage_is_listed():
         for p in (ROOT / "src" / "shardcal").rglob("__init__.py")
     }
     found = {name.rstrip(".") for name in found}
-    assert found | {"shardcal.calibration.recipes"} == listed
+    assert found | {"shardcal.calibration.recipes", "shardcal.results"} == listed
     assert config["package-data"]["shardcal.calibration.recipes"] == ["*.toml"]
+    assert config["package-data"]["shardcal.results"] == ["*.json"]  # the tables `shardcal recipes` shows
+    assert config["package-dir"]["shardcal.results"] == "docs/results"
 
 
 def test_calibration_folder_holds_recipes_only():

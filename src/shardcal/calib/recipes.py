@@ -4,6 +4,8 @@
 
     name = "w8a8-int8"
     description = "int8 per-channel weights, int8 per-tensor static input activations"
+    use = "what it is for, in a few words"   # optional, shown by `shardcal recipes`
+    recommended = false          # optional: the recipe `shardcal recipes` recommends for its scheme
     group_size_fallback = true   # a group size that does not divide a Linear's in_features: fit it (see below)
 
     [targets]                    # optional
@@ -91,6 +93,8 @@ ROLES: tuple[str, ...] = ("weight", "input", "output")
 _TOP_KEYS = (
     "name",
     "description",
+    "use",
+    "recommended",
     "targets",
     "algorithm",
     "group_size_fallback",
@@ -180,6 +184,10 @@ class Recipe:
     description: str = ""
     source: str | None = None
     group_size_fallback: bool = True
+    #: What the recipe is for, in a few words (``shardcal recipes`` shows it); no effect on calibration.
+    use: str = ""
+    #: The recipe ``shardcal recipes`` recommends for its scheme; no effect on calibration.
+    recommended: bool = False
     #: The ``[kv_cache]`` quantizer of every attention's keys and values (FP8 per tensor), or None.
     kv_cache: QuantizerSpec | None = None
     #: ``[fallback]``: decoder layers whose output SQNR (dB) is below ``min_layer_sqnr_db`` are recalibrated with
@@ -329,29 +337,6 @@ def algorithm_summary(recipe: Recipe) -> str:
     name = str(recipe.algorithm.get("name", "rtn"))
     smooth = recipe.algorithm.get("smooth")
     return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
-
-
-def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
-    """Name, weight scheme, input scheme (and the KV cache's, with ``[kv_cache]``), algorithm (and the
-    ``[fallback]`` floor, with one), description: one line of ``shardcal recipes``."""
-    weight = recipe.weight.describe() if recipe.weight else "-"
-    inputs = recipe.input.describe() if recipe.input else "- (weight only)"
-    if recipe.kv_cache is not None:
-        inputs += f" + kv cache {recipe.kv_cache.format}, {recipe.kv_cache.observer}"  # always per tensor
-    algorithm = algorithm_summary(recipe)
-    rotation = recipe.rotation
-    if rotation is not None and rotation.residual is not None:
-        algorithm += f" + {rotation.residual} residual rotation"
-    if rotation is not None and rotation.block is not None:
-        algorithm += f" + {rotation.type} rotation ({rotation.block})"
-    if recipe.fallback is not None:
-        algorithm += f"; fallback under {recipe.min_layer_sqnr_db:g} dB"
-    return recipe.name, weight, inputs, algorithm, recipe.description
-
-
-def recipe_rows() -> list[tuple[str, str, str, str, str]]:
-    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (``shardcal recipes``)."""
-    return [recipe_row(load_recipe(name)) for name in shipped_recipes()]
 
 
 def _read(path: Path) -> str:
@@ -561,6 +546,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
     _check_keys(data, _TOP_KEYS, source, "")
     name = _typed(data.get("name", default_name), (str,), source, "name", "a string")
     description = _typed(data.get("description", ""), (str,), source, "description", "a string")
+    use = _typed(data.get("use", ""), (str,), source, "use", "a string")
+    recommended = _typed(data.get("recommended", False), (bool,), source, "recommended", "true or false")
     targets = _table(data.get("targets", {}), source, "targets")
     _check_keys(targets, _TARGET_KEYS, source, "targets.")
     include = _patterns(targets.get("include", ["*"]), source, "targets.include")
@@ -590,6 +577,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "<recipe>", default_
         group_size_fallback=fallback,
         kv_cache=kv_cache,
         rotation=rotation,
+        use=use,
+        recommended=recommended,
         **specs,
     )
     if "fallback" in data:

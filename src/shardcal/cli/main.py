@@ -721,24 +721,26 @@ def _perplexity_of(model_dir: Path, ids: torch.Tensor, args: argparse.Namespace)
 
 
 def _recipes_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", metavar="NAME", help="print this shipped recipe's TOML instead of the list")
+    parser.add_argument(
+        "name", nargs="?", metavar="NAME", help="print this shipped recipe's TOML and notes instead of the table"
+    )
 
 
 @command(
     "recipes",
-    help="list the shipped recipes (or print one's TOML): what --recipe NAME takes",
+    help="choose a recipe: the shipped recipes by scheme, where each export runs, measured quality and time "
+    "(NAME: its TOML and notes)",
     arguments=_recipes_arguments,
 )
 def _recipes(args: argparse.Namespace) -> int:
-    from ..calib.recipes import recipe_rows, shipped_recipe_path
+    from ..calib.recipes import shipped_recipe_path
+    from ..pipeline.chooser import recipe_notes, recipe_table
 
     if args.name is not None:
-        print(shipped_recipe_path(args.name).read_text(encoding="utf-8"), end="")
+        text = shipped_recipe_path(args.name).read_text(encoding="utf-8")
+        print(text.rstrip("\n") + "\n\n" + "\n".join(recipe_notes(args.name)))
         return 0
-    rows = [("recipe", "weight", "input", "algorithm", "description"), *recipe_rows()]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[4])
+    print(recipe_table())
     return 0
 
 

@@ -449,4 +449,15 @@ def export_checkpoint(
         if rank == 0 and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    if rank == 0 and any(qm.input_rotation for qm in plan.quant_modules.values()):
+        import warnings
+
+        warnings.warn(ONLINE_ROTATION_WARNING.format(out_dir=out_dir), stacklevel=2)
     return out_dir
+
+
+#: Said once by every export with online rotations: the one consumer that loads it and computes something else.
+ONLINE_ROTATION_WARNING = (
+    "{out_dir} rotates Linear inputs online (transform_config): vLLM runs it at tensor parallel 1 only, and "
+    "transformers loads it without an error but ignores the rotations and computes wrong outputs"
+)

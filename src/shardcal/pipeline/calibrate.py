@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..export.export import export_checkpoint
 from ..export.format import DEFAULT_FORMAT, ExportFormat
 from ..layerwise.options import CalibrationOptions
 from ..runtime.distributed import all_gather_floats, init_distributed
+from .chooser import damage_warning
 from .inputs import CalibrationInputs, check_calibration_inputs, input_name, read_token_data
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
@@ -144,6 +146,8 @@ def calibrate_to_checkpoint(
         growth = all_gather_floats(memory_growth_mib(baseline))
         baselines = all_gather_floats(reported_baseline_mib(baseline))
         plot, removed = None, None
+        if rank == 0 and (damage := damage_warning(report, inputs.recipe)) is not None:
+            warnings.warn(damage, stacklevel=2)
         if rank == 0:
             threshold = inputs.recipe.min_layer_sqnr_db
             plot = report.save_plot(out_dir / PLOT_NAME, threshold) if out_dir.exists() else None
@@ -183,8 +187,6 @@ def _refuse_before_loading(
     """The planner's check (collective): stop every rank before loading when the predicted peak does not fit; a
     model the planner cannot build (it has no decoder layers the registry finds, say) runs with a warning (None).
     Returns every rank's predicted peak growth (MiB), in rank order."""
-    import warnings
-
     from ..errors import ConfigError, PlanError
     from ..plan.planner import check_before_loading, check_plannable
 

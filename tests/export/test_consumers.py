@@ -1,0 +1,103 @@
+"""Where each shipped recipe's export runs (shardcal.export.consumers), checked against the real transformers.
+
+Every shipped recipe calibrates a tiny Llama, is exported, and transformers + compressed-tensors loads it: a recipe
+said to run there must give exactly shardcal's logits; one said to be close, logits within its own quantization
+error of shardcal's; one said to be refused, an exception; one said to compute wrong outputs (online rotations),
+logits far beyond the quantization error — the silent failure ``shardcal recipes`` and the export warn about.
+vLLM's side is checked by ``make test-vllm`` (vLLM's CPU build, in a venv of its own).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from shardcal.calib.recipes import load_recipe, shipped_recipes
+from shardcal.calib.runner import calibrate
+from shardcal.export import export_checkpoint
+from shardcal.export.consumers import CLOSE, REFUSES, RUNS, WRONG, deployment
+from shardcal.models import CausalLM, ModelConfig
+
+from _tiny_models import TINY_CONFIGS, randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIG = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2)  # fmt: skip
+DATA = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+PROMPTS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+
+
+def _transformers_logits(out) -> torch.Tensor:
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            return hf(PROMPTS).logits
+
+
+@pytest.mark.parametrize("name", shipped_recipes())
+def test_transformers_does_what_the_recipe_says(name, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    verdict = deployment(load_recipe(name)).transformers
+    model = CausalLM(ModelConfig.from_dict(CONFIG))
+    randomize_(model, seed=1)
+    with torch.no_grad():
+        full_precision = model(PROMPTS)
+    calibrate(model, DATA, name, batch_size=4, progress=False)
+    with torch.no_grad():
+        ours = model(PROMPTS)
+    export_checkpoint(model, tmp_path / "out", recipe=name)
+    if verdict.status == REFUSES:
+        with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises: it must not run
+            _transformers_logits(tmp_path / "out")
+        return
+    theirs = _transformers_logits(tmp_path / "out")
+    quantization_error = (ours - full_precision).abs().max().item()
+    difference = (theirs - ours).abs().max().item()
+    if verdict.status == RUNS:
+        assert torch.equal(theirs, ours), difference
+    elif verdict.status == CLOSE:
+        assert 0 < difference <= 2 * quantization_error, (difference, quantization_error)
+    else:
+        assert verdict.status == WRONG and difference > 5 * quantization_error, (difference, quantization_error)
+
+
+def test_the_deployment_summary_and_notes():
+    """The chooser's column and the notes name every limit; a recipe runs everywhere only without any."""
+    fp8 = deployment(load_recipe("fp8-dynamic"))
+    assert fp8.everywhere and fp8.short() == "vLLM, transformers" and fp8.notes() == []
+    rotated = deployment(load_recipe("w4a16-gptq-rot"))
+    assert not rotated.everywhere and rotated.short() == "vLLM (TP 1)"
+    assert any("ignores its transform_config" in n for n in rotated.notes())
+    static = deployment(load_recipe("fp8"))
+    assert static.short() == "vLLM (GPU), transformers" and not static.everywhere
+    kv = deployment(load_recipe("fp8-dynamic-kv"))
+    assert kv.short() == "vLLM (fp8 KV), transformers" and any("--kv-cache-dtype fp8" in n for n in kv.notes())
+    asym = deployment(load_recipe("w4a16-awq-gptq-asym"))
+    assert asym.short() == "vLLM" and not asym.everywhere
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8-sq-rot", "fp8-dynamic"])
+def test_an_export_with_online_rotations_warns_once(name, tmp_path):
+    import warnings
+
+    model = CausalLM(ModelConfig.from_dict(CONFIG))
+    randomize_(model, seed=1)
+    calibrate(model, DATA, name, batch_size=4, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_checkpoint(model, tmp_path / "out", recipe=name)
+    said = [str(w.message) for w in caught if "transform_config" in str(w.message)]
+    if name.endswith("-rot"):
+        assert said == [
+            f"{tmp_path / 'out'} rotates Linear inputs online (transform_config): vLLM runs it at tensor parallel 1 "
+            "only, and transformers loads it without an error but ignores the rotations and computes wrong outputs"
+        ]
+    else:
+        assert said == []
