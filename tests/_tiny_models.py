@@ -149,3 +149,29 @@ def starve_experts_2_and_3(model: Any) -> None:
             gate = layer.mlp.gate.weight
             gate.zero_()
             gate[:, 0] = torch.tensor([3.0, 2.0, 1.0, -5.0])
+
+
+#: A few paragraphs of English: calibration and evaluation text for tiny models with a byte-level tokenizer.
+TINY_TEXT = (
+    "The river runs past the old mill and under the stone bridge before it reaches the sea. "
+    "In spring the meadows on both banks are full of flowers, and the town holds a market every Saturday. "
+    "Scientists measured the temperature of the water for ten years and found that it rose slowly. "
+)
+
+
+def make_tiny_text_model(tmp_dir: str | Path, model_type: str = "llama", **config_overrides: Any) -> Path:
+    """:func:`make_tiny_checkpoint` with a byte-level ``tokenizer.json`` (vocab 300, positions 512), so that the
+    commands and examples that take text (``.jsonl``, ``.txt``) run on it."""
+    from test_gguf_tokenizer import byte_level_tokenizer_json
+
+    overrides = {"vocab_size": 300, "max_position_embeddings": 512, **config_overrides}
+    model_dir = make_tiny_checkpoint(tmp_dir, model_type, **overrides)
+    (model_dir / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    return model_dir
+
+
+def write_text_data(path: str | Path, documents: int = 40) -> Path:
+    """A ``.jsonl`` file of ``documents`` lines ``{"text": ...}`` (about 350 bytes each)."""
+    path = Path(path)
+    path.write_text("".join(json.dumps({"text": f"{i}. {TINY_TEXT}"}) + "\n" for i in range(documents)))
+    return path

@@ -12,6 +12,8 @@ Public API (see docs/api.md):
 - :func:`calibrate_to_checkpoint` → :class:`PipelineResult` — what ``shardcal calibrate`` does, as one call: a model
   directory in (checked before loading, planned, loaded sharded, calibrated), an export out.
 - :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
+- :func:`init_distributed` (torchrun's process group, or one process), :class:`Tokenizer` (a model directory's
+  ``tokenizer.json``) and :func:`load_token_data` (calibration data from a text or token-id file).
 
 Names are resolved on first use (PEP 562), so ``import shardcal`` (and ``shardcal --help``) does not import torch.
 """
@@ -31,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "LayerStep": "shardcal.layerwise.steps",
     "PipelineResult": "shardcal.pipeline.calibrate",
     "ShardcalError": "shardcal.errors",
+    "Tokenizer": "shardcal.io.tokenizer",
     "calibrate": "shardcal.calib.runner",
     "calibrate_to_checkpoint": "shardcal.pipeline.calibrate",
     "collect_activations": "shardcal.collect.runner",
@@ -38,10 +41,12 @@ _EXPORTS: dict[str, str] = {
     "from_pretrained": "shardcal.loading.plain",
     "fsdp2_root_unsharded": "shardcal.sharding.fsdp2",
     "fsdp2_wrap": "shardcal.sharding.fsdp2",
+    "init_distributed": "shardcal.runtime.distributed",
     "layer_steps": "shardcal.layerwise.steps",
     "layer_unsharded": "shardcal.sharding.fsdp2",
     "load_pretrained": "shardcal.loading.sharded",
     "load_recipe": "shardcal.calib.recipes",
+    "load_token_data": "shardcal.data.calibration",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -109,7 +109,7 @@ def test_documented_commands_without_placeholders_run(capsys):
 
     shown = {re.sub(r"\[[^\]]*\]", "", c).strip() for _, c in _command_lines()}  # optional parts left out
     runnable = {c for c in shown if not re.search(r"[A-Z_]{3,}|/|\.gguf", c)} - {"demo"}  # demo: test_cli
-    assert {"recipes", "--version"} <= runnable, runnable
+    assert "recipes" in runnable, runnable
     for command in sorted(runnable):
         try:
             status = cli.main(command.split())

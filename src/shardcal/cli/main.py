@@ -38,9 +38,7 @@ if TYPE_CHECKING:
 
 EXIT_USER_ERROR = 2
 DEMO_PROMPT = "The capital of France is"
-#: The demo's recipe: SmoothQuant W8A8 int8 with dynamic per-token activations keeps SmolLM2's perplexity within 1 %
-#: of float32 (18.09 against 17.93; static w8a8-int8-sq 18.79, fp8 18.96, plain w8a8-int8 50.9), the best and
-#: fastest-calibrating W8A8 recipe measured (benchmarks/ptq_quality.py, benchmarks/vs_peers.py).
+#: The demo's recipe: the recommended INT8 one (`shardcal recipes`; its numbers are on docs/results.md).
 DEMO_RECIPE = "w8a8-int8-dynamic-sq"
 
 
@@ -127,7 +125,8 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipe",
         required=True,
         metavar="NAME|FILE",
-        help="a shipped recipe name (w8a8-int8, w8a8-int8-dynamic-sq, fp8-dynamic, w4a16, ...) or a .toml file",
+        help="a shipped recipe name or a .toml file; `shardcal recipes` helps choose (recommended: fp8-dynamic, "
+        "w8a8-int8-dynamic-sq, w4a16-awq-gptq, nvfp4-sq-gptq)",
     )
     parser.add_argument(
         "--out",
