@@ -65,7 +65,7 @@ from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.format import ExportFormat, get_format, module_sizes
-from ..export.plan import SHARD_NAME, Entry
+from ..export.plan import SHARD_NAME, Entry, kv_cache_entries
 from ..export.shards import header_bytes
 from ..layerwise.batches import leading_rows_of, rank_batch_indices
 from ..layerwise.options import CalibrationOptions
@@ -75,6 +75,7 @@ from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..models.config import ModelConfig, load_config
 from ..quant.granularity import Layout
+from ..quant.kv_cache import kv_cache_attentions
 from ..quant.spec import QuantizerSpec
 from ..runtime.hostmem import available_bytes
 from .preflight import fix_hint
@@ -938,19 +939,21 @@ def export_entries(
     m: PreparedModel, export_format: ExportFormat | str | None = None
 ) -> dict[str, list[tuple[Entry, int]]]:
     """Per export unit (in the order every rank writes them), the tensors it stores in ``export_format`` (default
-    compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says
-    (:func:`~shardcal.export.format.module_sizes`), every other parameter is stored as it is."""
+    compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says, its input
+    rotation's included (:func:`~shardcal.export.format.module_sizes`, which the export plan asks too), every other
+    parameter is stored as it is."""
     fmt = get_format(export_format)
     quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
     out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
     own_units = set(m.export_units[:-1])
-    layouts: dict[tuple[int, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}  # one recipe: by shape
+    # one recipe: by shape and input rotation
+    layouts: dict[tuple[int, int, int | None], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}
     for p in m.params:
         unit = p.unit if p.unit in own_units else "<root>"
         module, _, leaf = p.name.rpartition(".")
         t = quantized.get(module)
         if t is not None and leaf == "weight":
-            key = (t.linear.out_features, t.linear.in_features)
+            key = (t.linear.out_features, t.linear.in_features, t.rotation)
             if key not in layouts:
                 spec_in = t.input.spec if t.input is not None else None
                 stored = fmt.module_format(t.weight.spec, spec_in)
@@ -961,6 +964,10 @@ def export_entries(
             ]
         else:
             out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
+    if m.recipe.kv_cache is not None:  # each quantized attention's KV-cache scales, with the unit holding it
+        for name, _ in kv_cache_attentions(m.st.model, select=m.recipe.matches):
+            unit = m.st.unit_of(name)
+            out[unit if unit in own_units else "<root>"] += [(e, e.nbytes) for e in kv_cache_entries(name)]
     return out
 
 
