@@ -102,6 +102,10 @@ ROTATION_COPIES = 2
 #: The layer-output SQNR of one batch: float64 copies of the output, the reference and their difference (bytes per
 #: element of the batch's hidden states, beside the output itself).
 SQNR_BYTES = 32
+#: A checkpoint commit's metadata per tensor it holds for each finished layer (a changed weight, a quantizer's
+#: state): its safetensors header entry and its lines in the manifest (the listing, the layer report), beside a
+#: fixed 4096 bytes per rank (an allowance: what was measured stays well below it).
+CHECKPOINT_ENTRY_BYTES = 512
 #: Bytes per weight element of temporaries, by operation and number-format kind (measured on float32 and bfloat16
 #: weights): the observer calibrating a weight; fake-quantizing a weight in a forward; encoding it for export.
 OBSERVER_BYTES = {"mse": 22, "percentile": 44}  # "max": one copy in the weight's dtype
@@ -1000,14 +1004,17 @@ def export_files(
 
 
 def checkpoint_dir_bytes(m: _Model) -> int:
-    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after)."""
+    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after), their
+    metadata included (:data:`CHECKPOINT_ENTRY_BYTES`)."""
     world, layers = m.s.world_size, m.st.num_layers
     seq, hidden, e = m.s.seq_len, m.st.hidden_size, m.e
     acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
-    weights_upto = [0]
-    for unit in m.layer_names:  # the ranks' own rows of each layer together: the whole layer, in the model's dtype
+    weights_upto, entries_upto = [0], [0]
+    for i, unit in enumerate(m.layer_names):  # the ranks' own rows of each layer together: the whole layer
         groups = m.unit_groups.get(unit, {})
         weights_upto.append(weights_upto[-1] + sum(n * rows * row * size for (rows, row, size, _), n in groups.items()))
+        quantizers = sum(q is not None for t in m.targets_of[i] for q in (t.weight, t.input, t.output))
+        entries_upto.append(entries_upto[-1] + quantizers + (sum(groups.values()) if m.changes_weights else 0))
     every = m.s.options.checkpoint_every
     commits = [k for k in range(1, layers) if k % every == 0] + [layers]
 
@@ -1016,6 +1023,7 @@ def checkpoint_dir_bytes(m: _Model) -> int:
             (acts if k < layers else 0)
             + (weights_upto[k] if m.changes_weights else 0)
             + m.quantizer_upto[k - 1]
+            + CHECKPOINT_ENTRY_BYTES * entries_upto[k]
             + 4096 * world
         )
 
