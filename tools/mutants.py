@@ -683,7 +683,7 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "plan-export-no-kv-scales",
         "plan/planner.py",
-        "    if m.recipe.kv_cache is not None:  # each quantized attention's KV-cache scales, with the unit holding it\n",
+        "    if m.recipe.kv_cache is not None:  # each decoder layer's quantized attention: its KV-cache scales\n",
         "    if False:\n",
         "the planned export size leaves out the KV-cache scales",
     ),

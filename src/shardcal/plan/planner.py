@@ -968,10 +968,11 @@ def export_entries(
             ]
         else:
             out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
-    if m.recipe.kv_cache is not None:  # each quantized attention's KV-cache scales, with the unit holding it
-        for name, _ in kv_cache_attentions(m.st.model, select=m.recipe.matches):
-            unit = m.st.unit_of(name)
-            out[unit if unit in own_units else "<root>"] += [(e, e.nbytes) for e in kv_cache_entries(name)]
+    if m.recipe.kv_cache is not None:  # each decoder layer's quantized attention: its KV-cache scales
+        layers = m.st.model.get_submodule(m.st.layer_prefix)
+        for layer, prefix in zip(layers, m.layer_names):
+            for name, _ in kv_cache_attentions(layer, prefix, m.recipe.matches):
+                out[prefix] += [(e, e.nbytes) for e in kv_cache_entries(name)]
     return out
 
 
