@@ -66,7 +66,7 @@ bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/vs_peers.py --peers-python $(PEERS_PY) --work runs/vs-peers
 
 # On demand, not in CI (slow: ~30-40 min on 2 cores): break the core modules one small change at a time
-# (tools/mutants.py) and list the changes the tests miss; results in docs/mutation-results.md (docs/testing.md).
+# (tools/mutants.py) and list the changes the tests miss; results in runs/mutation-results.md (docs/testing.md).
 # MUTATION_ARGS=--all adds every operator/constant mutant of the core modules (hours).
 mutation: $(STAMP)
 	nice -n 10 $(PY) tools/mutation.py $(MUTATION_ARGS)

@@ -646,6 +646,37 @@ def test_paired_sums_pair_the_fp_model_with_the_quantized_stream(monkeypatch):
                 assert not _near(cqq, t.T @ t)
 
 
+def test_stream_correction_rounds_the_moved_weight_with_its_own_scales():
+    """The weight GPTQ rounds after the correction is ``W* = W + α W (C_tq - C_qq)(C_qq + λ I)^-1``, worked out here
+    in float64 from hooks on the float model (``T``) and the calibrated one (``X``, through a hand int8 fake
+    quantization: ``Q``); its per-channel int8 scales are calibrated on ``W*`` (max observer: ``max |W*|`` per row),
+    not kept from ``W``, whose rows' maxima are percents away. q/k/v read the layer's input, the same in the final
+    model as when the layer was calibrated."""
+    import copy
+
+    from shardcal.quant.formats import fake_quantize
+
+    cfg = dict(LLAMA, num_hidden_layers=2)
+    data = _data(n=4)
+    model = _model(cfg, outliers=True)
+    original = copy.deepcopy(model)
+    calibrate(model, data, _recipe("gptq", False, stream_correction=0.5), batch_size=2, progress=False)
+    names = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    targets, stream = _linear_inputs(original, data, names), _linear_inputs(model, data, names)
+    spec = QuantizerSpec(format="int8", granularity="tensor")
+    for name in names:
+        t, x = targets[name], stream[name]
+        q = fake_quantize(x.float(), x.abs().max().float().reshape(1), spec).double()
+        cqq, ctq = q.T @ q, t.T @ q
+        damped = cqq + 0.01 * cqq.diagonal().mean() * torch.eye(cqq.shape[0], dtype=torch.float64)
+        w = original.get_submodule(name).weight.detach().double()
+        moved = w + 0.5 * torch.linalg.solve(damped, (w @ (ctq - cqq)).T).T
+        want = moved.abs().amax(dim=1)
+        got = model.get_submodule(name).weight_quantizer.amax.reshape(-1).double()
+        assert torch.allclose(got, want, rtol=1e-4, atol=0), name
+        assert not torch.allclose(w.abs().amax(dim=1), want, rtol=1e-2, atol=0), name  # the correction moved them
+
+
 def test_reference_stream_is_the_float_models_own_layer_inputs():
     """``layer_steps(reference_stream=True)`` hands each layer the hidden states the unquantized model's own forward
     gives it (hooks on a copy), while the propagated stream carries the quantized layers' outputs."""
@@ -805,3 +836,35 @@ def test_gptq_hessian_pass_input_amax_is_the_inputs_max_before_the_solve_one_pas
     for name, value in want.items():
         assert amax["hessian-pass"][name] == pytest.approx(value, rel=1e-6), name
     assert any(amax["observe"][n] != pytest.approx(v, rel=1e-6) for n, v in want.items())  # the solved weights'
+
+
+def test_gptq_hessian_pass_leaves_moe_experts_to_observe_every_token_in_all_experts_mode():
+    """``input_amax = "hessian-pass"`` with ``calibrate_all_experts``: the Hessian pass sees each expert's routed
+    tokens only, so the experts' input quantizers still observe every token after the solve. Reference: the
+    calibrated model's own layer 0 in full precision (the solved weights), hooks on its MoE block input; every token
+    through each expert by hand (``silu(x W_gate^T) * (x W_up^T)`` for down_proj)."""
+    import torch.nn.functional as F
+
+    from shardcal.quant.session import quantizer_mode
+
+    cfg = dict(TINY_CONFIGS["qwen3_moe"], num_hidden_layers=2)
+    data = _data(n=4)
+    model = _model(cfg)
+    recipe = _recipe("gptq", weight_only=False, input_amax='"hessian-pass"')
+    calibrate(model, data, recipe, batch_size=2, progress=False, calibrate_all_experts=True)
+    model.requires_grad_(False)
+    block = model.model.layers[0].mlp
+    seen: list[torch.Tensor] = []
+    hook = block.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad(), quantizer_mode(model, "disabled"):
+        model(data)
+    hook.remove()
+    x = torch.cat(seen).double()
+    routed = torch.topk(x @ block.gate.weight.double().T, cfg["num_experts_per_tok"], dim=-1).indices
+    assert all(bool((routed == e).any(dim=-1).sum() < x.shape[0]) for e in range(len(block.experts)))  # a subset each
+    for e, expert in enumerate(block.experts):
+        down_in = F.silu(x @ expert.gate_proj.weight.double().T) * (x @ expert.up_proj.weight.double().T)
+        want = {"gate_proj": x.abs().max(), "up_proj": x.abs().max(), "down_proj": down_in.abs().max()}
+        for projection, value in want.items():
+            got = getattr(expert, projection).input_quantizer.amax.item()
+            assert got == pytest.approx(float(value), rel=1e-5), (e, projection)

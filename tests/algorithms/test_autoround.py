@@ -183,6 +183,58 @@ def test_guard_keeps_the_start_when_tuning_made_it_worse():
             assert torch.allclose(got.weight.detach(), rounded, rtol=0, atol=1e-6), name
 
 
+@pytest.mark.parametrize(("iters", "lr", "want"), [(1, 0.0, [1.0]), (4, 0.0, [0.25, 0.1875, 0.125, 0.0625]),
+                                                   (3, 0.3, [0.3, 0.2, 0.1])])  # fmt: skip
+def test_step_sizes_decay_linearly_from_lr_over_the_iterations(monkeypatch, iters, lr, want):
+    """Step t of ``iters`` moves the parameters by ``lr * (1 - t / iters)``, worked out by hand above (``lr`` 0:
+    ``1 / iters``): the first step takes the whole ``lr``, none is zero."""
+    rates: list[float] = []
+    original = _TunedWeight.step
+
+    def record(self, signs, lr, min_clip):
+        rates.append(lr)
+        original(self, signs, lr, min_clip)
+
+    monkeypatch.setattr(_TunedWeight, "step", record)
+    model = _model(dict(LLAMA, num_hidden_layers=1))
+    recipe = _recipe(iters=iters, lr=lr, guard=False) if lr else _recipe(iters=iters, guard=False)
+    calibrate(model, _data(n=4), recipe, batch_size=2, progress=False)
+    per_step = len(rates) // iters  # every tuned Linear of the layer, each step
+    assert per_step == 7 and len(rates) == 7 * iters
+    assert rates[::per_step] == pytest.approx(want, rel=1e-12, abs=0)
+    assert all(rates[k] == rates[k - k % per_step] for k in range(len(rates)))
+
+
+def test_one_step_moves_the_weights_off_round_to_nearest():
+    """A single step of size 0.25 moves each rounding offset by -0.25 * sign(gradient): the codes of the weights
+    whose ``W / s`` lies within 0.25 of a rounding boundary move by one (many do), no other code moves — against the
+    scales and the codes of round to nearest, computed here from the weight and its amax."""
+    cfg = dict(LLAMA, num_hidden_layers=1)
+    rtn = _model(cfg)
+    calibrate(rtn, _data(n=4), _recipe("rtn"), batch_size=2, progress=False)
+    tuned = _model(cfg)
+    calibrate(tuned, _data(n=4), _recipe(iters=1, lr=0.25, guard=False, clip=False), batch_size=2, progress=False)
+    original = dict(_model(cfg).named_parameters())
+    moved = near_boundary = 0
+    for name, module in rtn.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        w = original[f"{name}.weight"].detach().reshape(module.out_features, -1, 32)
+        scale = module.weight_quantizer.amax.reshape(module.out_features, -1, 1) / 7  # int4: qmax 7, groups of 32
+        x = w / scale
+        nearest = torch.clamp(torch.round(x), -8, 7)
+        got = tuned.get_submodule(name).weight.detach().reshape(w.shape) / scale
+        codes = torch.round(got)
+        assert torch.allclose(got, codes, atol=1e-4), name  # still on the grid of the same scales
+        changed = codes != nearest
+        reachable = (x - nearest).abs() >= 0.25 - 1e-6
+        assert bool(((codes - nearest).abs() <= 1).all()), name
+        assert not bool((changed & ~reachable).any()), name
+        moved += int(changed.sum())
+        near_boundary += int(reachable.sum())
+    assert moved > 0.25 * near_boundary, (moved, near_boundary)
+
+
 def test_guard_keeps_tuned_parameters_that_lower_the_error():
     """With small steps the error falls: the guard keeps the tuned parameters (the same model as without it)."""
     guarded, report = _output_error("autoround", iters=12)

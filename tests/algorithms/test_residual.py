@@ -95,6 +95,18 @@ def test_rotation_keeps_the_function_of_shardcals_models(model_type, tied):
     assert all(torch.equal(p, torch.ones_like(p)) for p in norms)
 
 
+def test_rotation_keeps_the_function_of_a_model_whose_writers_have_biases():
+    """Llama with ``attention_bias`` and ``mlp_bias``: o_proj and down_proj add biases to the stream, which the
+    rotation must turn with it (``b Q``); the logits are the unrotated model's."""
+    model = _model(attention_bias=True, mlp_bias=True)
+    writers = [m for layer in model.model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert all(m.bias is not None and m.bias.abs().max() > 0.01 for m in writers)
+    data = _data()
+    want = _logits(model, data)
+    rotate_residual(model, residual_rotation(model, "random-hadamard", 2))
+    assert torch.allclose(_logits(model, data), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 def test_rotation_keeps_the_function_of_transformers_models(family):
     """transformers' own classes (Phi-3's fused qkv_proj / gate_up_proj too), found by duck typing."""

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.numerics
 CFG = dict(TINY_CONFIGS["llama"], hidden_size=128, intermediate_size=256, head_dim=32, num_hidden_layers=2)
 W8A8 = '[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
 ROTATE_DOWN = '[rotation]\nblock = 64\ninclude = ["*.down_proj", "*.o_proj"]\n'
+#: Blocks of 256 where the inputs are 256 wide (down_proj), of 128 (the largest that divides) for the other Linears.
+TWO_BLOCKS = "[rotation]\nblock = 256\n"
 W4A16_GPTQ = (
     '[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 64\n[algorithm]\nname = "gptq"\n'
     "[rotation]\nblock = 64\n"
@@ -70,7 +72,7 @@ def _with_outliers(model: CausalLM, factor: float = 40.0) -> CausalLM:
 def rotated(tmp_path_factory):
     """name -> (calibrated model, export dir)."""
     cache: dict[str, tuple[CausalLM, Path]] = {}
-    recipes = {"w8a8": W8A8 + ROTATE_DOWN, "w4a16-gptq": W4A16_GPTQ}
+    recipes = {"w8a8": W8A8 + ROTATE_DOWN, "w4a16-gptq": W4A16_GPTQ, "two-blocks": W8A8 + TWO_BLOCKS}
 
     def get(name: str) -> tuple[CausalLM, Path]:
         if name not in cache:
@@ -203,7 +205,30 @@ def test_export_writes_a_transform_config_compressed_tensors_reads(rotated):
     assert all(torch.equal(v, hadamard) for v in stored.values())
 
 
-@pytest.mark.parametrize("name", ["w8a8", "w4a16-gptq", "w4a16-gptq-rot-g64-asym"])
+def test_two_block_sizes_give_two_transform_groups_each_of_its_own_linears(rotated):
+    """One ``hadamard_<block>`` group per block size, each naming exactly the Linears rotated with that block (a
+    Linear named by both would be rotated twice by vLLM); compressed-tensors parses it, shardcal reloads it."""
+    transform = pytest.importorskip("compressed_tensors.transform")
+    model, out = rotated("two-blocks")
+    blocks = {n: m.input_rotation for n, m in quantized_modules(model)}
+    by_block = {b: sorted(n for n, v in blocks.items() if v == b) for b in (128, 256)}
+    assert by_block[256] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)] and len(by_block[128]) == 12
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = qc["transform_config"]["config_groups"]
+    assert sorted(groups) == ["hadamard_128", "hadamard_256"]
+    for block, names in by_block.items():
+        scheme = groups[f"hadamard_{block}"]
+        assert scheme["head_dim"] == block
+        assert [(a["location"], sorted(a["targets"])) for a in scheme["apply"]] == [
+            ("input", names),
+            ("weight_input", names),
+        ]
+    config = transform.TransformConfig.model_validate(qc["transform_config"])
+    assert {g.head_dim for g in config.config_groups.values()} == {128, 256}
+    assert {n: m.input_rotation for n, m in quantized_modules(from_pretrained(out))} == blocks
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w4a16-gptq", "w4a16-gptq-rot-g64-asym", "two-blocks"])
 def test_reload_computes_the_calibrated_models_logits(name, rotated):
     model, out = rotated(name)
     reloaded = from_pretrained(out)
@@ -215,7 +240,7 @@ def test_reload_computes_the_calibrated_models_logits(name, rotated):
         assert torch.equal(reloaded(data), model(data))
 
 
-@pytest.mark.parametrize("name", ["w8a8", "w4a16-gptq"])
+@pytest.mark.parametrize("name", ["w8a8", "w4a16-gptq", "two-blocks"])
 def test_transformers_with_compressed_tensors_transforms_computes_our_logits(name, rotated):
     """transformers loads the weights and scales; compressed-tensors' own Hadamard transforms, built from the
     online part of our transform_config, rotate the inputs: the logits are ours (to rounding: the rotation is a

@@ -162,10 +162,14 @@ def write_family_gguf(
     types=MIXED_TYPES,
     tokenizer: str = "gpt2",
     head_dim: int | None = None,
+    layers: int | None = None,
+    sliding_window_pattern: int | list[bool] | None = None,
 ) -> Path:
-    """A tiny GGUF of ``arch`` with the metadata llama.cpp's converter writes and 2-D weights cycling ``types``."""
+    """A tiny GGUF of ``arch`` with the metadata llama.cpp's converter writes and 2-D weights cycling ``types``;
+    ``gemma3``: its norms, and ``sliding_window_pattern`` (a per-layer list or a period) when given."""
     rng = np.random.default_rng(seed)
-    hidden, inter, layers, heads, kv = (TINY[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads"))
+    hidden, inter, heads, kv = (TINY[k] for k in ("hidden", "intermediate", "heads", "kv_heads"))
+    layers = layers or TINY["layers"]
     head_dim = head_dim or hidden // heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
@@ -183,6 +187,10 @@ def write_family_gguf(
     if head_dim != hidden // heads or arch == "qwen3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(16)
+    if sliding_window_pattern is not None:
+        writer.add_sliding_window_pattern(sliding_window_pattern)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     if tokenizer == "gpt2":
         tokens, token_types, merges = byte_level_vocab(TINY["vocab"])
@@ -234,8 +242,10 @@ def write_family_gguf(
                     p + "attn_v.bias": (kv * head_dim,),
                 }
             )
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
+        if arch == "gemma3":
+            shapes.update({p + "post_attention_norm.weight": (hidden,), p + "post_ffw_norm.weight": (hidden,)})
     matrices = 0
     for name, shape in shapes.items():
         qtype = types[matrices % len(types)] if len(shape) == 2 else Q.F32
@@ -331,6 +341,30 @@ def test_tiny_llama_sentencepiece_tokenizer_matches_transformers(tmp_path):
     assert (config["add_bos_token"], config["add_eos_token"], config["bos_token"]) == (True, False, "<s>")
     reference, model = load_pair(gguf_file, out)
     compare_models(reference, model, len(sentencepiece_vocab()[0]))
+
+
+@pytest.mark.parametrize(
+    "pattern, sliding",
+    [
+        ([True, False, True, True, False, False, True], [True, False, True, True, False, False, True]),
+        (3, [True, True, False, True, True, False, True]),  # every third layer global
+        (None, [True] * 5 + [False] + [True]),  # llama.cpp's Gemma 3 default: every sixth
+    ],
+    ids=["per-layer-array", "scalar-period", "absent"],
+)
+def test_gemma3_sliding_window_pattern_gives_each_layer_its_attention(tmp_path, pattern, sliding):
+    """Gemma 3's sliding-window layout in either metadata form gguf-py writes (``add_sliding_window_pattern``: a
+    bool per layer, or a period), or none: config.json's ``layer_types`` and the window each of transformers'
+    attention layers then uses, layer by layer."""
+    gguf_file = write_family_gguf(
+        tmp_path / "gemma3.gguf", "gemma3", tied=True, tokenizer="llama", types=[Q.F32], head_dim=32, layers=7,
+        sliding_window_pattern=pattern,
+    )  # fmt: skip
+    out = import_gguf(gguf_file, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention" if s else "full_attention" for s in sliding]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [16 if s else None for s in sliding]
 
 
 _DEQUANTIZABLE = [

@@ -272,6 +272,36 @@ def test_metaspace_prepend_schemes(tmp_path, llama2_tokenizer, scheme, split):
     assert_same(save(tk, tmp_path, change=drop_byte_added_tokens))
 
 
+@pytest.mark.parametrize(
+    "older",
+    [
+        {},  # neither prepend_scheme nor add_prefix_space: tokenizers prepends ("always")
+        {"add_prefix_space": True},
+        {"add_prefix_space": True, "str_rep": "\u2581"},  # as tokenizers 0.14 wrote it
+    ],
+    ids=["neither", "add-prefix-space", "str-rep"],
+)
+def test_older_metaspace_forms_mean_what_tokenizers_reads(tmp_path, llama2_tokenizer, older):
+    """tokenizer.json files from before ``prepend_scheme``: its Metaspace pre-tokenizer and decoder with only
+    ``add_prefix_space``, or with neither (``tokenizers`` then prepends: ``always``). (``add_prefix_space: false``
+    alone, "never" in the files of its time, is refused by today's ``tokenizers``: nothing to compare with.)"""
+    tk = tokenizers.Tokenizer.from_str(llama2_tokenizer.to_str())
+    tk.normalizer = None
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback()])
+
+    def older_form(data: dict) -> None:
+        drop_byte_added_tokens(data)
+        for part in (data["pre_tokenizer"], data["decoder"]["decoders"][0]):
+            part.pop("prepend_scheme")
+            part.update(older)
+
+    path = save(tk, tmp_path, change=older_form)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    assert reference.pre_tokenizer.pre_tokenize_str("Hello")[0][0] == "\u2581Hello"
+    assert_same(path)
+
+
 def test_gemma_style_bpe(tmp_path):
     """Gemma's layout: spaces become ▁ in the normalizer (no prefix), a Split that finds none, many added tokens."""
     tk = train_bpe(normalizers.Replace(" ", "▁"), pre_tokenizers.Split(" ", "merged_with_previous"))
@@ -341,6 +371,35 @@ def test_normalizers(tmp_path, llama2_tokenizer, name, scheme):
     tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     tk.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme=scheme), decoders.ByteFallback()])
     assert_same(save(tk, tmp_path, change=drop_byte_added_tokens))
+
+
+#: Texts with U+001C-U+001F (file, group, record and unit separators) at their ends: Python's ``str.isspace`` (and
+#: a bare ``str.strip()``) counts them as whitespace, Rust's ``char::is_whitespace`` (which ``tokenizers`` uses) does
+#: not, so ``tokenizers``' Strip keeps them.
+SEPARATOR_TEXTS = [
+    "\x1chello\x1f",
+    "\x1d",
+    " \x1e word \x1f ",
+    "\x1f\x1c\x1d\x1e",
+    "\t\x1c  tab then separator",
+    "ends with separators \x1e\x1f",
+    "\x1e  \x1f",
+    "\u2003\x1d\u3000",
+]
+
+
+@pytest.mark.parametrize("name", ["strip-both", "strip-left", "strip-right"])
+def test_strip_keeps_the_separators_tokenizers_keeps(tmp_path, llama2_tokenizer, name):
+    """Strip removes Unicode White_Space only, as ``tokenizers`` does: U+001C-U+001F stay (and reach the model)."""
+    tk = tokenizers.Tokenizer.from_str(llama2_tokenizer.to_str())
+    tk.normalizer = NORMALIZERS[name]
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tk.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first"), decoders.ByteFallback()])
+    path = save(tk, tmp_path, change=drop_byte_added_tokens)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    kept = [t for t in SEPARATOR_TEXTS if "<0x1F>" in reference.encode(t).tokens]
+    assert len(kept) >= 3, "the reference strips U+001F: the texts test nothing"
+    assert_same(path, SEPARATOR_TEXTS)
 
 
 PRE_TOKENIZERS = {
@@ -442,6 +501,42 @@ def test_unigram_byte_fallback(tmp_path, unigram_tokenizer):
     tok = Tokenizer.from_file(path)
     assert [tok.id_to_token[i] for i in tok.encode("☃")][-3:] == ["<0xE2>", "<0x98>", "<0x83>"]
     assert_same(path)
+
+
+#: A crafted Unigram vocabulary whose pieces tie: "ab" (-2) against "a" + "b" (-1 each), "a" + "bc" against
+#: "ab" + "c" (-3 both), "abc" (-3) against both, "xy" (-4) against "x" + "y"; "q" is unknown (scored min - 10).
+TIED_VOCAB = [
+    ("<unk>", 0.0),
+    ("a", -1.0),
+    ("b", -1.0),
+    ("c", -1.0),
+    ("ab", -2.0),
+    ("bc", -2.0),
+    ("abc", -3.0),
+    ("x", -2.0),
+    ("y", -2.0),
+    ("xy", -4.0),
+    ("ca", -2.0),
+    ("bca", -3.0),
+]
+TIED_TEXTS = [*"ab abc bc abab cab abcab xy xyab bca abca cabc qab abq aqb".split(), "ab xy abc"]
+
+
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_unigram_ties_are_broken_as_tokenizers_breaks_them(tmp_path, byte_fallback):
+    """Equal-score segmentations: ``tokenizers``' Viterbi keeps the first path it finds for each end (the last piece
+    that starts earliest); shardcal must pick the same pieces."""
+    vocab = list(TIED_VOCAB) + ([(b, -20.0) for b in BYTE_TOKENS] if byte_fallback else [])
+    tk = tokenizers.Tokenizer(models.Unigram(vocab, 0, byte_fallback))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = save(tk, tmp_path)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    assert reference.encode("ab").tokens == ["ab"] and reference.encode("abc").tokens == ["abc"]
+    assert reference.encode("abca").tokens != ["ab", "ca"]  # a tie the later split would win
+    tok = Tokenizer.from_file(path)
+    for text in TIED_TEXTS:
+        assert tok.encode(text) == reference.encode(text).ids, text
+    assert_same(path, TIED_TEXTS)
 
 
 def test_t5_style_unigram(tmp_path):

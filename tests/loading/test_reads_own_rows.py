@@ -105,8 +105,9 @@ class _RecordingFile:
         return torch.frombuffer(data, dtype=_DTYPES[s.dtype_name]).reshape(rows).clone()
 
 
-def _recorded_load(path: str, family: str | None = None) -> dict:
-    """Load ``path`` sharded with the recording reader in place of safetensors'; return what was requested."""
+def _recorded_load(path: str, family: str | None = None, dtype: str | None = None) -> dict:
+    """Load ``path`` sharded (as ``dtype``, default the checkpoint's) with the recording reader in place of
+    safetensors'; return what was requested."""
     import safetensors
     import safetensors.torch
 
@@ -123,7 +124,7 @@ def _recorded_load(path: str, family: str | None = None) -> dict:
         if family is None:
             from shardcal.models import load_pretrained
 
-            model = load_pretrained(path)
+            model = load_pretrained(path, dtype=dtype)
         else:
             import transformers
             from _hf_models import hf_model
@@ -134,7 +135,7 @@ def _recorded_load(path: str, family: str | None = None) -> dict:
             cls = type(hf_model(family))
             with meta_parameters():
                 model = cls._from_config(transformers.AutoConfig.from_pretrained(path))
-            model = load_pretrained(path, model=model)
+            model = load_pretrained(path, model=model, dtype=dtype)
     finally:
         checkpoint_module.safe_open, safetensors.safe_open, safetensors.torch.load_file, safetensors.torch.load = saved
     plan = model._shardcal_distribution_plan

@@ -4,6 +4,7 @@ export and the real sharded load, the ``--json`` schema, a config-only directory
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from dataclasses import replace
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_bad_inputs import snapshot
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
-from shardcal.calib.recipes import recipe_from_dict
+from shardcal.calib.recipes import Recipe, Rotation, load_recipe, recipe_from_dict, shipped_recipes
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError, RecipeError
 from shardcal.layerwise.options import CalibrationOptions
@@ -127,8 +128,9 @@ def test_dense_parts_by_hand(tmp_path):
         "allreduce_bytes_per_layer": 7 * 12,
         "allreduce_sent_per_layer_per_rank": 7 * 12,
     }
-    # --checkpoint-dir: activations (8 x 16 x 64 x 4) + 1 layer's amax at the first commit, beside the last
-    assert plan.disk["checkpoint_dir_bytes"] == (32768 + 2076 + 8192) + (4152 + 8192)
+    # --checkpoint-dir: activations (8 x 16 x 64 x 4) + 1 layer's amax at the first commit, beside the last; each
+    # commit's metadata: 512 B per quantizer of its finished layers (14 per layer), 4096 B per rank
+    assert plan.disk["checkpoint_dir_bytes"] == (32768 + 2076 + 512 * 14 + 8192) + (4152 + 512 * 28 + 8192)
 
 
 def test_padding_and_own_rows_at_three_ranks(tmp_path):
@@ -194,6 +196,48 @@ def test_bytes_read_are_what_the_sharded_load_reads(tmp_path):
     assert [r.bytes_read for r in plan_calibration(folder, "w8a8-int8", settings(2)).ranks] == read
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bytes_read_are_counted_in_the_files_dtype(tmp_path, dtype):
+    """A bf16 checkpoint loaded as float32 (and as it is): each rank reads its rows in bf16, what a recording
+    safetensors reader put below the loader (tests/loading/test_reads_own_rows.py) is asked for, whatever the dtype
+    the rows are then held in."""
+    from test_reads_own_rows import _recorded_load
+
+    folder = make_tiny_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, vocab_size=255, num_key_value_heads=1)
+    requested = [
+        sum(count for *_, count in r["log"]) for r in run_on_ranks(2, _recorded_load, str(folder), None, dtype)
+    ]
+    plan = plan_calibration(folder, "w8a8-int8", settings(2), dtype=dtype)
+    assert plan.model["dtype"] == dtype
+    assert [r.bytes_read for r in plan.ranks] == requested
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_checkpoint_dir_holds_what_a_weight_changing_run_commits(tmp_path):
+    """GPTQ changes the weights, so each commit also stores every calibrated layer's weights: the planned
+    ``--checkpoint-dir`` size is at least a commit beside the previous one, from the directory's real size after each
+    commit (its files on disk, summed), and at most twice that."""
+    from shardcal import calibrate
+    from shardcal.models import from_pretrained
+    from shardcal.runtime.faults import armed
+
+    folder = make_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    directory = tmp_path / "ckpt"
+    sizes: list[int] = []
+
+    def measure(completed_layers: int) -> None:
+        sizes.append(sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()))
+
+    with armed("calibrate.committed", measure):
+        calibrate(from_pretrained(folder), torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0)),
+                  GPTQ_INT8, batch_size=2, progress=False, checkpoint_dir=directory)  # fmt: skip
+    measure(3)  # the last commit (no fault point after it)
+    assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]
+    planned = plan_calibration(folder, GPTQ_INT8, settings(1)).disk["checkpoint_dir_bytes"]
+    beside = max(a + b for a, b in itertools.pairwise(sizes))
+    assert beside <= planned <= 2 * beside, (sizes, planned)
+
+
 @pytest.mark.usefixtures("single_process_group")
 def test_export_size_is_the_real_exports(tmp_path):
     from shardcal import calibrate
@@ -210,6 +254,48 @@ def test_export_size_is_the_real_exports(tmp_path):
         plan = plan_calibration(folder, recipe, settings(1))
         assert plan.disk["export_files"] == len(files)
         assert plan.disk["export_bytes"] == sum(f.stat().st_size for f in files), recipe
+
+
+@pytest.fixture(scope="module")
+def tied_bf16_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tied"), "llama", torch.bfloat16, tie_word_embeddings=True)
+
+
+def _export_variants(recipe: Recipe) -> list[tuple[str, Recipe]]:
+    """``(load dtype, recipe)``: the recipe as shipped, loaded as stored (bf16) and as float32; without its
+    weight-changing algorithm (round to nearest); with a residual rotation too (every weight changed, the tied head
+    untied: the export stores it; float32, as the probe after a residual rotation refuses the bf16 weights' rounding)."""
+    variants = [("bfloat16", recipe), ("float32", recipe)]
+    if recipe.algorithm.get("name", "rtn") != "rtn":
+        variants.append(("float32", replace(recipe, algorithm={"name": "rtn"}, name=f"{recipe.name}-rtn")))
+    residual = (
+        Rotation(None, residual="hadamard")
+        if recipe.rotation is None
+        else replace(recipe.rotation, residual="hadamard")
+    )
+    return [*variants, ("float32", replace(recipe, rotation=residual, name=f"{recipe.name}-residual"))]
+
+
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize("name", shipped_recipes())
+def test_planned_export_size_is_the_written_exports_for_every_shipped_recipe(tmp_path, tied_bf16_llama, name):
+    """Every shipped recipe on a tiny tied bf16 Llama, each variant of :func:`_export_variants` calibrated and
+    exported: the planned files and bytes are those on disk (online rotations' Hadamard matrices, KV-cache scales,
+    the untied head and the load dtype's unquantized tensors included)."""
+    from shardcal import calibrate
+    from shardcal.export import export_checkpoint
+    from shardcal.models import from_pretrained
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype, recipe in _export_variants(load_recipe(name)):
+        model = from_pretrained(tied_bf16_llama, dtype=dtype)
+        calibrate(model, ids, recipe, batch_size=2, progress=False)
+        files = sorted(
+            export_checkpoint(model, tmp_path / f"{recipe.name}-{dtype}", recipe=recipe).glob("*.safetensors")
+        )
+        plan = plan_calibration(tied_bf16_llama, recipe, settings(1), dtype=dtype)
+        written = sum(f.stat().st_size for f in files)
+        assert (plan.disk["export_files"], plan.disk["export_bytes"]) == (len(files), written), (recipe.name, dtype)
 
 
 def test_config_only_directory_plans_from_the_config(tmp_path):

@@ -112,8 +112,10 @@ def module_sizes(
     input: QuantizerSpec | None,
     out_features: int,
     in_features: int,
+    input_rotation: int | None = None,
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-    """``{suffix: (dtype, shape, bytes)}`` of the tensors one quantized Linear becomes in ``fmt`` (what the planner
-    counts and the export writes)."""
-    layout = fmt.module_tensors(module_format, weight, input, out_features, in_features)
+    """``{suffix: (dtype, shape, bytes)}`` of the tensors one quantized Linear becomes in ``fmt``, its input
+    rotation's (``input_rotation``: the Hadamard block, or None) included: what the export plan writes and the
+    planner counts."""
+    layout = fmt.module_tensors(module_format, weight, input, out_features, in_features, input_rotation)
     return {suffix: (dtype, shape, math.prod(shape) * dtype.itemsize) for suffix, (dtype, shape) in layout.items()}

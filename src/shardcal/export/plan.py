@@ -44,7 +44,7 @@ from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
 from ..sharding.fsdp2 import persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
-from .format import ExportFormat, get_format
+from .format import ExportFormat, get_format, module_sizes
 
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
@@ -417,12 +417,17 @@ def stored_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def kv_cache_entries(attention: str) -> list[Entry]:
+    """The tensors an attention's calibrated KV-cache quantizer stores: ``<attention>.k_scale`` and ``.v_scale``."""
+    return [Entry(f"{attention}.{s}", torch.float32, (1,), ("kv", attention, s)) for s in ("k_scale", "v_scale")]
+
+
 def _quant_entries(qm: QuantModule, fmt: ExportFormat) -> list[Entry]:
-    layout = fmt.module_tensors(
-        qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features, qm.input_rotation
+    sizes = module_sizes(
+        fmt, qm.format, qm.spec_weight, qm.spec_input, qm.out_features, qm.in_features, qm.input_rotation
     )
     return [
-        Entry(f"{qm.name}.{suffix}", dt, shape, ("quant", qm.name, suffix)) for suffix, (dt, shape) in layout.items()
+        Entry(f"{qm.name}.{suffix}", dt, shape, ("quant", qm.name, suffix)) for suffix, (dt, shape, _) in sizes.items()
     ]
 
 
@@ -484,7 +489,7 @@ def build_plan(
     for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
         owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
         unit = next((u for u in units if u.name == owner), units[-1])
-        unit.entries += [Entry(f"{name}.{s}", torch.float32, (1,), ("kv", name, s)) for s in ("k_scale", "v_scale")]
+        unit.entries += kv_cache_entries(name)
 
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):

@@ -65,7 +65,7 @@ from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.format import ExportFormat, get_format, module_sizes
-from ..export.plan import SHARD_NAME, Entry
+from ..export.plan import SHARD_NAME, Entry, kv_cache_entries
 from ..export.shards import header_bytes
 from ..layerwise.batches import leading_rows_of, rank_batch_indices
 from ..layerwise.options import CalibrationOptions
@@ -75,6 +75,7 @@ from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..models.config import ModelConfig, load_config
 from ..quant.granularity import Layout
+from ..quant.kv_cache import kv_cache_attentions
 from ..quant.spec import QuantizerSpec
 from ..runtime.hostmem import available_bytes
 from .preflight import fix_hint
@@ -101,6 +102,10 @@ ROTATION_COPIES = 2
 #: The layer-output SQNR of one batch: float64 copies of the output, the reference and their difference (bytes per
 #: element of the batch's hidden states, beside the output itself).
 SQNR_BYTES = 32
+#: A checkpoint commit's metadata per tensor it holds for each finished layer (a changed weight, a quantizer's
+#: state): its safetensors header entry and its lines in the manifest (the listing, the layer report), beside a
+#: fixed 4096 bytes per rank (an allowance: what was measured stays well below it).
+CHECKPOINT_ENTRY_BYTES = 512
 #: Bytes per weight element of temporaries, by operation and number-format kind (measured on float32 and bfloat16
 #: weights): the observer calibrating a weight; fake-quantizing a weight in a forward; encoding it for export.
 OBSERVER_BYTES = {"mse": 22, "percentile": 44}  # "max": one copy in the weight's dtype
@@ -938,19 +943,21 @@ def export_entries(
     m: PreparedModel, export_format: ExportFormat | str | None = None
 ) -> dict[str, list[tuple[Entry, int]]]:
     """Per export unit (in the order every rank writes them), the tensors it stores in ``export_format`` (default
-    compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says
-    (:func:`~shardcal.export.format.module_sizes`), every other parameter is stored as it is."""
+    compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says, its input
+    rotation's included (:func:`~shardcal.export.format.module_sizes`, which the export plan asks too), every other
+    parameter is stored as it is."""
     fmt = get_format(export_format)
     quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
     out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
     own_units = set(m.export_units[:-1])
-    layouts: dict[tuple[int, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}  # one recipe: by shape
+    # one recipe: by shape and input rotation
+    layouts: dict[tuple[int, int, int | None], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}
     for p in m.params:
         unit = p.unit if p.unit in own_units else "<root>"
         module, _, leaf = p.name.rpartition(".")
         t = quantized.get(module)
         if t is not None and leaf == "weight":
-            key = (t.linear.out_features, t.linear.in_features)
+            key = (t.linear.out_features, t.linear.in_features, t.rotation)
             if key not in layouts:
                 spec_in = t.input.spec if t.input is not None else None
                 stored = fmt.module_format(t.weight.spec, spec_in)
@@ -961,6 +968,11 @@ def export_entries(
             ]
         else:
             out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
+    if m.recipe.kv_cache is not None:  # each decoder layer's quantized attention: its KV-cache scales
+        layers = m.st.model.get_submodule(m.st.layer_prefix)
+        for layer, prefix in zip(layers, m.layer_names):
+            for name, _ in kv_cache_attentions(layer, prefix, m.recipe.matches):
+                out[prefix] += [(e, e.nbytes) for e in kv_cache_entries(name)]
     return out
 
 
@@ -993,14 +1005,17 @@ def export_files(
 
 
 def checkpoint_dir_bytes(m: _Model) -> int:
-    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after)."""
+    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after), their
+    metadata included (:data:`CHECKPOINT_ENTRY_BYTES`)."""
     world, layers = m.s.world_size, m.st.num_layers
     seq, hidden, e = m.s.seq_len, m.st.hidden_size, m.e
     acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
-    weights_upto = [0]
-    for unit in m.layer_names:  # the ranks' own rows of each layer together: the whole layer, in the model's dtype
+    weights_upto, entries_upto = [0], [0]
+    for i, unit in enumerate(m.layer_names):  # the ranks' own rows of each layer together: the whole layer
         groups = m.unit_groups.get(unit, {})
         weights_upto.append(weights_upto[-1] + sum(n * rows * row * size for (rows, row, size, _), n in groups.items()))
+        quantizers = sum(q is not None for t in m.targets_of[i] for q in (t.weight, t.input, t.output))
+        entries_upto.append(entries_upto[-1] + quantizers + (sum(groups.values()) if m.changes_weights else 0))
     every = m.s.options.checkpoint_every
     commits = [k for k in range(1, layers) if k % every == 0] + [layers]
 
@@ -1009,6 +1024,7 @@ def checkpoint_dir_bytes(m: _Model) -> int:
             (acts if k < layers else 0)
             + (weights_upto[k] if m.changes_weights else 0)
             + m.quantizer_upto[k - 1]
+            + CHECKPOINT_ENTRY_BYTES * entries_upto[k]
             + 4096 * world
         )
 

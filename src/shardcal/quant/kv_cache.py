@@ -145,15 +145,19 @@ class KVCacheView:
         return 0
 
 
+def kv_cache_attentions(module: nn.Module, prefix: str = "", select: Any = None) -> list[tuple[str, nn.Module]]:
+    """``(full name, module)`` of the cached attentions under ``module`` that a ``[kv_cache]`` quantizes: those
+    whose full name ``select`` accepts (every one when None)."""
+    return [(n, m) for n, m in attention_modules(module, prefix) if select is None or select(n)]
+
+
 def attach_kv_cache_quantizers(
     module: nn.Module, spec: QuantizerSpec, prefix: str = "", select: Any = None
 ) -> list[str]:
     """Give every cached attention under ``module`` (whose full name ``select`` accepts, if given) a
     :class:`KVCacheQuantizer` of ``spec`` as its ``kv_cache_quantizer``; return their names. Idempotent."""
     names = []
-    for name, attention in attention_modules(module, prefix):
-        if select is not None and not select(name):
-            continue
+    for name, attention in kv_cache_attentions(module, prefix, select):
         if not isinstance(getattr(attention, KV_CACHE_ATTR, None), KVCacheQuantizer):
             setattr(attention, KV_CACHE_ATTR, KVCacheQuantizer(spec, _device(attention), f"{name}.{KV_CACHE_ATTR}"))
         names.append(name)
