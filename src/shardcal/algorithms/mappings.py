@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from ..models.decoder import RMSNorm
+from ..quant.fused import range_groups, shared_amax
 from ..quant.linear import QuantLinear, scale_input_columns_, unrotated_weight
+from ..quant.spec import QuantizerSpec
 
 KINDS = ("attn_in", "mlp_in", "v_o", "up_down")
 
@@ -101,6 +103,8 @@ class Smoothing:
     consumers: list[nn.Linear]
     point: tuple[nn.Module, str]  # where the consumers' input statistics are captured
     index: torch.Tensor | None = None  # consumer input channel -> producer channel (v_o); None: identity
+    #: The consumers' module names (as ``consumers``), which say which of them vLLM fuses into one layer.
+    consumer_names: list[str] = field(default_factory=list)
     #: The producer's :func:`norm_offset` (None: a Linear), probed once.
     offset: float | None = field(init=False)
 
@@ -119,6 +123,30 @@ class Smoothing:
     def quantized(self, role: str) -> list[nn.Linear]:
         """Consumers with a ``role`` (``weight`` / ``input``) quantizer."""
         return [c for c in self.consumers if isinstance(c, QuantLinear) and getattr(c, f"{role}_quantizer") is not None]
+
+    def shares_weight_range(self, consumers: list[nn.Linear]) -> bool:
+        """Whether vLLM computes some of ``consumers``' weights with one range (members of one fused layer with
+        nvfp4 or fp8 per-tensor weights: :func:`shardcal.quant.fused.range_groups`)."""
+        return bool(range_groups(self._weight_specs(consumers), "weight"))
+
+    def shared_weight_amax(self, consumers: list[nn.Linear], weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Per consumer, the max amax of ``weights`` (its candidate weight; None without a weight quantizer), the
+        largest of a fused layer's where vLLM computes its members with one range — what a search over candidate
+        scales must quantize with to score what vLLM will compute."""
+        names = dict(zip(map(id, self.consumers), self.consumer_names, strict=True))
+        amax = {
+            names[id(c)]: c.weight_quantizer.layout.amax_of(w)
+            for c, w in zip(consumers, weights, strict=True)
+            if getattr(c, "weight_quantizer", None) is not None
+        }
+        shared = shared_amax(amax, self._weight_specs(consumers), "weight")
+        return [shared.get(names[id(c)]) for c in consumers]
+
+    def _weight_specs(self, consumers: list[nn.Linear]) -> dict[str, QuantizerSpec]:
+        names = dict(zip(map(id, self.consumers), self.consumer_names, strict=True))
+        return {
+            names[id(c)]: c.weight_quantizer.spec for c in consumers if getattr(c, "weight_quantizer", None) is not None
+        }
 
     def expand(self, s: torch.Tensor) -> torch.Tensor:
         """Per-producer-channel values as per-consumer-input-channel values."""
@@ -228,6 +256,18 @@ def _rotates(linear: nn.Module) -> bool:
     return getattr(linear, "input_rotation", None) is not None
 
 
+def _smoothing(
+    kind: str,
+    names: dict[int, str],
+    source: nn.Module,
+    consumers: list[nn.Linear],
+    point: tuple[nn.Module, str],
+    index: torch.Tensor | None = None,
+) -> Smoothing:
+    """A :class:`Smoothing` keyed by its producer's name, with its consumers' names."""
+    return Smoothing(kind, names[id(source)], source, consumers, point, index, [names[id(c)] for c in consumers])
+
+
 def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> list[Smoothing]:
     out: list[Smoothing] = []
     names = {id(m): n for n, m in layer.named_modules(prefix=prefix)}
@@ -238,12 +278,10 @@ def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> 
         if not all(isinstance(m, nn.Linear) for m in qkv):
             qkv = [getattr(attn, "qkv_proj", None)]  # fused (Phi-3)
         if "attn_in" in kinds and all(isinstance(m, nn.Linear) for m in qkv) and _is_norm(norm1):
-            out.append(Smoothing("attn_in", names[id(norm1)], norm1, qkv, (norm1, "output")))
+            out.append(_smoothing("attn_in", names, norm1, qkv, (norm1, "output")))
         index = _v_o_index(attn)
         if "v_o" in kinds and index is not None:
-            out.append(
-                Smoothing("v_o", names[id(attn.v_proj)], attn.v_proj, [attn.o_proj], (attn.o_proj, "input"), index)
-            )
+            out.append(_smoothing("v_o", names, attn.v_proj, [attn.o_proj], (attn.o_proj, "input"), index))
     ff = getattr(layer, "feed_forward", None)
     if ff is None:
         ff = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
@@ -261,7 +299,7 @@ def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> 
     pairs = [(m, p) for m, p in pairs if p is not None]
     fused_gate_up = getattr(ff, "gate_up_proj", None)
     if not pairs and isinstance(fused_gate_up, nn.Linear) and "mlp_in" in kinds and _is_norm(norm2):  # Phi-3
-        out.append(Smoothing("mlp_in", names[id(norm2)], norm2, [fused_gate_up], (norm2, "output")))
+        out.append(_smoothing("mlp_in", names, norm2, [fused_gate_up], (norm2, "output")))
     if not pairs:
         return out
     if "mlp_in" in kinds and _is_norm(norm2):
@@ -273,8 +311,8 @@ def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> 
                 if isinstance(m, nn.Linear)
             ]
         if all(c.in_features == norm2.weight.shape[0] for c in consumers):
-            out.append(Smoothing("mlp_in", names[id(norm2)], norm2, consumers, (norm2, "output")))
+            out.append(_smoothing("mlp_in", names, norm2, consumers, (norm2, "output")))
     if "up_down" in kinds:
         for _, (_, up, down) in pairs:
-            out.append(Smoothing("up_down", names[id(up)], up, [down], (down, "input")))
+            out.append(_smoothing("up_down", names, up, [down], (down, "input")))
     return out

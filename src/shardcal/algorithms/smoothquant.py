@@ -134,10 +134,13 @@ def smoothing_scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -
     return s.float()
 
 
-def _qdq_weight(c: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """``w`` through the consumer's weight format with max scales (unchanged when it has no weight quantizer)."""
+def _qdq_weight(c: nn.Module, w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``w`` through the consumer's weight format with max scales (``amax``: the range it shares with the Linears
+    vLLM fuses it with; by default its own), unchanged when it has no weight quantizer."""
     q = getattr(c, "weight_quantizer", None)
-    return w if q is None else fake_quantize(w, q.layout.amax_of(w), q.spec, q.layout)
+    if q is None:
+        return w
+    return fake_quantize(w, q.layout.amax_of(w) if amax is None else amax, q.spec, q.layout)
 
 
 def _qdq_input(c: nn.Module, x: torch.Tensor, act_max: torch.Tensor) -> torch.Tensor:
@@ -310,12 +313,18 @@ class SmoothQuant(LayerAlgorithm):
         weights = [c.weight.detach().float() for c in consumers]
         refs = [[x.to(w.device) @ w.T for x in samples] for w in weights]
         out = []
+        shares = m.shares_weight_range(consumers)
         for alpha in self.grid:
             sc = m.expand(smoothing_scales(act_max, w_max, alpha))
             per_batch = [0.0] * len(samples)
-            for c, w, ref in zip(consumers, weights, refs):
+            shared = (
+                m.shared_weight_amax(consumers, [w * sc.to(w.device)[None, :] for w in weights])
+                if shares
+                else [None] * len(consumers)
+            )
+            for c, w, ref, amax in zip(consumers, weights, refs, shared):
                 sc_c = sc.to(w.device)
-                wq = _qdq_weight(c, w * sc_c[None, :])
+                wq = _qdq_weight(c, w * sc_c[None, :], amax)
                 amax_in = m.expand(act_max).to(w.device) / sc_c
                 for b, x in enumerate(samples):
                     xq = _qdq_input(c, x.to(w.device) / sc_c[None, :], amax_in)

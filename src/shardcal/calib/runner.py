@@ -38,6 +38,7 @@ from ..quant.experts import (
     expert_projections,
     store_quantized_weights,
 )
+from ..quant.fused import share_fused_ranges
 from ..quant.kv_cache import cache_argument, kv_cache_quantizers
 from ..quant.linear import QuantLinear, quantized_modules, remove_quantizers
 from ..quant.quantizer import QuantMode, TensorQuantizer
@@ -215,6 +216,7 @@ def _calibrate_layer_once(
     fused = [m for m in step.layer.modules() if expert_projections(m)]
     for experts in fused:
         calibrate_expert_weights(experts)  # per expert and projection, from the gathered fused parameters
+    share_fused_ranges(step.layer, step.name, "weight")  # what vLLM's fused layers compute with; before GPTQ's solve
     algorithm.after_weight_calibration(step, recipe, group)
     if algorithm.changes_weights or _rotates(step.layer):
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits

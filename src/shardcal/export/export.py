@@ -36,6 +36,7 @@ from ..calib.recipes import Recipe, load_recipe
 from ..calib.report import SQNR_PLOT_NAME
 from ..errors import ExportError
 from ..quant.experts import bias_slice, weight_slice
+from ..quant.fused import fused_layer, share_ranges
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..runtime.faults import fault_point
@@ -49,7 +50,7 @@ from ..runtime.fsutil import (
 )
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .plan import ExportPlan, QuantModule, Unit, build_plan
+from .plan import ExportPlan, Unit, build_plan
 from .shards import RankShardWriter, header_bytes
 
 #: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
@@ -197,19 +198,38 @@ def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.detach()
 
 
-def _encode_module(qm: QuantModule, fmt: ExportFormat) -> dict[str, torch.Tensor]:
+def _encode_module(plan: ExportPlan, name: str, made: dict[str, TensorQuantizer]) -> dict[str, torch.Tensor]:
+    qm = plan.quant_modules[name]
     weight = _plain(qm.weight(), f"{qm.name}.weight")
-    wq = qm.weight_quantizer
-    if wq is None:  # quantized at export from a weight-only recipe: the same calibration calibrate() runs
-        wq = TensorQuantizer(
-            qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{qm.name}.weight_quantizer"
-        )
-        wq.calibrate_from(weight)
-    return fmt.encode_module(qm.format, wq, weight, qm.input_quantizer, qm.input_rotation)
+    wq = qm.weight_quantizer if qm.weight_quantizer is not None else _export_weight_quantizer(plan, name, made)
+    return plan.export_format.encode_module(qm.format, wq, weight, qm.input_quantizer, qm.input_rotation)
+
+
+def _export_weight_quantizer(plan: ExportPlan, name: str, made: dict[str, TensorQuantizer]) -> TensorQuantizer:
+    """The weight quantizer of a module quantized at export from a weight-only recipe: the same calibration
+    calibrate() runs, with the range shared across the layer vLLM fuses it into (its siblings are calibrated with
+    it and kept in ``made``, the unit's)."""
+    if name not in made:
+        fused = fused_layer(name)
+        siblings = [
+            n
+            for n, qm in plan.quant_modules.items()
+            if n == name or (fused is not None and qm.weight_quantizer is None and fused_layer(n) == fused)
+        ]
+        for n in siblings:
+            qm = plan.quant_modules[n]
+            weight = _plain(qm.weight(), f"{n}.weight")
+            made[n] = TensorQuantizer(
+                qm.spec_weight, tuple(weight.shape), device=weight.device, name=f"{n}.weight_quantizer"
+            )
+            made[n].calibrate_from(weight)
+        share_ranges({n: made[n] for n in siblings}, "weight")
+    return made[name]
 
 
 def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:
     encoded: dict[str, dict[str, torch.Tensor]] = {}
+    made: dict[str, TensorQuantizer] = {}  # weight quantizers calibrated at export, this unit's
     for entry in unit.entries:
         if entry.source[0] in ("param", "buffer"):
             get = model.get_parameter if entry.source[0] == "param" else model.get_buffer
@@ -231,7 +251,7 @@ def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShar
         else:
             _, module_name, suffix = entry.source
             if module_name not in encoded:
-                encoded = {module_name: _encode_module(plan.quant_modules[module_name], plan.export_format)}
+                encoded = {module_name: _encode_module(plan, module_name, made)}
             tensor = encoded[module_name][suffix]
             if entry.key.endswith("scale"):  # a quantization scale (a model's own *_scale parameter may be anything)
                 _check_scale(entry.key, tensor)

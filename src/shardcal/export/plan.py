@@ -39,6 +39,7 @@ from ..quant.experts import (
     shared_input_quantizer,
     weight_slice,
 )
+from ..quant.fused import ROLES, fused_layer, mixed_schemes, unshared_ranges
 from ..quant.kv_cache import KVCacheQuantizer, kv_cache_quantizers
 from ..quant.quantizer import TensorQuantizer
 from ..quant.spec import QuantizerSpec
@@ -262,6 +263,41 @@ def _quant_module(
     )
 
 
+def check_fused_layers(model: nn.Module, quant: dict[str, QuantModule]) -> None:
+    """An :class:`ExportError` where a layer vLLM fuses (:mod:`shardcal.quant.fused`: q/k/v, gate/up, an expert's
+    gate/up) would not compute what these modules compute: members quantized with different schemes or rotations, or
+    some quantized and some not (vLLM loads one scheme per fused layer, and refuses a partly ignored one); or members
+    whose calibrated ranges vLLM takes as one (nvfp4 global scales, fp8 per-tensor weight scales, static input
+    scales) but which differ. ``shardcal.calibrate`` shares those ranges itself (docs/vllm-conventions.md)."""
+    schemes: dict[str, Any] = {n: None for n, m in model.named_modules() if _linear_like(m)}
+    for name, module in model.named_modules():
+        if (shape := fused_experts_shape(module, name, strict=False)) is not None:
+            schemes.update({f"{name}.{e}.{p}": None for e in range(shape[0]) for p in PROJECTIONS})
+    schemes.update({n: (*qm.scheme_key, qm.input_rotation) for n, qm in quant.items()})
+    for group in mixed_schemes(schemes):
+        described = ", ".join(f"{n} ({_scheme_words(quant.get(n))})" for n in group)
+        raise ExportError(
+            f"{described}: vLLM loads these Linears as one fused layer ({fused_layer(group[0])}) with one scheme; "
+            "quantize them alike (the recipe's [targets] should select all of them or none)"
+        )
+    for role in ROLES:
+        quantizers = {n: getattr(qm, f"{role}_quantizer") for n, qm in quant.items()}
+        for group in unshared_ranges(quantizers, role):
+            values = ", ".join(f"{n} {float(quantizers[n].amax.max()):.6g}" for n in group)
+            raise ExportError(
+                f"{fused_layer(group[0])}: vLLM computes this fused layer with one {role} range, but its members' "
+                f"calibrated amax differ ({values}); calibrate with shardcal.calibrate, or call "
+                f"shardcal.quant.fused.share_fused_ranges(model, role={role!r}) before exporting"
+            )
+
+
+def _scheme_words(qm: QuantModule | None) -> str:
+    if qm is None:
+        return "not quantized"
+    words = qm.spec_weight.describe() + (f", input {qm.spec_input.describe()}" if qm.spec_input is not None else "")
+    return words + (f", rotated in blocks of {qm.input_rotation}" if qm.input_rotation is not None else "")
+
+
 def _linear_like(module: nn.Module) -> bool:
     """An ``nn.Linear``, or a module another implementation may load as one (a router holding a 2-D ``weight``):
     such modules go into ``ignore`` when they are not quantized, so that no loader quantizes them."""
@@ -451,6 +487,7 @@ def build_plan(
             f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "
             "first, or pass a weight-only recipe to quantize at export"
         )
+    check_fused_layers(model, quant)
     params: dict[str, torch.Tensor] = dict(model.named_parameters())  # tied: once, under their first name
     params.update(stored_buffers(model))
     fused = {

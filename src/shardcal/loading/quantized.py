@@ -13,6 +13,7 @@ amax reproduces the stored ``k_scale`` / ``v_scale`` bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from ..export.compressed_tensors.tensors import (
 )
 from ..models.checkpoint import CheckpointReader
 from ..models.config import ModelConfig
+from ..quant.fused import ROLES, fused_layer, role_quantizers, unshared_ranges
 from ..quant.hadamard import sylvester_matrix
 from ..quant.kv_cache import attach_kv_cache_quantizers, attention_modules, kv_cache_quantizers
 from ..quant.linear import QuantLinear
@@ -209,4 +211,19 @@ def load_quantized_into(
                 for role, q in (("k", kv.k_quantizer), ("v", kv.v_quantizer)):
                     q.set_amax(amax_for_scale(reader.get(f"{name}.{role}_scale").reshape(1), kv_spec))
                     q.mode = QuantMode.QUANTIZE
+    _warn_unshared_ranges(model, source)
     return model.eval()
+
+
+def _warn_unshared_ranges(model: nn.Module, source: str) -> None:
+    """Warn when the checkpoint's fused-layer members (q/k/v, gate/up) have scales vLLM takes as one but which differ
+    (e.g. an nvfp4 export of shardcal before it shared them): this model computes what the checkpoint says, vLLM
+    computes something else (docs/vllm-conventions.md)."""
+    for role in ROLES:
+        for group in unshared_ranges(role_quantizers(model, "", role), role):
+            warnings.warn(
+                f"{source}: {', '.join(group)} have different {role} scales, but vLLM loads them as one fused layer "
+                f"({fused_layer(group[0])}) and computes it with one: in vLLM this checkpoint computes something "
+                "else than here (re-export it with a current shardcal; see docs/vllm-conventions.md)",
+                stacklevel=4,
+            )
