@@ -189,19 +189,19 @@ def gpu_table(devices: dict, big: dict, *, device: str, samples: int, seq_len: i
     peak = big["peak_device_mb"]  # None on a CPU
     rows = [
         ratio_row(f"quantizer amax on {device}, largest relative difference", devices["max_rel_amax_diff"], "",
-                  "the same on cpu", None, "<= 1e-3", digits=8),
+                  "the same on the CPU", None, "<= 1e-3", digits=8),
         ratio_row("fp8 calibration, activations offloaded", big["calibrate_s"], "s", "one plain forward",
                   big["forward_s"], digits=2),
         ratio_row("peak device memory during calibration", peak, "MB",
                   "planner's prediction", big["predicted_peak_mb"], "0.80 - 1.25", digits=0),
-        ratio_row("export size", big["export_mb"], "MB", "bfloat16 source", big["source_mb"], digits=0),
+        ratio_row("export size", big["export_mb"], "MB", "bfloat16 source", big["source_mb"]),
         ratio_row("export time", big["export_s"], "s", digits=1),
         ratio_row("reloaded export against fake-quant logits, largest |difference|", big["reload_max_abs_diff"], "",
                   target="0 (equal)", digits=8),
         ratio_row("mean layer output SQNR", big["mean_sqnr_db"], "dB"),
     ]  # fmt: skip
     return {
-        "title": f"GPU check on {device}: CUDA against CPU, Llama-3-8B widths",
+        "title": f"GPU check on {device}: against the CPU, and Llama-3-8B widths",
         "columns": RATIO_COLUMNS,
         "rows": rows,
         "notes": [
@@ -262,10 +262,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"devices": devices, "wide": big, "seconds": total}, indent=1))
     if args.table:
-        args.no_save = False
         why = "--smoke" if args.smoke else None if args.device.startswith("cuda") else f"--device {args.device}"
         save_table(
-            args,
+            argparse.Namespace(no_save=False, results_dir=args.results_dir),
             "gpu_check",
             off_reference=why,
             order=ORDER["gpu"],

@@ -326,7 +326,7 @@ def _row(cells: list) -> str:
     return f"| {scheme} | {label} | {ppl:.3f} | {versus} | {secs:.1f} | {notes} |"
 
 
-def peers_table(cells: list[list], *, model: str, fp32: float, eval_samples: int, eval_seed: int) -> dict:
+def peers_table(cells: list[list], *, model: str, fp32: float, calib: tuple, held_out: tuple, eval_seed: int) -> dict:
     """The table of a run (``write_table``'s keywords) from ``row_cells``' rows; FP32 first."""
     rows = [["FP32", "", round(fp32, 3), None, None, ""]]
     rows += [[s, label, p if p is None else round(p, 3), v, t if t is None else round(t, 1), n]
@@ -336,8 +336,9 @@ def peers_table(cells: list[list], *, model: str, fp32: float, eval_samples: int
         "columns": ["scheme", "tool / recipe", "perplexity", "vs FP32", "calibration s", "notes"],
         "rows": rows,
         "notes": [
-            f"Every tool gets the same float32 {model} directory, the same 32 x 256 calibration tokens and the same "
-            f"{eval_samples} x 256 held-out tokens (the eval split's articles shuffled with seed {eval_seed}); "
+            f"Every tool gets the same float32 {model} directory, the same {calib[0]} x {calib[1]} calibration tokens "
+            f"and the same {held_out[0]} x {held_out[1]} held-out tokens (the eval split's articles shuffled with seed "
+            f"{eval_seed}); "
             "perplexity is exp(mean cross-entropy) of every next-token prediction, float32, of the tool's "
             "fake-quantized model in memory. shardcal's recipes run in this process one after the other "
             "(calibrate timed); each peer run is benchmarks/peer_run.py in the peers' own venv (make bench-peers), "
@@ -418,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
         f"vs_peers_{args.model}",
         off_reference="; ".join(x for x in partial if x) or None,
         order=ORDER["peers"] + list(MODELS).index(args.model),
-        **peers_table(cells, model=title, fp32=fp32, eval_samples=args.eval_samples, eval_seed=args.eval_seed),
+        **peers_table(
+            cells,
+            model=title,
+            fp32=fp32,
+            calib=tuple(calib.shape),
+            held_out=tuple(held_out.shape),
+            eval_seed=args.eval_seed,
+        ),
     )
     return 0 if math.isfinite(fp32) else 1
 

@@ -34,10 +34,11 @@ machine it names; times on a shared 2-core machine are noisy, so compare ratios 
 
 
 def _cell(value: object) -> str:
+    """A value as the page shows it: the benchmark rounded it to what it means, so up to 6 significant digits."""
     if value is None:
         return "–"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+        return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.3e}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 

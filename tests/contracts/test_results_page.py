@@ -34,7 +34,7 @@ def test_written_table_renders_every_row_and_fact(tmp_path):
         "demo_table",
         title="A table",
         columns=["recipe", "perplexity", "seconds"],
-        rows=[["fp8", 18.4401, 12.0], ["w4|a16", None, 3]],
+        rows=[["fp8", 18.4401, 12.0], ["w4|a16", None, 3], ["diverged", 1.7e15, 1234567.0]],
         notes=["one note"],
         command="python benchmarks/x.py --flag",
         results_dir=tmp_path,
@@ -43,7 +43,7 @@ def test_written_table_renders_every_row_and_fact(tmp_path):
     assert table["command"] == "python benchmarks/x.py --flag"
     assert table["date"] and "cores" in table["machine"]
     text = page.render_table(table)
-    assert "| fp8 | 18.44 | 12 |" in text
+    assert "| fp8 | 18.4401 | 12 |" in text and "| diverged | 1.700e+15 | 1.235e+06 |" in text
     assert "| w4\\|a16 | – | 3 |" in text
     assert "python benchmarks/x.py --flag" in text and table["date"] in text and "- one note" in text
     assert [t["name"] for t in page.load_tables(tmp_path)] == ["demo_table"]
@@ -210,7 +210,7 @@ def test_vs_peers_table_holds_every_run_and_its_error(tmp_path):
         bench.row_cells("nvfp4", "modelopt 0.47", {"error": "refused on a CPU"}, 18.0),
     ]
     rows = json.loads(results.write_table("t", results_dir=tmp_path, **bench.peers_table(
-        cells, model="SmolLM2-135M", fp32=18.0, eval_samples=8, eval_seed=0)).read_text())["rows"]  # fmt: skip
+        cells, model="SmolLM2-135M", fp32=18.0, calib=(32, 256), held_out=(8, 256), eval_seed=0)).read_text())["rows"]  # fmt: skip
     assert rows[0] == ["FP32", "", 18.0, None, None, ""]
     assert rows[1] == ["fp8", "shardcal `fp8`", 19.0, "+5.6%", 10.0, ""]
     assert rows[2] == ["fp8", "modelopt 0.47", 18.9, "+5.0%", 11.0, "patched: CPU pinning"]
