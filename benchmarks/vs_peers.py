@@ -348,8 +348,8 @@ def peers_table(cells: list[list], *, model: str, fp32: float, calib: tuple, hel
             "shardcal's recipe (peer_run.VARIANTS). shardcal's rows that are not shipped recipes are overlays "
             "stated in vs_peers.py, and their labels say so. A tool with no recipe for a scheme is not run; a "
             "run that failed shows its error in the notes.",
-            "Perplexity differences of a few tenths are within what a change of CPU kernels or of the held-out "
-            "blocks moves (ptq_quality.py --eval-samples / --eval-seed draw others).",
+            "Small differences between tools can be within what a change of CPU kernels or of the held-out blocks "
+            "moves: compare them on other blocks too (--eval-samples, --eval-seed).",
         ],
     }
 
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{tool} {result.get('version', '')}".strip()
                 cells.append(row_cells(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
     held = f"{args.eval_samples} x 256 held-out tokens, seed {args.eval_seed}"
-    print(f"\n{title}, FP32 perplexity {fp32:.3f} ({held}); calibration 32 x 256 tokens\n")
+    print(f"\n{title}, FP32 perplexity {fp32:.3f} ({held}); calibration {calib.shape[0]} x {calib.shape[1]} tokens\n")
     print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
     print("|---|---|---:|---:|---:|---|")
     print("\n".join(_row(row) for row in cells))

@@ -161,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{m['min']:>7.2f} {seconds:>7.1f}"
         )
     left_out = sorted(set(shipped_recipes()) - {r.name for r in recipes})
-    why = "MODEL_DIR is not the reference model" if args.model_dir else None
+    files = [r for r in args.recipes or [] if r.endswith(".toml")]
+    why = [
+        "MODEL_DIR is not the reference model" if args.model_dir else "",
+        f"--recipes names a file ({files[0]})" if files else "",
+        f"--recipes leaves out {', '.join(left_out)}" if left_out else "",
+    ]
     save_table(
         args,
         "weight_sqnr_smollm2",
-        off_reference=why or (f"--recipes leaves out {', '.join(left_out)}" if left_out else None),
+        off_reference="; ".join(x for x in why if x) or None,
         order=ORDER["quality"] + 10,
         **sqnr_table(results, model="SmolLM2-135M" if not args.model_dir else str(model_dir), linears=len(linears)),
     )
