@@ -2,6 +2,7 @@
 
     python benchmarks/calibration_speed.py [--samples 32] [--seq-len 256] [--batch-size 8] [--recipes NAME ...]
                                            [--recipes-only] [--observer-only] [--repeat N]
+                                           [--no-save] [--results-dir DIR]
 
 1. SmolLM2-135M (the embedded model), one process: calibration time (w8a8-int8, propagate=fp) divided by the
    time of one plain FP forward of the whole model over the same data. Target <= 1.3.
@@ -13,8 +14,12 @@
 5. Every shipped recipe (or ``--recipes``; ``--observer-only``: those with no weight-changing algorithm), one
    process, warm: calibration time / one plain FP forward over the same data, both measured in this process, a
    forward timed just before each calibration (``--repeat N``: N such pairs per recipe, the fastest calibration
-   over the fastest forward — on a shared machine single runs move by +-0.07). Target <= 1.2 for observer-only
+   over the fastest forward, the least disturbed run on a shared machine). Target <= 1.2 for observer-only
    recipes; for GPTQ / AWQ / SmoothQuant recipes the ratio is printed for information.
+
+Tables (benchmarks/_results.py): part 5 goes to ``docs/results/calibration_speed_recipes.json`` (a run of a
+subset of the shipped recipes writes only with ``--results-dir DIR``), parts 1-4 to
+``docs/results/calibration_speed_smollm2.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import ORDER, RATIO_COLUMNS, add_save_options, ratio_row, save_table  # this folder
 
 from shardcal.runtime.distributed import all_gather_tensors, barrier, world
 
@@ -132,9 +138,9 @@ def _single_plain(model_dir: str, data: torch.Tensor, batch_size: int) -> tuple[
 
 
 def _per_recipe(model_dir: str, data: torch.Tensor, batch_size: int, recipes: list[str], repeat: int) -> list[tuple]:
-    """``(recipe, algorithm, calibration seconds, forward seconds)`` per recipe, one process, after a warm-up: a
-    plain forward and then the recipe's calibration (a fresh model each), ``repeat`` times in turn, the fastest of
-    each (the least disturbed run on a shared machine)."""
+    """``(recipe, algorithm, calibration seconds, forward seconds, each run's ratio)`` per recipe, one process,
+    after a warm-up: a plain forward and then the recipe's calibration (a fresh model each), ``repeat`` times in
+    turn, the fastest of each (the least disturbed run on a shared machine)."""
     from shardcal import calibrate, load_recipe
     from shardcal.models import from_pretrained
 
@@ -155,7 +161,7 @@ def _per_recipe(model_dir: str, data: torch.Tensor, batch_size: int, recipes: li
             f"  {name}: calibration {min(calibration):.1f} s, forward {min(forward):.1f} s (each run: {ratios})",
             flush=True,
         )
-        rows.append((name, recipe.algorithm["name"], min(calibration), min(forward)))
+        rows.append((name, recipe.algorithm["name"], min(calibration), min(forward), ratios))
     return rows
 
 
@@ -177,7 +183,77 @@ def _scaling(layers: int, data: torch.Tensor, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def recipes_table(recipes: list[tuple], *, samples: int, seq_len: int, batch_size: int, repeat: int) -> dict:
+    """Part 5's table (``write_table``'s keywords) from ``_per_recipe``'s rows."""
+    rows = [
+        [name, algorithm, round(t_cal, 1), round(t_fp, 1), round(t_cal / t_fp, 2), ratios,
+         "<= 1.2" if algorithm == "rtn" else None]
+        for name, algorithm, t_cal, t_fp, ratios in recipes
+    ]  # fmt: skip
+    return {
+        "title": "Calibration time per recipe against one plain forward, SmolLM2-135M",
+        "columns": [
+            "recipe",
+            "algorithm",
+            "calibration s",
+            "one FP forward s",
+            "calibration / forward",
+            "each run's ratio",
+            "target",
+        ],
+        "rows": rows,
+        "notes": [
+            f"{samples} x {seq_len} tokens, batch {batch_size}, one process, warm (after one short calibration): "
+            f"per recipe, a plain forward over the data and then the recipe's calibration of a freshly loaded model, "
+            f"{repeat} time(s) in turn; the fastest calibration over the fastest forward, each run's own ratio "
+            "beside it. The target holds for the recipes with no weight-changing algorithm (round to nearest); "
+            "for GPTQ / AWQ / SmoothQuant + GPTQ recipes the ratio is for information.",
+            "A calibration that observes activations runs each layer once over all the data (the observing pass, "
+            "no lm_head) and once more, quantized, on the SQNR sample (the first sequences holding sqnr_tokens "
+            "tokens) for the layer's output SQNR. A round-to-nearest recipe with dynamic inputs reads no "
+            "statistic from the data and passes only its SQNR sequences through the layers. SmoothQuant "
+            "calibrates in the same one pass: its statistics pass is the layer's only run over the data.",
+        ],
+    }
+
+
+def ratios_table(m: dict[str, tuple[float, float]], *, samples: int, seq_len: int, batch_size: int,
+                 layers: int) -> dict:  # fmt: skip
+    """Parts 1-4's table (``write_table``'s keywords): ``m`` maps each measurement to (value, compared with)."""
+    rows = [  # label, key of m, unit, compared with, target, digits
+        ("calibration, 1 process, plain model", "plain", "s", "one FP forward", "<= 1.3", 1),
+        ("calibration, 1 rank, FSDP2 (load_pretrained)", "one_rank", "s", "one FP forward", "<= 1.3", 1),
+        ("calibration, 2 ranks, FSDP2 (slowest rank)", "two_ranks", "s", "one FP forward (slowest rank)", "<= 1.3", 1),
+        (f"calibration, random model of 2L = {2 * layers} layers", "scaling", "s", f"the same with L = {layers}",
+         "<= 2.1", 2),
+        ("peak RSS growth per rank during calibrate, 2 ranks", "rss", "MB", "1 rank", "< 1", 0),
+        ("peak RSS growth per rank, embedding step (root gathered), 2 ranks", "rss_embedding", "MB", "1 rank", "", 0),
+        ("peak RSS growth per rank, the layer steps, 2 ranks", "rss_layers", "MB", "1 rank", "", 0),
+        ("RSS after load_pretrained, 2 ranks (largest)", "rss_after_load", "MB", "1 rank", "", 0),
+    ]  # fmt: skip
+    return {
+        "title": "Calibration speed and memory as ratios, SmolLM2-135M w8a8-int8",
+        "columns": RATIO_COLUMNS,
+        "rows": [
+            ratio_row(label, m[key][0], unit, against, m[key][1], target, digits)
+            for label, key, unit, against, target, digits in rows
+        ],
+        "notes": [
+            f"{samples} x {seq_len} tokens, batch {batch_size}, recipe w8a8-int8 (propagate = fp). Each ratio is "
+            "two times (or sizes) measured in this one run: calibration time over the time of one plain FP "
+            "forward of the whole model over the same data (after a warm-up), for the plain model in one process "
+            "and for the model loaded sharded (gloo; at 2 ranks each rank forwards its half of the data).",
+            "t(2L) / t(L): calibration of random models with L and 2L decoder layers, the fastest of 3 each, "
+            "interleaved; a ratio near 2 means each layer is called a fixed number of times (O(L)).",
+            "Peak RSS growth: each rank's resident memory sampled every 10 ms during calibrate, over its size "
+            "before; by phase, the embedding step (the root's parameters gathered: the tied embeddings) and the "
+            "layer steps (where the activations live). RSS after load_pretrained includes torch itself and the "
+            "memory-mapped checkpoint pages (load_memory.py measures the load alone).",
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -189,7 +265,8 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="part 5: time each recipe and its forward N times, keep the fastest"
     )
-    args = parser.parse_args()
+    add_save_options(parser)
+    args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
 
@@ -213,9 +290,19 @@ def main() -> None:
         f"fastest of {args.repeat}"
     )
     print(f"{'recipe':24} {'algorithm':12} {'calibration':>12} {'FP forward':>11} {'ratio':>6}  target")
-    for name, algorithm, t_cal, t_fp in recipes:
+    for name, algorithm, t_cal, t_fp, _ in recipes:
         target = "<= 1.2" if algorithm == "rtn" else "(algorithm)"
         print(f"{name:24} {algorithm:12} {t_cal:>10.1f} s {t_fp:>9.1f} s {t_cal / t_fp:>6.2f}  {target}")
+    left_out = sorted(set(shipped_recipes()) - set(names))
+    save_table(
+        args,
+        "calibration_speed_recipes",
+        off_reference=f"{'--observer-only' if args.observer_only else '--recipes'} leaves out "
+        f"{', '.join(left_out)}" if left_out else None,
+        order=ORDER["speed"] + 1,
+        **recipes_table(recipes, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                        repeat=args.repeat),
+    )  # fmt: skip
     if args.recipes_only:
         return
 
@@ -267,6 +354,23 @@ def main() -> None:
         f"RSS after load_pretrained: 1 rank {one[0][2]:.0f} MB, 2 ranks {', '.join(f'{r[2]:.0f}' for r in two)} MB "
         "(includes torch itself and the memory-mapped checkpoint pages; see load_memory.py for the load alone)"
     )
+    measured = {
+        "plain": (t_cal, t_fp),
+        "one_rank": (one[0][1], one[0][0]),
+        "two_ranks": (max(r[1] for r in two), max(r[0] for r in two)),
+        "scaling": (t_2l, t_l),
+        "rss": (max(r[3] for r in two), one[0][3]),
+        "rss_embedding": (max(r[4] for r in two), one[0][4]),
+        "rss_layers": (max(r[5] for r in two), one[0][5]),
+        "rss_after_load": (max(r[2] for r in two), one[0][2]),
+    }
+    save_table(
+        args,
+        "calibration_speed_smollm2",
+        order=ORDER["speed"],
+        **ratios_table(measured, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                       layers=args.layers),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Activation collection: its time against one plain forward, and the write throughput of ``save_dir``.
 
     python benchmarks/collect_speed.py [--samples 32] [--seq-len 256] [--batch-size 8] [--repeats 2]
+                                       [--no-save] [--results-dir DIR]
 
 SmolLM2-135M (the embedded model, float32, one process, shardcal's ``CausalLM``), calibration Wikipedia token blocks.
 Targets: the residual stream after every layer (``model.layers.*:output``, 576 channels) and every down_proj input
@@ -11,7 +12,7 @@ over the data (after a warm-up; it includes the final norm and lm_head, which co
 the extra time over statistics only, and the bytes written. Last, the write throughput: the same tensors (read back
 from the saved files) written again through the collection's writer (atomic: temporary file, fsync, rename) and with
 a plain ``safetensors.torch.save_file`` (no fsync), and with save_file + fsync of each file, into as many files,
-alternating, best MB/s of each.
+alternating, best MB/s of each. The table goes to ``docs/results/collect_speed_smollm2.json`` (benchmarks/_results.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import ORDER, RATIO_COLUMNS, add_save_options, ratio_row, save_table  # this folder
 
 TARGETS = ["model.layers.*:output", "model.layers.*.mlp.down_proj:input"]
 
@@ -79,13 +81,58 @@ def _write_throughput(saved: Path, scratch: Path, batches: list, rounds: int) ->
     return {kind: total / 2**20 / seconds for kind, seconds in best.items()}
 
 
-def main() -> None:
+def collect_table(m: dict[str, float], *, samples: int, seq_len: int, batch_size: int, repeats: int) -> dict:
+    """The table of a run (``write_table``'s keywords): ``m`` holds the seconds (forward, collect, save), the MB
+    written and the three writers' MB/s (writer, plain, plain+fsync)."""
+    extra = max(m["save"] - m["collect"], 1e-9)
+    return {
+        "title": "Activation collection against one plain forward, and its write throughput, SmolLM2-135M",
+        "columns": RATIO_COLUMNS,
+        "rows": [
+            ratio_row("one plain forward over the data", m["forward"], "s"),
+            ratio_row(
+                "collect_activations, statistics only", m["collect"], "s", "one plain forward", m["forward"], "<= 1.2"
+            ),
+            ratio_row("collect_activations with save_dir (float32)", m["save"], "s", "statistics only", m["collect"]),
+            ratio_row("written by save_dir", m["written"], "MB"),
+            ratio_row("save_dir end to end: written / extra time over statistics only", m["written"] / extra, "MB/s"),
+            ratio_row(
+                "the collection's writer (temp file, fsync, rename)",
+                m["writer"],
+                "MB/s",
+                "save_file + fsync of each file",
+                m["plain+fsync"],
+            ),
+            ratio_row(
+                "the collection's writer (temp file, fsync, rename)",
+                m["writer"],
+                "MB/s",
+                "save_file without fsync",
+                m["plain"],
+            ),
+        ],
+        "notes": [
+            f"SmolLM2-135M float32, one process, shardcal's CausalLM; {samples} x {seq_len} calibration tokens, "
+            f"batch {batch_size}. Targets: {' and '.join(TARGETS)}, every statistic (absmax, mean, meansq, a "
+            "histogram, the top channels). Interleaved, the fastest of "
+            f"{repeats}: one plain forward over the data (after a warm-up; it includes the final norm and lm_head, "
+            "which collection never runs) and collect_activations with statistics only.",
+            "Then once with save_dir (float32): the extra time over statistics only, and the bytes written. Last, "
+            "the same tensors (read back from the saved files) written again into as many files, alternating, the "
+            "best MB/s of each: through the collection's writer (atomic: temporary file, fsync, rename), with a "
+            "plain safetensors save_file, and with save_file and an fsync of each file.",
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    add_save_options(parser)
+    args = parser.parse_args(argv)
 
     from shardcal.data.calibration import token_blocks
     from shardcal.io.gguf import embedded_model_dir
@@ -127,6 +174,15 @@ def main() -> None:
     print(
         f"{'writer / plain, writer / plain + fsync':58} {mbs['writer'] / mbs['plain']:10.2f}, {mbs['writer'] / mbs['plain+fsync']:.2f}"
     )
+
+    measured = {"forward": t_forward, "collect": t_collect, "save": t_save, "written": mb, **mbs}
+    save_table(
+        args,
+        "collect_speed_smollm2",
+        order=ORDER["speed"] + 20,
+        **collect_table(measured, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                        repeats=args.repeats),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/gpu_check.py [--device cuda] [--layers 2] [--samples 32] [--seq-len 512]
     PYTHONPATH=src python benchmarks/gpu_check.py --smoke --device cpu      # the same code path, tiny, on CPU
+    PYTHONPATH=src python benchmarks/gpu_check.py --table [--results-dir DIR]   # also write the results table
 
 Everything is built from seeds (nothing is downloaded; no checkpoint travels with the tree):
 
@@ -16,7 +17,9 @@ Everything is built from seeds (nothing is downloaded; no checkpoint travels wit
    fake-quant model's.
 
 Prints one table; exits non-zero when a check fails (amax difference above 1e-3, reload logits not equal, the
-measured peak outside -20 % / +25 % of the planner's prediction).
+measured peak outside -20 % / +25 % of the planner's prediction). ``--json FILE`` writes the raw results;
+``--table`` also writes them as ``docs/results/gpu_check.json`` (benchmarks/_results.py; a ``--smoke`` run or
+another ``--device`` than cuda writes only with ``--results-dir DIR``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import ORDER, RATIO_COLUMNS, ratio_row, save_table  # this folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -180,6 +184,39 @@ def check_wide(device: str, cfg: dict, data: torch.Tensor, batch_size: int, work
     }
 
 
+def gpu_table(devices: dict, big: dict, *, device: str, samples: int, seq_len: int, batch_size: int) -> dict:
+    """The table of a run (``write_table``'s keywords) from ``check_devices``' and ``check_wide``'s results."""
+    peak = big["peak_device_mb"]  # None on a CPU
+    rows = [
+        ratio_row(f"quantizer amax on {device}, largest relative difference", devices["max_rel_amax_diff"], "",
+                  "the same on the CPU", None, "<= 1e-3", digits=8),
+        ratio_row("fp8 calibration, activations offloaded", big["calibrate_s"], "s", "one plain forward",
+                  big["forward_s"], digits=2),
+        ratio_row("peak device memory during calibration", peak, "MB",
+                  "planner's prediction", big["predicted_peak_mb"], "0.80 - 1.25", digits=0),
+        ratio_row("export size", big["export_mb"], "MB", "bfloat16 source", big["source_mb"]),
+        ratio_row("export time", big["export_s"], "s", digits=1),
+        ratio_row("reloaded export against fake-quant logits, largest |difference|", big["reload_max_abs_diff"], "",
+                  target="0 (equal)", digits=8),
+        ratio_row("mean layer output SQNR", big["mean_sqnr_db"], "dB"),
+    ]  # fmt: skip
+    return {
+        "title": f"GPU check on {device}: against the CPU, and Llama-3-8B widths",
+        "columns": RATIO_COLUMNS,
+        "rows": rows,
+        "notes": [
+            f"1. A small random Llama calibrated (w8a8-int8, max observers) on {device} and on the CPU from the same "
+            f"seed and tokens ({devices['quantizers']} quantizers); float32 kernels differ between devices, so the "
+            "amax difference is held to a tolerance, not bit-equality.",
+            f"2. A random checkpoint with Llama-3-8B's widths and {big['layers']} decoder layers, bfloat16, loaded "
+            f"with load_pretrained (world size 1), calibrated with fp8 on {samples} x {seq_len} tokens (batch "
+            f"{batch_size}) with the activation cache offloaded to host memory; the peak is "
+            "torch.cuda.max_memory_allocated against shardcal.plan.planner's prediction for the same run; then the "
+            "export, its size, and the reloaded export's logits against the fake-quant model's.",
+        ],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -189,6 +226,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny widths and data: the code path only")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--table", action="store_true", help="also write the results table (docs/results/)")
+    parser.add_argument("--results-dir", type=Path, default=None, help="with --table: write it here instead")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no GPU (use --device cpu for the code path)", file=sys.stderr)
@@ -222,6 +261,15 @@ def main() -> int:
         print(f"{label:<{width}}  {value}")
     if args.json:
         Path(args.json).write_text(json.dumps({"devices": devices, "wide": big, "seconds": total}, indent=1))
+    if args.table:
+        why = "--smoke" if args.smoke else None if args.device.startswith("cuda") else f"--device {args.device}"
+        save_table(
+            argparse.Namespace(no_save=False, results_dir=args.results_dir),
+            "gpu_check",
+            off_reference=why,
+            order=ORDER["gpu"],
+            **gpu_table(devices, big, device=name, samples=samples, seq_len=seq_len, batch_size=args.batch_size),
+        )
     planned = big["plan_error"] is None or -0.20 <= big["plan_error"] <= 0.25
     return 0 if devices["ok"] and big["ok"] and planned else 1
 

@@ -45,7 +45,8 @@ GROUP = 64
 TOOLS = ("llmcompressor", "modelopt", "auto-round")
 PACKAGES = {"llmcompressor": "llmcompressor", "modelopt": "nvidia-modelopt", "auto-round": "auto-round"}
 #: AutoRound's tuning steps per decoder layer (llm-compressor's AutoRoundModifier and the auto-round package both
-#: default to 200): at 50 one SmolLM2 run took 7-10 minutes on 2 shared CPU cores (``--autoround-iters`` changes it).
+#: default to 200); fewer keep a CPU run affordable, it being the slowest of the comparison (``--autoround-iters``
+#: changes it).
 AUTOROUND_ITERS = 50
 #: scheme -> tool -> the documented recipe used (None, or no entry: the tool documents none for this scheme).
 RECIPES: dict[str, dict[str, str | None]] = {

