@@ -24,6 +24,35 @@ class Mutant:
 
 
 CATALOGUE: list[Mutant] = [
+    # ------------------------------------------------------------------ the layer step's pass plan (calib/passes.py)
+    Mutant(
+        "passes-reference-after",
+        "calib/passes.py",
+        "    reference_first = facts.changes_weights and not facts.preserves_function\n",
+        "    reference_first = False\n",
+        "a weight-changing algorithm's SQNR is measured against the layer it changed, not as it came",
+    ),
+    Mutant(
+        "passes-final-under-fp",
+        "calib/passes.py",
+        "        facts.algorithm_keeps == KEEPS_FINAL and qdq and not facts.set_after_algorithm\n",
+        "        facts.algorithm_keeps == KEEPS_FINAL and not facts.set_after_algorithm\n",
+        "an algorithm's final (quantized) outputs go on as the next inputs under propagate = fp",
+    ),
+    Mutant(
+        "passes-no-observe-without-observers",
+        "calib/passes.py",
+        '    if facts.observer_passes or not (facts.propagate == "qdq" or kept):\n',
+        "    if facts.observer_passes:\n",
+        "with nothing to observe under fp, no pass computes the next inputs' full-precision outputs",
+    ),
+    Mutant(
+        "passes-stale-kept-outputs",
+        "calib/passes.py",
+        "    valid = (facts.algorithm_keeps == KEEPS_FULL_PRECISION and facts.preserves_function) or (\n",
+        "    valid = (facts.algorithm_keeps == KEEPS_FULL_PRECISION) or (\n",
+        "full-precision outputs a weight-changing algorithm's statistics pass kept go on as valid",
+    ),
     # ------------------------------------------------------------------ the audit's breaks (docs/testing.md)
     Mutant(
         "break-1",
@@ -71,8 +100,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "break-3b",
         "calib/runner.py",
-        "    if step.outputs_final and (activation or fed or dynamic or kv_quantizers or fused):\n",
-        "    if step.outputs_final and (activation or fed or kv_quantizers or fused):\n",
+        "        return bool(self.observing or self.fed or self.dynamic or self.kv or self.fused)\n",
+        "        return bool(self.observing or self.fed or self.kv or self.fused)\n",
         "an algorithm's handed-over outputs go on after the runner turned dynamic input quantizers on",
         tests=("tests/algorithms/test_autoround.py",),
     ),
@@ -469,9 +498,9 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "runner-kept-outputs-ignored",
-        "calib/runner.py",
-        '    if observing or not (propagate == "qdq" or kept):',
-        '    if observing or propagate != "qdq":',
+        "calib/passes.py",
+        '    if facts.observer_passes or not (facts.propagate == "qdq" or kept):',
+        '    if facts.observer_passes or facts.propagate != "qdq":',
         "the observing pass runs although the algorithm kept the layer's outputs",
         tests=("tests/algorithms/test_algorithms.py",),
     ),
@@ -633,15 +662,15 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "gptq-stream-scales-of-unmoved",
         "algorithms/gptq.py",
-        "                        m.weight_quantizer.calibrate_from(moved)  # the scales of the weight GPTQ rounds\n",
-        "                        m.weight_quantizer.calibrate_from(m.weight.detach())\n",
+        "            modules[n].weight_quantizer.calibrate_from(moved[n])\n",
+        "            modules[n].weight_quantizer.calibrate_from(modules[n].weight.detach())\n",
         "stream correction: GPTQ rounds the moved weight with the scales of the weight before the move",
     ),
     Mutant(
         "gptq-hessian-amax-experts",
         "algorithms/gptq.py",
-        "if id(m) not in in_experts and static_max_input(m)}",
-        "if static_max_input(m)}",
+        "n not in paired and id(m) not in in_experts and static_max_input(m)}",
+        "n not in paired and static_max_input(m)}",
         "input_amax = hessian-pass also sets MoE experts' input amax (routed tokens; all-experts mode wants all)",
     ),
     Mutant(

@@ -43,6 +43,7 @@ from mutants import CATALOGUE, Mutant  # noqa: E402
 
 #: Module (path under src/shardcal) -> the tests that guard it, fastest and most telling first.
 TESTS: dict[str, list[str]] = {
+    "calib/passes.py": ["tests/calib/test_passes.py", "tests/algorithms/test_algorithms.py"],
     "models/checkpoint.py": [
         "tests/loading/test_reads_own_rows.py",
         "tests/loading/test_loading_errors.py",

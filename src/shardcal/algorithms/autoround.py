@@ -52,7 +52,7 @@ from ..quant.quantizer import QuantMode, TensorQuantizer
 from ..quant.session import quantizer_mode, quantizers_in_mode
 from ..runtime.distributed import all_reduce_, all_reduce_many_
 from ..runtime.params import boolean, integer, number, one_of
-from .base import LayerAlgorithm
+from .base import KEEPS_FINAL, AlgorithmStep, LayerAlgorithm
 from .memory import AlgorithmMemory, LayerPlanContext
 
 #: Bits of the fixed-point gradient: the largest |gradient| of a tensor becomes about 2**FIXED_BITS, so sums of up
@@ -271,12 +271,24 @@ class AutoRound(LayerAlgorithm):
         graph = 3 * params.get("batches_per_iter", 1) * context.batch_forward
         return AlgorithmMemory(cls.name, solve=targets + TUNE_BYTES_PER_WEIGHT * weights + graph)
 
-    def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
-        linears = [
+    def plan_step(self, step: LayerStep, recipe: Any) -> AlgorithmStep:
+        """Its tuning steps over the data, when the layer has a quantized weight; with ``guard``, the guard's last pass
+        leaves the layer's final outputs — unless the tuning made the layer worse and the start is kept."""
+        if not self._linears(step):
+            return AlgorithmStep()
+        guard = bool(self.params["guard"])
+        return AlgorithmStep(passes=True, keeps=KEEPS_FINAL if guard else None, may_keep_none=guard)
+
+    @staticmethod
+    def _linears(step: LayerStep) -> list[tuple[str, QuantLinear]]:
+        return [
             (n, m)
             for n, m in step.layer.named_modules(prefix=step.name)
             if isinstance(m, QuantLinear) and m.weight_quantizer is not None
         ]
+
+    def after_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
+        linears = self._linears(step)
         for n, m in linears:
             check_quantizer(m.weight_quantizer, n)
         tuned = [_TunedWeight(n, m, self.params["clip"]) for n, m in linears]

@@ -40,7 +40,7 @@ from ..quant.formats import FORMATS, fake_quantize
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.params import boolean, integer, number, one_of, subset_of
-from .base import LayerAlgorithm
+from .base import AlgorithmStep, LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .scales import clip_search_amax
@@ -153,8 +153,15 @@ class AWQ(LayerAlgorithm):
             if m.quantized("weight") and all(_supported(c.weight_quantizer) for c in m.quantized("weight"))
         ]
 
-    def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
-        smoothings = self._smoothings(step)
+    def plan_step(self, step: Any, recipe: Any) -> AlgorithmStep:
+        """One statistics pass when it has a pair to scale or a Linear to clip; it leaves no outputs."""
+        return AlgorithmStep(passes=bool(self._points(step, self._smoothings(step))[0]))
+
+    def _points(
+        self, step: Any, smoothings: list[Smoothing]
+    ) -> tuple[dict[str, Any], list[tuple[str, QuantLinear]], dict[int, str]]:
+        """The statistics pass's capture points (the pairs', and with ``clip`` the inputs of the supported Linears no
+        pair covers), the supported Linears, and which pair covers which Linear (by id)."""
         linears = [
             (n, m)
             for n, m in step.layer.named_modules(prefix=step.name)
@@ -165,6 +172,11 @@ class AWQ(LayerAlgorithm):
         if self.params["clip"]:
             # keyed apart from the pairs: a pair's key is its producer's name, which may be a Linear's (v_proj)
             points.update({f"{n}:input": (m, "input") for n, m in linears if id(m) not in covered})
+        return points, linears, covered
+
+    def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
+        smoothings = self._smoothings(step)
+        points, linears, covered = self._points(step, smoothings)
         self._clip_hessians = {}
         if not points:
             return

@@ -25,6 +25,7 @@ A class carries everything about its algorithm: its recipe name, its parameter `
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,25 @@ import torch
 from ..layerwise.steps import LayerStep
 from ..runtime.params import Schema, check_params
 from .memory import AlgorithmMemory, LayerPlanContext
+
+#: What an algorithm's passes leave as the layer's outputs (:attr:`AlgorithmStep.keeps`): the layer's full-precision
+#: outputs, or its final outputs (the layer as the algorithm leaves it, quantizers on).
+KEEPS_FULL_PRECISION, KEEPS_FINAL = "full-precision", "final"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmStep:
+    """What an algorithm's hooks will do in one layer's step, stated before they run (:meth:`LayerAlgorithm.plan_step`):
+    whether they run the layer over the data (``passes``); what they leave as ``step.outputs`` (``keeps``:
+    :data:`KEEPS_FULL_PRECISION`, :data:`KEEPS_FINAL` or None), and whether they may leave none after all
+    (``may_keep_none``: a guard that decides on the data); the activation quantizers whose amax
+    :meth:`LayerAlgorithm.derived_amax` will give (``derives``). The runner plans the layer's passes from it
+    (:mod:`shardcal.calib.passes`) and checks after the hooks that they did what they said."""
+
+    passes: bool = False
+    keeps: str | None = None
+    may_keep_none: bool = False
+    derives: tuple[Any, ...] = ()
 
 
 class LayerAlgorithm:
@@ -91,6 +111,11 @@ class LayerAlgorithm:
     def propagate(self) -> str:
         """What ``calibrate`` uses when its caller does not choose (``propagate=None``)."""
         return self.params.get("propagate", self.default_propagate)
+
+    def plan_step(self, step: LayerStep, recipe: Any) -> AlgorithmStep:
+        """What the hooks will do in ``step`` (see :class:`AlgorithmStep`), called once the layer's quantizers are
+        inserted, before :meth:`before_weight_calibration`. Round to nearest does nothing."""
+        return AlgorithmStep()
 
     def before_weight_calibration(self, step: LayerStep, recipe: Any, group: Any) -> None:
         """Called after quantizers are inserted, before weight quantizers are calibrated."""

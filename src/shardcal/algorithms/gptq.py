@@ -63,7 +63,7 @@ from ..quant.spec import NVFP4_BLOCK_SIZE
 from ..runtime.distributed import all_gather_strings, broadcast_, group_rank_size
 from ..runtime.params import SpecError, boolean, integer, number, one_of, table_or_none
 from .awq import AWQ
-from .base import LayerAlgorithm
+from .base import AlgorithmStep, LayerAlgorithm
 from .memory import EXACT_SUM_BYTES, GRAM_ADD_BYTES, AlgorithmMemory, LayerPlanContext
 from .paired import PairedGrams, corrected_weight, pairable
 from .scales import clip_search_amax, element_qparams, nvfp4_element_scales, refine_rounding, refit_scales
@@ -388,6 +388,38 @@ class GPTQ(LayerAlgorithm):
         """As its ``smooth`` algorithm (the only thing it does before weight calibration)."""
         return self.smoother is not None and self.smoother.smooths_before_rotation
 
+    def plan_step(self, step: Any, recipe: Any) -> AlgorithmStep:
+        """The smoother's step, then a Hessian pass (and the paired pass of ``stream_correction``) over every quantized
+        Linear; the outputs it leaves are the smoother's; with ``input_amax = "hessian-pass"`` it derives
+        :meth:`_derivable`'s input amax."""
+        smoother = self.smoother.plan_step(step, recipe) if self.smoother is not None else AlgorithmStep()
+        targets = self._targets(step)
+        if not targets:
+            return smoother
+        derived = tuple(m.input_quantizer for m in self._derivable(step, targets).values())
+        return AlgorithmStep(passes=True, keeps=smoother.keeps, may_keep_none=smoother.may_keep_none, derives=derived)
+
+    @staticmethod
+    def _targets(step: Any) -> list[tuple[str, QuantLinear]]:
+        return [
+            (n, m)
+            for n, m in step.layer.named_modules(prefix=step.name)
+            if isinstance(m, QuantLinear) and m.weight_quantizer is not None
+        ]
+
+    def _paired(self, step: Any, targets: list[tuple[str, QuantLinear]]) -> list[tuple[str, QuantLinear]]:
+        """The targets ``stream_correction`` pairs across the two streams (none without it)."""
+        return pairable(step.layer, targets) if self.params["stream_correction"] > 0 else []
+
+    def _derivable(self, step: Any, targets: list[tuple[str, QuantLinear]]) -> dict[str, QuantLinear]:
+        """With ``input_amax = "hessian-pass"``: the Linears (not paired, outside MoE experts) whose static per-tensor
+        ``max`` input quantizer takes the maximum of the Hessian pass's inputs; else none."""
+        if self.params["input_amax"] != "hessian-pass":
+            return {}
+        paired = {n for n, _ in self._paired(step, targets)}
+        in_experts = in_moe_blocks(step.layer)
+        return {n: m for n, m in targets if n not in paired and id(m) not in in_experts and static_max_input(m)}
+
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         if self.smoother is not None:
             self.smoother.before_weight_calibration(step, recipe, group)
@@ -395,23 +427,15 @@ class GPTQ(LayerAlgorithm):
     def after_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         if self.smoother is not None:
             self.smoother.after_weight_calibration(step, recipe, group)
-        targets = [
-            (n, m)
-            for n, m in step.layer.named_modules(prefix=step.name)
-            if isinstance(m, QuantLinear) and m.weight_quantizer is not None
-        ]
+        targets = self._targets(step)
         if not targets:
             return
         for n, m in targets:
             check_quantizer(m.weight_quantizer, n)
             self._check_options(m.weight_quantizer, n)
-        fraction = self.params["stream_correction"]
-        paired = PairedGrams(pairable(step.layer, targets) if fraction > 0 else []).collect(step, group)
+        paired = PairedGrams(self._paired(step, targets)).collect(step, group)
         plain = {n: (m, "input") for n, m in targets if n not in paired}
-        derivable = {}  # Linear name -> module, for input_amax = "hessian-pass"
-        if self.params["input_amax"] == "hessian-pass":
-            in_experts = in_moe_blocks(step.layer)
-            derivable = {n: m for n, (m, _) in plain.items() if id(m) not in in_experts and static_max_input(m)}
+        derivable = self._derivable(step, targets)  # Linear name -> module
         kinds = {"gram", "max"} if derivable else {"gram"}
         stats = InputStats(plain, kinds).collect(step).merge(group) if plain else None
         self._derived[step.name] = [

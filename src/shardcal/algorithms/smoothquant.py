@@ -56,7 +56,7 @@ from ..quant.formats import fake_quantize
 from ..quant.hadamard import hadamard_blocks_by_factors
 from ..runtime.distributed import all_reduce_
 from ..runtime.params import integer, number, number_list, one_of, subset_of
-from .base import LayerAlgorithm
+from .base import KEEPS_FULL_PRECISION, AlgorithmStep, LayerAlgorithm
 from .mappings import KINDS, Smoothing, layer_smoothings, warn_no_pairs
 from .memory import AlgorithmMemory, LayerPlanContext
 from .stats import ExactSum, InputStats, merge_exact, static_max, static_max_input
@@ -219,6 +219,43 @@ class SmoothQuant(LayerAlgorithm):
             warn_no_pairs(self.name, step.name, self._warned)
         return [m for m in found if m.quantized("input")]
 
+    def plan_step(self, step: Any, recipe: Any) -> AlgorithmStep:
+        """A statistics pass whose full-precision outputs stay the layer's (the folds keep its function), unless the
+        maxima come from an activation report; it derives the smoothed consumers' static max input amax."""
+        smoothings = self.smoothings(step)
+        if not smoothings or self._collected(step, smoothings) is not None:
+            return AlgorithmStep()
+        rotating = self._kept_rotations(step, smoothings, recipe)
+        names = {id(m): n for n, m in step.layer.named_modules(prefix=step.name)}
+
+        def rotated(c: nn.Module) -> bool:
+            return (
+                getattr(c, "input_rotation", None) or recipe.rotation_block(names[id(c)], c.in_features)
+            ) is not None
+
+        kept = {id(c) for consumers in rotating.values() for c, _ in consumers}
+        derived = self._derivable(step, smoothings, kept, rotated)
+        return AlgorithmStep(passes=True, keeps=KEEPS_FULL_PRECISION, derives=tuple(c.input_quantizer for c in derived))
+
+    def _kept_rotations(self, step: Any, smoothings: list[Smoothing], recipe: Any) -> dict[str, list]:
+        """The rotating consumers whose input amax come from the statistics pass's kept rows (see
+        ``rotated_amax``), per pair."""
+        keep = not self.grid and self.params["rotated_amax"] == "kept-rows"
+        return _rotating_consumers(step, smoothings, recipe) if keep else {}
+
+    @staticmethod
+    def _derivable(step: Any, smoothings: list[Smoothing], kept: set[int], rotated: Any) -> list[nn.Module]:
+        """The smoothed consumers whose static per-tensor max input quantizer the statistics give (see
+        :meth:`derived_amax`): outside MoE experts, and when ``rotated(consumer)``, only those whose rotated inputs'
+        amax come from the kept rows (ids in ``kept``)."""
+        in_experts = in_moe_blocks(step.layer)
+        return [
+            c
+            for m in smoothings
+            for c in m.quantized("input")
+            if id(c) not in in_experts and static_max_input(c) and (id(c) in kept or not rotated(c))
+        ]
+
     def before_weight_calibration(self, step: Any, recipe: Any, group: Any) -> None:
         self._smoothed = None
         smoothings = self.smoothings(step)
@@ -229,8 +266,7 @@ class SmoothQuant(LayerAlgorithm):
         rotating: dict[str, list[tuple[nn.Module, int]]] = {}
         if collected is None:
             kinds = {"max", "samples"} if self.grid else {"max"}
-            keep = not self.grid and self.params["rotated_amax"] == "kept-rows"
-            rotating = _rotating_consumers(step, smoothings, recipe) if keep else {}
+            rotating = self._kept_rotations(step, smoothings, recipe)
             points = {m.key: m.point for m in smoothings}
             stats = (
                 InputStats(points, kinds, self.params["sample_tokens"], rotated=False, keep_rows=list(rotating))
@@ -274,18 +310,16 @@ class SmoothQuant(LayerAlgorithm):
         docstring). Not for MoE experts (each observes its routed tokens only)."""
         if self._smoothed is None or self._smoothed[0] != step.name:
             return []
-        in_experts = in_moe_blocks(step.layer)
         out = []
         scales = self.scales[step.name]
+        kept = set(self._rotated_amax)
         for m, act, tokens in self._smoothed[1]:
             top = (act / scales[m.key].to(act.device)).max()
-            for c in m.quantized("input"):
+            for c in self._derivable(step, [m], kept, lambda c: getattr(c, "input_rotation", None) is not None):
                 q = c.input_quantizer
-                if id(c) in in_experts or not static_max_input(c):
-                    continue
                 if id(c) in self._rotated_amax:  # its quantizer sees the rotated input: from the kept rows
                     out.append((q, *self._rotated_amax[id(c)]))
-                elif getattr(c, "input_rotation", None) is None:
+                else:
                     out.append((q, top.reshape(q.layout.amax_shape).float(), tokens * c.in_features))
         return out
 

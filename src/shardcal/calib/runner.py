@@ -14,6 +14,7 @@ import contextlib
 import math
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..algorithms import LayerAlgorithm, make_algorithm
+from ..algorithms.base import KEEPS_FINAL, KEEPS_FULL_PRECISION, AlgorithmStep
 from ..algorithms.residual import PROBE_TOKENS, residual_rotation, rotate_residual
 from ..collect.feed import ActivationFeed
 from ..collect.report import ActivationReport
@@ -66,6 +68,7 @@ from .checkpoint import (
     restore_weights,
     run_fingerprint,
 )
+from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
 from .recipes import Recipe, load_recipe, quantize_modules, rotate_modules, weight_fallbacks
 from .report import CalibrationReport, LayerReport, amax_summary
 
@@ -153,19 +156,35 @@ def _calibrate_layer(
     feed: ActivationFeed | None = None,
 ) -> LayerReport:
     """Calibrate one layer with ``recipe``; a layer whose SQNR falls under the recipe's ``min_layer_sqnr_db`` is
-    put back as it was (weights and quantizers) and calibrated again with the recipe's fallback."""
+    put back as it was (weights and quantizers) and calibrated again with the recipe's fallback. Then the next
+    layer's inputs, as the final attempt's pass plan says (:mod:`shardcal.calib.passes`)."""
     args = (group, calibrate_all_experts, local_sqnr, algorithm, propagate, feed)
     if recipe.fallback is None:
-        return _calibrate_layer_once(step, recipe, *args)
+        entry, plan = _calibrate_layer_once(step, recipe, *args)
+        _next_inputs(step, plan)
+        return entry
     saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # one more copy of this layer
-    entry = _calibrate_layer_once(step, recipe, *args)
+    entry, plan = _calibrate_layer_once(step, recipe, *args)
     if entry.sqnr_db is None or entry.sqnr_db >= recipe.min_layer_sqnr_db:  # the SQNR is merged: every rank agrees
+        _next_inputs(step, plan)
         return entry
     _restore_layer(step, saved)
-    fallback = _calibrate_layer_once(step, recipe.fallback, *args)
+    fallback, plan = _calibrate_layer_once(step, recipe.fallback, *args)
     fallback.scheme, fallback.recipe_sqnr_db = "fallback", entry.sqnr_db
     fallback.seconds += entry.seconds
+    _next_inputs(step, plan)
     return fallback
+
+
+def _next_inputs(step: LayerStep, plan: PassPlan) -> None:
+    """Leave the next layer's inputs in ``step.outputs`` as ``plan`` says: the kept outputs of the pass it names, or a
+    propagate pass with the quantizers on (which layer_steps then takes as they are)."""
+    propagate = next((p for p in plan.passes if p.kind == PROPAGATE), None)
+    if propagate is not None and not (propagate.unless_kept and step.outputs is not None):
+        step.outputs = [step.forward(i).to(step.cache_device) for i in range(len(step.inputs))]
+        step.outputs_final = True  # the layer as it is left: layer_steps takes them as they are
+    if step.outputs is None:
+        raise RuntimeError(f"{step.name}: the pass plan ({plan.describe()}) left no inputs for the next layer")
 
 
 def _rotates(layer: nn.Module) -> bool:
@@ -185,6 +204,69 @@ def _restore_layer(step: LayerStep, saved: dict[str, torch.Tensor]) -> None:
     step.invalidate_outputs()
 
 
+@dataclass(frozen=True, kw_only=True)
+class _LayerQuantizers:
+    """A layer's activation-side quantizers by how they get their state: ``observing`` (their observers see the
+    data), ``fed`` (amax from an activation report or the algorithm's statistics: id -> quantizer, and the value once
+    known), ``dynamic`` (none to calibrate), ``kv`` (the KV cache's), ``fused`` (fused experts' modules)."""
+
+    observing: list[TensorQuantizer]
+    fed: dict[int, TensorQuantizer]
+    dynamic: list[TensorQuantizer]
+    kv: list[TensorQuantizer]
+    fused: list[nn.Module]
+
+    @property
+    def set_after_algorithm(self) -> bool:
+        return bool(self.observing or self.fed or self.dynamic or self.kv or self.fused)
+
+
+def _layer_quantizers(
+    step: LayerStep, recipe: Recipe, feed: ActivationFeed | None, all_experts: bool, kv: list[TensorQuantizer],
+    derived: tuple[Any, ...],
+) -> _LayerQuantizers:  # fmt: skip
+    """The layer's quantizers sorted by how they get their state (see :class:`_LayerQuantizers`)."""
+    reported = _fed_amax(step, recipe, feed, all_experts) if feed is not None else {}
+    fed = {i: q for i, (q, _) in reported.items()} | {id(q): q for q in derived}
+    observing = [q for _, q in _activation_quantizers(step.layer, step.name) if id(q) not in fed]
+    return _LayerQuantizers(
+        observing=observing,
+        fed=fed,
+        dynamic=[q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic],
+        kv=kv,
+        fused=[m for m in step.layer.modules() if expert_projections(m)],
+    )
+
+
+def layer_pass_plan(
+    step: LayerStep, algorithm: LayerAlgorithm, promised: AlgorithmStep, quantizers: _LayerQuantizers, propagate: str
+) -> PassPlan:
+    """The layer's passes (:func:`shardcal.calib.passes.plan_layer_passes`) from what the algorithm promised, its
+    quantizers and its structure."""
+    facts = LayerFacts(
+        propagate=propagate,
+        changes_weights=algorithm.changes_weights,
+        preserves_function=algorithm.preserves_function,
+        reference_stream=algorithm.reference_stream,
+        algorithm_passes=promised.passes,
+        algorithm_keeps=promised.keeps,
+        algorithm_may_keep_none=promised.may_keep_none,
+        observer_passes=num_passes(quantizers.observing),
+        set_after_algorithm=quantizers.set_after_algorithm,
+        moe=bool(moe_blocks(step.layer)),
+    )
+    return plan_layer_passes(facts)
+
+
+def _check_promise(step: LayerStep, algorithm: LayerAlgorithm, promised: AlgorithmStep) -> None:
+    """The algorithm's hooks left what :meth:`~shardcal.algorithms.LayerAlgorithm.plan_step` said (a bug otherwise:
+    the pass plan was made on that word)."""
+    left = None if step.outputs is None else KEEPS_FINAL if step.outputs_final else KEEPS_FULL_PRECISION
+    if left != promised.keeps and not (left is None and promised.may_keep_none):
+        raise RuntimeError(f"{step.name}: algorithm {algorithm.name!r} said its passes leave {promised.keeps!r} "
+                           f"outputs, they left {left!r}")  # fmt: skip
+
+
 def _calibrate_layer_once(
     step: LayerStep,
     recipe: Recipe,
@@ -194,15 +276,22 @@ def _calibrate_layer_once(
     algorithm: LayerAlgorithm,
     propagate: str = "fp",
     feed: ActivationFeed | None = None,
-) -> LayerReport:
+) -> tuple[LayerReport, PassPlan]:
+    """One attempt at the layer: quantizers inserted, the pass plan made, then executed up to the SQNR (the next
+    inputs are :func:`_next_inputs`' after the last attempt). Returns the layer's report and its plan."""
     start = time.perf_counter()
     if feed is not None:
         feed.used = []
     rotate_later = algorithm.smooths_before_rotation
     quantize_modules(step.layer, recipe, prefix=step.name, rotate=not rotate_later)
-    kv_quantizers = _pass_kv_cache(step, recipe)
+    promised = algorithm.plan_step(step, recipe)
+    kv = _pass_kv_cache(step, recipe)
+    quantizers = _layer_quantizers(step, recipe, feed, calibrate_all_experts, kv, promised.derives)
+    if feed is not None:
+        feed.used = []  # planning looked the report up; the uses are recorded below, where they happen
+    plan = layer_pass_plan(step, algorithm, promised, quantizers, propagate)
     reference: dict[int, torch.Tensor] | None = None
-    if algorithm.changes_weights and not algorithm.preserves_function:  # SQNR against the layer as it was
+    if plan.sqnr_reference_first:  # SQNR against the layer as it was
         with quantizer_mode(step.layer, QuantMode.DISABLED):
             reference = {i: step.forward(i, rows).to(step.cache_device) for i, rows in local_sqnr.items()}
     algorithm.before_weight_calibration(step, recipe, group)
@@ -213,62 +302,41 @@ def _calibrate_layer_once(
     weights = [q for _, q in pairs]
     for q in weights:
         q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision
-    fused = [m for m in step.layer.modules() if expert_projections(m)]
-    for experts in fused:
+    for experts in quantizers.fused:
         calibrate_expert_weights(experts)  # per expert and projection, from the gathered fused parameters
     share_fused_ranges(step.layer, step.name, "weight")  # what vLLM's fused layers compute with; before GPTQ's solve
     algorithm.after_weight_calibration(step, recipe, group)
+    _check_promise(step, algorithm, promised)
     if algorithm.changes_weights or _rotates(step.layer):
         sync_unsharded_to_shards(step.layer)  # resharding would otherwise drop the edits
-    if not algorithm.preserves_function and not (step.outputs_final and propagate == "qdq"):
-        step.invalidate_outputs()  # outputs the hooks may have kept are not those of the layer as it is now
-    activation = [q for _, q in _activation_quantizers(step.layer, step.name)]
-    fed = _fed_amax(step, feed, calibrate_all_experts) if feed is not None else {}
+    if not plan.algorithm_outputs_valid:
+        step.invalidate_outputs()  # outputs the algorithm's passes left are not those of the layer as it is now
+    fed = _fed_amax(step, recipe, feed, calibrate_all_experts) if feed is not None else {}
     fed.update({id(q): (q, (amax, elements)) for q, amax, elements in algorithm.derived_amax(step)})
-    activation = [q for q in activation if id(q) not in fed]
-    for q, _ in fed.values():
-        q.mode = QuantMode.DISABLED  # its amax comes from the report: it does not observe
-    dynamic = [q for _, q in iter_quantizers(step.layer, step.name) if q.spec.dynamic]
-    for q in dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
+    if set(fed) != set(quantizers.fed):
+        raise RuntimeError(f"{step.name}: the amax given by the report and {algorithm.name!r} are not what was planned")
+    for q in quantizers.fed.values():
+        q.mode = QuantMode.DISABLED  # its amax comes from the report or the algorithm: it does not observe
+    for q in quantizers.dynamic:  # nothing to observe; off so that the observing pass is the full-precision function
         q.mode = QuantMode.DISABLED
-    if step.outputs_final and (activation or fed or dynamic or kv_quantizers or fused):
-        step.invalidate_outputs()  # the algorithm computed them before the layer's other quantizers were set
-    start_calibration_all(activation)
-    fp_outputs: Any = None
-    moe = AllExpertsObserve(step.layer) if calibrate_all_experts else None
-    routing = RoutingCounts(step.layer, step.name)
-    kept = step.outputs is not None
-    passes = _observing_passes(step, activation, propagate, kept)
-    if passes:
-        step.invalidate_outputs()  # the pass computes them again: never two sets of outputs alive
-    if passes == 0 and reference is None:
-        fp_outputs = (
-            step.outputs if kept else {i: step.forward(i, r).to(step.cache_device) for i, r in local_sqnr.items()}
-        )
-    for p in range(passes):
-        begin_pass_all(activation, p)
-        counting = routing if p == 0 else contextlib.nullcontext()
-        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
-            outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
-        if p == 0:
-            fp_outputs = outs
-        end_pass_all(activation, group)  # collective, also for a rank with no batches
-    finish_calibration_all(activation)
+    start_calibration_all(quantizers.observing)
+    fp_outputs = _observe(step, plan, quantizers.observing, calibrate_all_experts, group, local_sqnr)
+    finish_calibration_all(quantizers.observing)
     for q, (amax, elements) in fed.values():
         q.set_amax(amax)
         q.num_observed = elements  # as if observed: an MoE expert no token reached still gets its siblings' range
         q.mode = QuantMode.QUANTIZE
-    _check_kv_observed(kv_quantizers)
-    for q in weights + dynamic:
+    _check_kv_observed(quantizers.kv)
+    for q in weights + quantizers.dynamic:
         q.mode = QuantMode.QUANTIZE
-    if fused:  # fused experts compute with quantized weights from now on: they are written into the parameters
-        for experts in fused:
+    if quantizers.fused:  # fused experts compute with quantized weights from now on: written into the parameters
+        for experts in quantizers.fused:
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
-    moe_report = _moe_report(routing.merged(group), fallbacks, calibrate_all_experts)  # collective
-    sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs or [], local_sqnr, group)
-    return LayerReport(
+    moe_report = _moe_report(fp_outputs.routing.merged(group), fallbacks, calibrate_all_experts)  # collective
+    sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs.outputs, local_sqnr, group)
+    entry = LayerReport(
         index=step.index,
         name=step.name,
         seconds=time.perf_counter() - start,
@@ -280,28 +348,60 @@ def _calibrate_layer_once(
         algorithm=algorithm.layer_report(step),
         from_activation_report=list(feed.used) if feed is not None else [],
     )
+    return entry, plan
 
 
-def _observing_passes(step: LayerStep, activation: list[TensorQuantizer], propagate: str, kept: bool) -> int:
-    """Passes over the data the layer needs. With nothing to observe (weight-only, dynamic inputs, or every amax
-    derived) under "qdq", layer_steps recomputes the next inputs anyway: no pass (the SQNR batches' full-precision
-    outputs suffice); under "fp" the pass's outputs are the next inputs, unless the algorithm's hooks ``kept`` them.
-    An MoE layer runs a pass whenever it has activation quantizers or propagates "fp": it counts the routing."""
-    observing = num_passes(activation)
-    if moe_blocks(step.layer):
-        return max(observing, 1) if activation or propagate != "qdq" else 0
-    if observing or not (propagate == "qdq" or kept):
-        return max(observing, 1)
-    return 0
+@dataclass
+class _Observed:
+    """What the observing passes give the rest of the step: the full-precision outputs the SQNR compares with (all
+    batches, or the SQNR sequences' rows), and the routing counts of the first pass."""
+
+    outputs: Any
+    routing: RoutingCounts
+
+
+def _observe(
+    step: LayerStep,
+    plan: PassPlan,
+    observing: list[TensorQuantizer],
+    all_experts: bool,
+    group: Any,
+    local_sqnr: dict[int, int],
+) -> _Observed:
+    """The plan's observing passes (the first in full precision, its outputs kept), or its full-precision pass over
+    the SQNR sequences when the algorithm's outputs do not stand in."""
+    moe = AllExpertsObserve(step.layer) if all_experts else None
+    routing = RoutingCounts(step.layer, step.name)
+    if plan.observing:
+        step.invalidate_outputs()  # the pass computes them again: never two sets of outputs alive
+    fp_outputs: Any = step.outputs
+    sqnr_pass = next((p for p in plan.passes if p.kind == SQNR_FULL_PRECISION), None)
+    if sqnr_pass is not None and not (sqnr_pass.unless_kept and step.outputs is not None):
+        fp_outputs = {i: step.forward(i, r).to(step.cache_device) for i, r in local_sqnr.items()}
+    for p in range(plan.observing):
+        begin_pass_all(observing, p)
+        counting = routing if p == 0 else contextlib.nullcontext()
+        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:
+            outs = step.forward_all(keep_outputs=p == 0)  # observers leave outputs unchanged: pass 0 is FP
+        if p == 0:
+            fp_outputs = outs
+        end_pass_all(observing, group)  # collective, also for a rank with no batches
+    return _Observed(outputs=fp_outputs if fp_outputs is not None else [], routing=routing)
 
 
 def _fed_amax(
-    step: LayerStep, feed: ActivationFeed, all_experts: bool
+    step: LayerStep, recipe: Recipe, feed: ActivationFeed, all_experts: bool
 ) -> dict[int, tuple[TensorQuantizer, tuple[torch.Tensor, int]]]:
     """The layer's activation quantizers whose amax the report gives (not MoE experts' in all-experts mode, nor a
-    rotated Linear's input quantizer: the report saw its inputs unrotated)."""
+    rotated Linear's input quantizer — rotated already, or to be by the recipe: the report saw its inputs
+    unrotated)."""
     skip = {id(q) for b in moe_blocks(step.layer) for _, q in iter_quantizers(b.experts)} if all_experts else set()
-    skip |= {id(m.input_quantizer) for _, m in quantized_modules(step.layer) if m.input_rotation is not None}
+    skip |= {
+        id(m.input_quantizer)
+        for n, m in step.layer.named_modules(prefix=step.name)
+        if isinstance(m, QuantLinear)
+        and (m.input_rotation is not None or recipe.rotation_block(n, m.in_features) is not None)
+    }
     out = {}
     for name, q in _activation_quantizers(step.layer, step.name):
         found = None if id(q) in skip else feed.amax_for(name, q)
