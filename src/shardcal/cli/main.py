@@ -102,6 +102,7 @@ CLI_INPUT_NAMES: dict[str, str] = {
     "model_impl": "--model-impl",
     "format": "--format",
     "export_dtype": "--export-dtype",
+    "stream": "--stream",
 }
 
 
@@ -194,6 +195,12 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype of the export's unquantized tensors (embeddings, norms, LM head): bfloat16, float16, float32, or "
         "auto: the checkpoint's own (default %(default)s)",
     )
+    parser.add_argument(
+        "--stream", choices=["auto", "on", "off"], default="auto",
+        help="keep the decoder layers on disk until their step and export each at the end of it, so that a rank holds "
+        "one layer at a time: auto streams when the resident run would not fit in memory (a warning says so), on "
+        "always, off never (default %(default)s)",
+    )  # fmt: skip
     _model_impl_argument(parser)
 
 
@@ -228,7 +235,7 @@ def calibrate_request(args: argparse.Namespace) -> dict[str, Any]:
         model_dir=args.model_dir, out_dir=args.out, recipe=args.recipe, data=args.data, num_samples=args.num_samples,
         seq_len=args.seq_len, options=options, keep_checkpoint=args.keep_checkpoint, overwrite=args.overwrite,
         model_impl=args.model_impl, force=args.force, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload,
-        format=args.format, export_dtype=args.export_dtype, input_names=CLI_INPUT_NAMES,
+        format=args.format, export_dtype=args.export_dtype, input_names=CLI_INPUT_NAMES, stream=args.stream,
     )  # fmt: skip
 
 

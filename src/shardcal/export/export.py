@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from ..runtime.fsutil import (
 )
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .plan import ExportPlan, Unit, build_plan
+from .plan import ExportPlan, QuantModule, Unit, build_plan, find_kv_cache, find_quant_modules, scheme_words
 from .shards import RankShardWriter, header_bytes
 
 #: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
@@ -400,80 +401,197 @@ def export_checkpoint(
     source checkpoint's dtype). ``config.json``'s dtype key says it. ``source``: the model directory the export was
     made from, recorded in the export's manifest (``shardcal eval`` compares the two when it is at hand).
     """
-    out_dir = Path(out_dir).absolute()
-    tok_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
-    if recipe is not None and not isinstance(recipe, Recipe):
-        recipe = load_recipe(recipe)
-    export_format = get_format(format)
-    stored_dtype = export_dtype(dtype)
-    rank, world_size = world()
-    check_apart(out_dir, "out_dir", {"tokenizer_dir": tok_dir, "config_dir": config_dir}, ExportError)
-    plan = build_plan(model, recipe, world_size, max_shard_bytes, export_format, stored_dtype)
-    config = model_config_dict(model, Path(config_dir) if config_dir is not None else None, stored_dtype)
-    origin = str(Path(source).absolute()) if source is not None else None
-
-    prepared: tuple[str, str]
-    if rank == 0:
-        try:
-            prepared = ("ok", str(_prepare(out_dir, overwrite, tok_dir)))
-        except ExportError as exc:
-            prepared = ("error", str(exc))
-    prepared = tuple(broadcast_json(prepared if rank == 0 else None))
-    if prepared[0] == "error":
-        raise ExportError(prepared[1])
-    staging = Path(prepared[1])
+    session = ExportSession(
+        model, out_dir, recipe, overwrite=overwrite, max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+        config_dir=config_dir, format=format, dtype=dtype, source=source,
+    )  # fmt: skip
     try:
+        session.write_remaining()
+        return session.finish(report)
+    except BaseException:
+        session.abort()
+        raise
+
+
+class ExportSession:
+    """One export being written (collective: every rank makes one with the same arguments): the plan, the staging
+    directory beside ``out_dir``, this rank's shard files. Units are written as they become available — all of them
+    after the calibration (:func:`export_checkpoint`), or a streamed model's decoder layers one at a time, each while
+    its step still holds it (:meth:`write_held_layer`) — then :meth:`finish` writes the metadata and moves the
+    directory into place; :meth:`abort` (after any failure) removes the staging directory. The arguments are
+    :func:`export_checkpoint`'s; ``planned``: the plan, when the caller made it (a streamed run plans from the
+    model's structure before calibrating: :func:`plan_streamed_export`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir: str | Path,
+        recipe: str | Path | Recipe | None = None,
+        *,
+        overwrite: bool = False,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        tokenizer_dir: str | Path | None = None,
+        config_dir: str | Path | None = None,
+        format: str | ExportFormat = DEFAULT_FORMAT,
+        dtype: str | torch.dtype | None = None,
+        source: str | Path | None = None,
+        planned: ExportPlan | None = None,
+    ):
+        self.model = model
+        self.out_dir = Path(out_dir).absolute()
+        self.tokenizer_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
+        self.recipe = load_recipe(recipe) if recipe is not None and not isinstance(recipe, Recipe) else recipe
+        self.overwrite = overwrite
+        self.rank, world_size = world()
+        stored_dtype = export_dtype(dtype)
+        check_apart(
+            self.out_dir, "out_dir", {"tokenizer_dir": self.tokenizer_dir, "config_dir": config_dir}, ExportError
+        )
+        self.plan = planned or build_plan(model, self.recipe, world_size, max_shard_bytes, get_format(format),
+                                          stored_dtype)  # fmt: skip
+        self.config = model_config_dict(model, Path(config_dir) if config_dir is not None else None, stored_dtype)
+        self.source = str(Path(source).absolute()) if source is not None else None
+        self.written: set[int] = set()  # unit indices
+        self.staging: Path | None = None
+        self.writer: RankShardWriter | None = None
+        try:
+            self._prepare_staging()
+            self.writer = RankShardWriter(self.staging, [s for s in self.plan.shards if s.rank == self.rank])
+        except BaseException:
+            self.abort()
+            raise
+
+    def _prepare_staging(self) -> None:
+        """Rank 0 checks the destination and creates the staging directory; every rank must see it (collective)."""
+        prepared: tuple[str, str] | None = None
+        if self.rank == 0:
+            try:
+                prepared = ("ok", str(_prepare(self.out_dir, self.overwrite, self.tokenizer_dir)))
+            except ExportError as exc:
+                prepared = ("error", str(exc))
+        prepared = tuple(broadcast_json(prepared))
+        if prepared[0] == "error":
+            raise ExportError(prepared[1])
+        self.staging = staging = Path(prepared[1])  # abort() removes it from here on
         missing = ranks_with_flag(not staging.is_dir())
         if missing:
             raise ExportError(
                 f"{staging}: the staging directory is not visible on rank(s) {missing}; export to a directory on a "
                 "filesystem that every rank shares"
             )
-        writer = RankShardWriter(staging, [s for s in plan.shards if s.rank == rank])
-        try:
-            with torch.no_grad():
-                for unit in plan.units:
-                    error: BaseException | None = None
-                    with _gathered(model, unit):
-                        if unit.owner == rank:
-                            try:
-                                fault_point("export.unit", unit=unit.index, unit_name=unit.name)
-                                _write_unit(model, plan, unit, writer)
-                            except Exception as exc:
-                                error = exc
-                        # Only the owner writes; every rank learns whether it failed, and why.
-                        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
-                    if error is not None:
-                        raise error
-                    if why:
-                        raise ExportError(f"export to {out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
-            if not writer.done:
-                raise RuntimeError("export plan: this rank's shards are incomplete")
-        finally:
-            writer.close()
-        outcome: tuple[str, str] | None = None
-        if rank == 0:
+
+    def write_remaining(self) -> None:
+        """Every unit not written yet, one gather at a time (collective)."""
+        for unit in self.plan.units:
+            if unit.index not in self.written:
+                with _gathered(self.model, unit):
+                    self._write(unit, self.plan)
+
+    def write_held_layer(self, index: int, layer: nn.Module) -> None:
+        """Decoder layer ``index``, held whole on every rank by its step (collective; the owner writes). Its quantized
+        modules must be the ones the plan was made for (:func:`plan_streamed_export`), else :class:`ExportError`."""
+        unit = next(u for u in self.plan.units if u.kind == "layer" and u.name.endswith(f".{index}"))
+        found = find_quant_modules(layer, self.recipe, self.plan.export_format, prefix=unit.name)
+        kv_cache = find_kv_cache(layer, self.recipe, self.plan.export_format, prefix=unit.name)
+        _check_as_planned(self.plan, unit, found, kv_cache)
+        self._write(unit, replace(self.plan, quant_modules=found, kv_cache=kv_cache))
+
+    def _write(self, unit: Unit, plan: ExportPlan) -> None:
+        """Write one gathered unit: its owner encodes and writes, every rank learns whether that failed, and why."""
+        error: BaseException | None = None
+        if unit.owner == self.rank:
             try:
-                _finish(config, plan, staging, report, tok_dir, origin)
-                _swap_into_place(staging, out_dir, overwrite)
+                fault_point("export.unit", unit=unit.index, unit_name=unit.name)
+                with torch.no_grad():
+                    _write_unit(self.model, plan, unit, self.writer)
+            except Exception as exc:
+                error = exc
+        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
+        if error is not None:
+            raise error
+        if why:
+            raise ExportError(f"export to {self.out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
+        self.written.add(unit.index)
+
+    def finish(self, report: Any = None) -> Path:
+        """All units written: rank 0 writes the metadata and moves the export into place (collective); returns
+        ``out_dir``. Warns when the export rotates inputs online."""
+        if not self.writer.done:
+            raise RuntimeError("export plan: this rank's shards are incomplete")
+        self.writer.close()
+        outcome: tuple[str, str] | None = None
+        if self.rank == 0:
+            try:
+                _finish(self.config, self.plan, self.staging, report, self.tokenizer_dir, self.source)
+                _swap_into_place(self.staging, self.out_dir, self.overwrite)
+                self.staging = None
                 outcome = ("ok", "")
             except ExportError as exc:
                 outcome = ("error", str(exc))
             except BaseException as exc:
-                broadcast_json(("error", f"export to {out_dir} failed on rank 0: {exc!r}"))
+                broadcast_json(("error", f"export to {self.out_dir} failed on rank 0: {exc!r}"))
                 raise
         outcome = tuple(broadcast_json(outcome))
         if outcome[0] == "error":
             raise ExportError(outcome[1])
-    except BaseException:
-        if rank == 0 and staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if rank == 0 and any(qm.input_rotation for qm in plan.quant_modules.values()):
-        import warnings
+        if self.rank == 0 and any(qm.input_rotation for qm in self.plan.quant_modules.values()):
+            import warnings
 
-        warnings.warn(ONLINE_ROTATION_WARNING.format(out_dir=out_dir), stacklevel=2)
-    return out_dir
+            warnings.warn(ONLINE_ROTATION_WARNING.format(out_dir=self.out_dir), stacklevel=3)
+        return self.out_dir
+
+    def abort(self) -> None:
+        """After a failure or an interruption: close this rank's files; rank 0 removes the staging directory."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.rank == 0 and self.staging is not None and self.staging.exists():
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _check_as_planned(plan: ExportPlan, unit: Unit, found: dict[str, QuantModule], kv_cache: dict[str, Any]) -> None:
+    """An :class:`ExportError` when a layer calibrated into other quantized modules than its planned export."""
+    planned = {n: qm for n, qm in plan.quant_modules.items() if n.startswith(unit.name + ".")}
+    for name in sorted(set(planned) | set(found)):
+        want, got = planned.get(name), found.get(name)
+        same = want is not None and got is not None
+        if not same or (want.scheme_key, want.input_rotation) != (got.scheme_key, got.input_rotation):
+            raise ExportError(
+                f"{name}: calibrated as {scheme_words(got)}, but its streamed export was planned as "
+                f"{scheme_words(want)}"
+            )
+    if set(kv_cache) != {n for n in plan.kv_cache if n.startswith(unit.name + ".")}:
+        raise ExportError(f"{unit.name}: its KV-cache quantizers differ from its planned export")
+
+
+def plan_streamed_export(
+    model: nn.Module,
+    recipe: Recipe,
+    attach: Any,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    format: str | ExportFormat = DEFAULT_FORMAT,
+    dtype: str | torch.dtype | None = None,
+) -> ExportPlan:
+    """The export plan of a streamed model (its decoder layers on the meta device) before it is calibrated: a
+    meta-device copy of each layer gets what calibration will attach to it (``attach(layer, recipe, prefix)``:
+    :func:`shardcal.calib.recipes.quantize_modules`), and the plan is made from that structure. Every rank alike."""
+    import copy
+
+    from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+
+    layers = require_decoder_layers(model)
+    prefix = decoder_layer_prefix(model, layers)
+    twins = nn.ModuleList(copy.deepcopy(layer) for layer in layers)
+    for i, twin in enumerate(twins):
+        attach(twin, recipe, f"{prefix}.{i}")
+    parent, attr = next((m, n) for m in model.modules() for n, child in m.named_children() if child is layers)
+    setattr(parent, attr, twins)
+    try:
+        return build_plan(
+            model, recipe, world()[1], max_shard_bytes, get_format(format), export_dtype(dtype), structure_only=True
+        )
+    finally:
+        setattr(parent, attr, layers)
 
 
 #: Said once by every export with online rotations: the one consumer that loads it and computes something else.

@@ -148,7 +148,12 @@ def _check_spec(name: str, spec: QuantizerSpec, role: str, fmt: ExportFormat) ->
 
 
 def find_quant_modules(
-    model: nn.Module, recipe: Recipe | None, export_format: ExportFormat | None = None
+    model: nn.Module,
+    recipe: Recipe | None,
+    export_format: ExportFormat | None = None,
+    *,
+    prefix: str = "",
+    structure_only: bool = False,
 ) -> dict[str, QuantModule]:
     """Every Linear to store quantized, checked for what ``export_format`` (default compressed-tensors) can express
     and for calibration.
@@ -157,11 +162,12 @@ def find_quant_modules(
     with attached quantizers (named ``<experts>.<e>.<gate_proj|up_proj|down_proj>``, as the original per-expert
     Linears). With ``recipe``, a plain Linear (or fused projection) the recipe targets is quantized at export (only
     for recipes that need no calibration data: weight-only or dynamic input), and every quantized module must
-    match the recipe.
+    match the recipe. ``prefix``: ``model``'s name in the whole model (one decoder layer's ``"model.layers.3"``);
+    ``structure_only``: the quantizers need not be calibrated yet (planning a streamed export before the run).
     """
     fmt = get_format(export_format)
     found: dict[str, QuantModule] = {}
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(prefix=prefix):
         if isinstance(module, nn.Linear):
             candidates = [(name, lambda m=module: m.weight, module.out_features, module.in_features, module)]
         elif (shape := fused_experts_shape(module, name, strict=False)) is not None:
@@ -169,7 +175,7 @@ def find_quant_modules(
         else:
             continue
         for full_name, weight, out_f, in_f, holder in candidates:
-            qm = _quant_module(full_name, weight, out_f, in_f, holder, recipe, fmt)
+            qm = _quant_module(full_name, weight, out_f, in_f, holder, recipe, fmt, structure_only)
             if qm is not None:
                 found[full_name] = qm
     return found
@@ -207,6 +213,7 @@ def _quant_module(
     holder: Any,
     recipe: Recipe | None,
     fmt: ExportFormat,
+    structure_only: bool = False,
 ) -> QuantModule | None:
     """The export record of one Linear-like module (``holder`` carries its quantizers), or None if unquantized."""
     wq = getattr(holder, "weight_quantizer", None)
@@ -254,7 +261,7 @@ def _quant_module(
     if iq is not None:
         _check_spec(name, iq.spec, "input", fmt)
     for q in (wq, iq):
-        if q is not None and not q.calibrated:
+        if q is not None and not q.calibrated and not structure_only:
             raise ExportError(f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting")
     stored = fmt.module_format(wq.spec, iq.spec if iq is not None else None)
     rotation = getattr(holder, "input_rotation", None)
@@ -275,7 +282,7 @@ def check_fused_layers(model: nn.Module, quant: dict[str, QuantModule]) -> None:
             schemes.update({f"{name}.{e}.{p}": None for e in range(shape[0]) for p in PROJECTIONS})
     schemes.update({n: (*qm.scheme_key, qm.input_rotation) for n, qm in quant.items()})
     for group in mixed_schemes(schemes):
-        described = ", ".join(f"{n} ({_scheme_words(quant.get(n))})" for n in group)
+        described = ", ".join(f"{n} ({scheme_words(quant.get(n))})" for n in group)
         raise ExportError(
             f"{described}: vLLM loads these Linears as one fused layer ({fused_layer(group[0])}) with one scheme; "
             "quantize them alike (the recipe's [targets] should select all of them or none)"
@@ -291,7 +298,7 @@ def check_fused_layers(model: nn.Module, quant: dict[str, QuantModule]) -> None:
             )
 
 
-def _scheme_words(qm: QuantModule | None) -> str:
+def scheme_words(qm: QuantModule | None) -> str:
     if qm is None:
         return "not quantized"
     words = qm.spec_weight.describe() + (f", input {qm.spec_input.describe()}" if qm.spec_input is not None else "")
@@ -308,12 +315,18 @@ def _linear_like(module: nn.Module) -> bool:
 
 
 def find_kv_cache(
-    model: nn.Module, recipe: Recipe | None, export_format: ExportFormat | None = None
+    model: nn.Module,
+    recipe: Recipe | None,
+    export_format: ExportFormat | None = None,
+    *,
+    prefix: str = "",
+    structure_only: bool = False,
 ) -> dict[str, KVCacheQuantizer]:
     """Attention name -> its calibrated KV-cache quantizer; checked against ``recipe`` (its ``[kv_cache]``) and
-    against what ``export_format`` (default compressed-tensors) can store."""
+    against what ``export_format`` (default compressed-tensors) can store. ``prefix`` / ``structure_only``: as
+    :func:`find_quant_modules`."""
     fmt = get_format(export_format)
-    found = dict(kv_cache_quantizers(model))
+    found = dict(kv_cache_quantizers(model, prefix))
     if recipe is not None and recipe.kv_cache is not None and not found:
         raise ExportError(
             f"recipe {recipe.name!r} has [kv_cache], but no attention holds calibrated KV-cache quantizers: "
@@ -326,7 +339,7 @@ def find_kv_cache(
             )
         _check_spec(name, kv.spec, "kv_cache", fmt)
         for q in (kv.k_quantizer, kv.v_quantizer):
-            if not q.calibrated:
+            if not q.calibrated and not structure_only:
                 raise ExportError(
                     f"{q.name}: not calibrated; run shardcal.calibrate(model, data, recipe) before exporting"
                 )
@@ -474,14 +487,17 @@ def build_plan(
     max_shard_bytes: int,
     export_format: ExportFormat | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    structure_only: bool = False,
 ) -> ExportPlan:
     """The whole export in ``export_format`` (default compressed-tensors), decided from module structure only;
-    identical on every rank. Unquantized floating tensors are stored in ``dtype`` (None: their own)."""
+    identical on every rank. Unquantized floating tensors are stored in ``dtype`` (None: their own).
+    ``structure_only``: the quantizers need not be calibrated yet (a streamed export is planned before its run)."""
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     fmt = get_format(export_format)
-    quant = find_quant_modules(model, recipe, fmt)
-    kv_cache = find_kv_cache(model, recipe, fmt)
+    quant = find_quant_modules(model, recipe, fmt, structure_only=structure_only)
+    kv_cache = find_kv_cache(model, recipe, fmt, structure_only=structure_only)
     if not quant:
         raise ExportError(
             f"{type(model).__name__}: no quantized Linear modules to export; run shardcal.calibrate(model, data, recipe) "

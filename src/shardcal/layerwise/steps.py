@@ -29,8 +29,8 @@ from torch.func import functional_call
 from ..errors import NumericsError, UsageError
 from ..quant.tokens import real_tokens_of
 from ..runtime.distributed import all_gather_floats
-from ..sharding.fsdp2 import layer_unsharded
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+from ..sharding.residency import held_layer
 from .batches import Batch
 from .inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
@@ -171,6 +171,7 @@ def layer_steps(
     head_rows: dict[int, int] | None = None,
     reference_stream: bool = False,
     initial_reference: list[torch.Tensor] | None = None,
+    after_step: Callable[[LayerStep], None] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -190,7 +191,10 @@ def layer_steps(
     batches. ``reference_stream``: also carry the full-precision stream — each step's :attr:`LayerStep.reference_inputs`
     are what the unquantized model gives the layer, and its :attr:`LayerStep.reference_outputs` are computed before
     the step is handed out (one more forward per layer, two more activation caches); a resumed run passes that
-    layer's reference hidden states as ``initial_reference``.
+    layer's reference hidden states as ``initial_reference``. ``after_step(step)`` runs once the next inputs are in
+    ``step.outputs`` (checked finite), while the layer is still held: what needs the layer's parameters after its
+    step (a checkpoint commit of changed weights) goes there. Each layer is held through the model's residency
+    (:mod:`shardcal.sharding.residency`): gathered when resident, read in when streamed.
     """
     if propagate not in PROPAGATE_MODES:
         raise ValueError(f"propagate must be one of {PROPAGATE_MODES}, got {propagate!r}")
@@ -217,7 +221,7 @@ def layer_steps(
             raise ValueError(f"initial_reference holds {len(reference)} batches, the inputs {len(inputs)}")
     for index in range(start, len(layers)):
         layer = layers[index]
-        with layer_unsharded(layer):
+        with held_layer(model, index, layer):
             step = LayerStep(
                 index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads, batch_numbers=numbers,
                 reference_inputs=reference,
@@ -231,6 +235,8 @@ def layer_steps(
             outputs = step.outputs
             _check_finite(step.name, outputs, numbers)
             reference = step.reference_outputs
+            if after_step is not None:
+                after_step(step)
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
 

@@ -22,7 +22,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 #: safetensors dtype names -> torch dtypes (those this torch build has).
-_DTYPE_NAMES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name, dtype in {
         "F64": torch.float64,
@@ -46,7 +46,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-def _read_index(index: Path, model_dir: Path) -> dict[str, Path]:
+def read_index(index: Path, model_dir: Path) -> dict[str, Path]:
     """``{tensor name: shard path}`` from a sharded checkpoint's index, every shard checked to exist."""
     data = read_json_object(index, CheckpointError)
     weight_map = data.get("weight_map")
@@ -92,7 +92,7 @@ class CheckpointReader:
         index, single = self.model_dir / INDEX_NAME, self.model_dir / SINGLE_NAME
         if index.is_file():
             self.source = index
-            self._file_of = _read_index(index, self.model_dir)
+            self._file_of = read_index(index, self.model_dir)
         elif single.is_file():
             self.source = single
             self._file_of = {key: single for key in self._keys_in(single)}
@@ -148,9 +148,9 @@ class CheckpointReader:
 
     def dtype(self, key: str) -> torch.dtype:
         name = self.dtype_name(key)
-        if name not in _DTYPE_NAMES:
+        if name not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} has dtype {name}, which torch cannot load")
-        return _DTYPE_NAMES[name]
+        return SAFETENSORS_DTYPES[name]
 
     def get(self, key: str) -> torch.Tensor:
         """The whole tensor."""
@@ -191,7 +191,7 @@ class CheckpointReader:
         checkpoint), read from the headers alone; None when no tensor is floating."""
         counts: dict[torch.dtype, int] = {}
         for key in self.keys():
-            dtype = _DTYPE_NAMES.get(self.dtype_name(key))
+            dtype = SAFETENSORS_DTYPES.get(self.dtype_name(key))
             if dtype is not None and dtype.is_floating_point and dtype.itemsize >= 2:
                 counts[dtype] = counts.get(dtype, 0) + math.prod(self.shape(key))
         return max(counts, key=counts.get) if counts else None

@@ -27,13 +27,20 @@ from ..calib.checkpoint import remove_checkpoint
 from ..calib.recipes import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
-from ..errors import interrupted_as
+from ..errors import (
+    CalibrationInterrupted,
+    InsufficientMemoryError,
+    RunInterrupted,
+    UsageError,
+    interrupted_as,
+)
 from ..export.export import export_checkpoint
 from ..export.format import DEFAULT_FORMAT, ExportFormat
 from ..layerwise.options import CalibrationOptions
 from ..runtime.distributed import all_gather_floats, init_distributed
 from .chooser import damage_warning
 from .inputs import CalibrationInputs, check_calibration_inputs, input_name, read_token_data
+from .streamed import STREAM_MODES, calibrate_streamed, streaming_refusal
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
 PLOT_NAME = SQNR_PLOT_NAME
@@ -96,6 +103,7 @@ def calibrate_to_checkpoint(
     format: str | ExportFormat = DEFAULT_FORMAT,
     export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
+    stream: str = "auto",
 ) -> PipelineResult:
     """Calibrate the Hugging Face-format model in ``model_dir`` with ``recipe``, sharded over the ranks, and export it
     to ``out_dir`` — what ``shardcal calibrate`` does, with the same checks, files and numbers.
@@ -111,11 +119,16 @@ def calibrate_to_checkpoint(
       ``"auto"`` (the checkpoint's own: bf16 for a bf16 checkpoint, whatever dtype the model was calibrated in),
       ``"bfloat16"``, ``"float16"``, ``"float32"``, or None (the loaded model's).
     - ``input_names``: how errors name the inputs (:data:`~.inputs.PARAMETER_NAMES`; the CLI passes its flags).
+    - ``stream``: ``"auto"`` streams the decoder layers from disk (:mod:`~.streamed`: a rank holds one layer at a
+      time, each exported at the end of its step) when the resident run would not fit and the run can stream (one
+      warning says so), ``"on"`` always (a run that cannot stream is refused, with the reason), ``"off"`` never.
 
     Everything that can be refused without weights is refused before any weight or data is read. Collective (every
     rank calls it with the same arguments). Returns this rank's :class:`PipelineResult`.
     """
     options = options if options is not None else CalibrationOptions()
+    if stream not in STREAM_MODES:
+        raise UsageError(f"{input_name(input_names, 'stream')} {stream!r}: expected one of {', '.join(STREAM_MODES)}")
     rank, world = init_distributed()
     baseline = memory_baseline()
     inputs = check_calibration_inputs(
@@ -128,19 +141,29 @@ def calibrate_to_checkpoint(
             model_dir, inputs.vocab_size, data=data, num_samples=num_samples, seq_len=seq_len, split="calib",
             input_names=input_names,
         )  # fmt: skip
-        planned = None
-        if not force:
-            planned = _refuse_before_loading(
-                model_dir, inputs.recipe, tuple(ids.shape), options, shard_root, cpu_offload, inputs.impl
-            )
+        streamed, planned = _streaming_decision(stream, model_dir, inputs, tuple(ids.shape), options, shard_root,
+                                                cpu_offload, force, input_names)  # fmt: skip
         start = time.perf_counter()
-        model = _load(model_dir, inputs, shard_root, cpu_offload)
-    report = calibrate(model, ids, inputs.recipe, options)  # Ctrl-C here: CalibrationInterrupted, how far it got
-    seconds = time.perf_counter() - start
-    with interrupted_as(_export_interrupted(out_dir, options.checkpoint_dir, input_names)):
-        export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
-                          overwrite=overwrite, format=inputs.export_format, dtype=inputs.export_dtype,
-                          source=model_dir)  # fmt: skip
+        if not streamed:
+            model = _load(model_dir, inputs, shard_root, cpu_offload)
+    if streamed:
+        lost = f"{out_dir} was not written (a streamed run keeps no calibration checkpoint)"
+        try:
+            with interrupted_as(f"interrupted during a streamed run: {lost}"):
+                report = calibrate_streamed(
+                    model_dir, out_dir, inputs.recipe, ids, options, overwrite=overwrite, shard_root=shard_root,
+                    export_format=inputs.export_format, export_dtype=inputs.export_dtype,
+                )  # fmt: skip
+        except CalibrationInterrupted as exc:
+            raise RunInterrupted(f"interrupted at layer {exc.done} of {exc.total} of a streamed run: {lost}") from None
+        seconds = time.perf_counter() - start
+    else:
+        report = calibrate(model, ids, inputs.recipe, options)  # Ctrl-C here: CalibrationInterrupted, how far it got
+        seconds = time.perf_counter() - start
+        with interrupted_as(_export_interrupted(out_dir, options.checkpoint_dir, input_names)):
+            export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
+                              overwrite=overwrite, format=inputs.export_format, dtype=inputs.export_dtype,
+                              source=model_dir)  # fmt: skip
     with interrupted_as(f"interrupted after the export: {out_dir} is complete"):
         peaks = all_gather_floats(torch_peak_memory_mb())
         growth = all_gather_floats(memory_growth_mib(baseline))
@@ -175,6 +198,49 @@ def _export_interrupted(out_dir: Path, checkpoint_dir: str | Path | None, input_
     )
 
 
+def _streaming_decision(
+    stream: str,
+    model_dir: Path,
+    inputs: CalibrationInputs,
+    data_shape: tuple[int, ...],
+    options: CalibrationOptions,
+    shard_root: bool,
+    cpu_offload: bool,
+    force: bool,
+    input_names: Mapping[str, str] | None,
+) -> tuple[bool, list[float] | None]:
+    """Whether this run streams (``stream``: auto / on / off), and every rank's predicted peak growth (MiB) of the
+    run chosen (None unchecked). ``auto`` streams when the planner refuses the resident run and the run can stream;
+    a run that cannot stream keeps the planner's refusal (collective)."""
+    refusal = streaming_refusal(inputs.recipe, options, inputs.impl)
+    if stream == "on" and refusal is not None:
+        raise UsageError(f"{input_name(input_names, 'stream')} on: cannot stream this run: {refusal}")
+    if stream == "on":
+        return True, None if force else _refuse_before_loading(model_dir, inputs.recipe, data_shape, options,
+                                                                shard_root, cpu_offload, inputs.impl, streamed=True)  # fmt: skip
+    if force:
+        return False, None
+    try:
+        return False, _refuse_before_loading(
+            model_dir, inputs.recipe, data_shape, options, shard_root, cpu_offload, inputs.impl
+        )
+    except InsufficientMemoryError as resident:
+        if stream == "off" or refusal is not None:
+            raise
+        try:
+            planned = _refuse_before_loading(
+                model_dir, inputs.recipe, data_shape, options, shard_root, cpu_offload, inputs.impl, streamed=True
+            )
+        except InsufficientMemoryError:
+            raise resident from None
+        warnings.warn(
+            f"the model does not fit in memory resident ({resident}); streaming its decoder layers from disk instead, "
+            f"one at a time ({input_name(input_names, 'stream')} off refuses instead)",
+            stacklevel=3,
+        )
+        return True, planned
+
+
 def _refuse_before_loading(
     model_dir: Path,
     recipe: Recipe,
@@ -183,10 +249,11 @@ def _refuse_before_loading(
     shard_root: bool,
     cpu_offload: bool,
     impl: str,
+    streamed: bool = False,
 ) -> list[float] | None:
-    """The planner's check (collective): stop every rank before loading when the predicted peak does not fit; a
-    model the planner cannot build (it has no decoder layers the registry finds, say) runs with a warning (None).
-    Returns every rank's predicted peak growth (MiB), in rank order."""
+    """The planner's check (collective): stop every rank before loading when the predicted peak (of a ``streamed``
+    run, or a resident one) does not fit; a model the planner cannot build (it has no decoder layers the registry
+    finds, say) runs with a warning (None). Returns every rank's predicted peak growth (MiB), in rank order."""
     from ..errors import ConfigError, PlanError
     from ..plan.planner import check_before_loading, check_plannable
 
@@ -196,7 +263,14 @@ def _refuse_before_loading(
         warnings.warn(f"the memory check before loading was skipped: {exc}", stacklevel=2)
         return None
     plan = check_before_loading(
-        model_dir, recipe, data_shape, options, cpu_offload=cpu_offload, shard_root=shard_root, impl=impl
+        model_dir,
+        recipe,
+        data_shape,
+        options,
+        cpu_offload=cpu_offload,
+        shard_root=shard_root,
+        impl=impl,
+        streamed=streamed,
     )
     return [r.peak / 2**20 for r in sorted(plan.ranks, key=lambda r: r.rank)]
 

@@ -33,6 +33,7 @@ PARAMETER_NAMES: dict[str, str] = {
     "model_impl": "model_impl",
     "format": "format",
     "export_dtype": "export_dtype",
+    "stream": "stream",
 }
 
 

@@ -461,6 +461,8 @@ class PlanSettings:
     cpu_offload: bool = False
     shard_root: bool = True
     options: CalibrationOptions = field(default_factory=CalibrationOptions)
+    #: A streamed run (:mod:`shardcal.pipeline.streamed`): decoder layers read in for their step, exported at its end.
+    streamed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "num_samples", "seq_len"):
@@ -719,7 +721,10 @@ class _Model:
 
         units = prepared.unit_groups
         self.gathered = {u: grouped(units.get(u, {}), True) for u in prepared.export_units}
-        self.shards = sum(grouped(g, False) for g in units.values())
+        # what stays on a rank between steps: every unit's shard, or (streamed) those outside the decoder layers
+        streamed = set(prepared.layer_names) if s.streamed else set()
+        self.own_rows = {u: grouped(units.get(u, {}), False) for u in prepared.layer_names}
+        self.shards = sum(grouped(g, False) for u, g in units.items() if u not in streamed)
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def __getattr__(self, name: str) -> Any:  # the world-independent parts
@@ -845,7 +850,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     def split(dev: int, cache: int) -> tuple[int, int]:
         return (dev + batch_copies, cache) if cache_on_host else (dev + cache, 0)
 
-    phases: dict[str, tuple[int, int]] = {"load": (shards_dev, shards_host + read)}
+    pages = 0 if s.streamed else read  # a streamed run reads into buffers it frees: no checkpoint page stays
+    phases: dict[str, tuple[int, int]] = {"load": (shards_dev, shards_host + pages)}
     root_dev = m.gathered["<root>"] if s.shard_root else 0
     embed_batch = biggest * seq * (hidden * e + 12 * st.head_dim)
     embed = max(m.gather_peak("<root>") if s.shard_root else 0, root_dev + embed_batch)
@@ -860,6 +866,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     for i in m.last_of_kind:
         unit = m.layer_names[i]
         base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
+        if s.streamed:  # the next layer's rows, read while this one computes; this layer's tensors, encoded at its end
+            base += m.own_rows[unit] + (m.encoded[unit] if m.owner(i, unit) == rank else 0)
         algo = m.algorithm_state(i, rank, my_rows)
         fwd, fwd_q = m.forward(i, biggest, False), m.forward(i, biggest, True)
         one = hidden_cache + rotary + reference
@@ -878,6 +886,8 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
     phases["layers"] = (max(d for d, _ in layer_peaks), shards_host + max(h for _, h in layer_peaks))
     export_peak, encode_peak, host_copy = 0, 0, 0
     for index, unit in enumerate(m.export_units):
+        if s.streamed and unit in m.own_rows:  # written in its step (above)
+            continue
         owned = m.owner(index, unit) == rank
         enc = m.encoded[unit] if owned else 0
         export_peak = max(export_peak, m.gather_peak(unit) if unit != "<root>" or s.shard_root else 0,
@@ -897,7 +907,7 @@ def _rank_plan(m: _Model, rank: int) -> RankPlan:
         "weight_observer": wobs,
         "algorithm_state": algo_peak,
         "export_buffers": encode_peak,
-        "checkpoint_pages": read,
+        "checkpoint_pages": pages,
         "runtime": runtime,
     }
     if on_gpu:
@@ -1335,8 +1345,10 @@ def check_before_loading(
     cpu_offload: bool = False,
     shard_root: bool = True,
     impl: str = "auto",
+    streamed: bool = False,
 ) -> CalibrationPlan:
-    """Plan this rank's calibration and stop every rank before anything is loaded when it does not fit.
+    """Plan this rank's calibration (a ``streamed`` one, or resident) and stop every rank before anything is loaded
+    when it does not fit.
 
     Collective (every rank calls it; one small all-gather decides). Each rank checks its own device's free memory
     and its node's host memory for the node's ranks together (``LOCAL_WORLD_SIZE`` consecutive ranks, as torchrun
@@ -1354,7 +1366,7 @@ def check_before_loading(
     node_first = rank - min(int(os.environ.get("LOCAL_RANK", rank % local)), rank)
     settings = PlanSettings(
         world_size=size, local_world_size=local, num_samples=int(data_shape[0]), seq_len=int(data_shape[1]),
-        device=device, cpu_offload=cpu_offload, shard_root=shard_root, options=options,
+        device=device, cpu_offload=cpu_offload, shard_root=shard_root, options=options, streamed=streamed,
     )  # fmt: skip
     source = read_source(model_dir, impl=impl)
     plan = plan_source(source, recipe, settings, model_dir)

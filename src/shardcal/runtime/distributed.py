@@ -229,6 +229,42 @@ def all_gather_tensors(t: torch.Tensor, group: Any = DEFAULT_GROUP) -> list[torc
     return [o.to(t.device) for o in out]
 
 
+def row_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a dim-0 split over ``world_size`` ranks that ``rank`` holds: chunks of
+    ``ceil(rows / world_size)``, the last ones shorter or empty (FSDP2's ``Shard(0)``)."""
+    chunk = -(-rows // world_size) if rows else 0
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def all_gather_rows_(full: torch.Tensor, local: torch.Tensor, group: Any = DEFAULT_GROUP) -> torch.Tensor:
+    """Fill ``full`` (``[N, ...]``) from every rank's rows, this rank's being ``local`` (its :func:`row_range`);
+    exact for any dtype (the rows travel as bytes). Collective; the copy alone in a single process."""
+    group = _resolve(group)
+    if not _active(group):
+        return full.copy_(local)
+    size = dist.get_world_size(group)
+    rows = full.shape[0]
+    chunk = -(-rows // size) if rows else 0
+    row_bytes = (full[0].numel() if rows else 0) * full.element_size()
+    device = comm_device(group, full.device)
+    send = torch.zeros(max(chunk * row_bytes, 1), dtype=torch.uint8, device=device)
+    mine = (
+        local.detach().contiguous().reshape(-1).view(torch.uint8)
+        if local.numel()
+        else local.new_empty(0, dtype=torch.uint8)
+    )
+    send[: mine.numel()].copy_(mine.to(device))
+    received = [torch.empty_like(send) for _ in range(size)]
+    dist.all_gather(received, send, group=group)
+    target = full.view(-1).view(torch.uint8) if full.numel() else None
+    for r, part in enumerate(received):
+        start, stop = row_range(rows, r, size)
+        if stop > start:
+            target[start * row_bytes : stop * row_bytes].copy_(part[: (stop - start) * row_bytes].to(full.device))
+    return full
+
+
 def barrier(group: Any = DEFAULT_GROUP) -> None:
     """Wait until every rank of ``group`` (default: the world) gets here; a no-op for a single process."""
     group = _resolve(group)

@@ -1,0 +1,248 @@
+"""``load_streamed``: a model whose decoder layers stay on disk until their step, for models larger than memory.
+
+Everything outside the decoder stack (embeddings, final norm, LM head, towers) is loaded as :func:`load_pretrained`
+loads it — FSDP2-sharded, each rank reading its own rows. The decoder layers' parameters stay on the meta device.
+When a step holds layer ``i`` (:mod:`shardcal.sharding.residency`), each rank reads its own rows of the layer's
+tensors with plain reads (:class:`~shardcal.models.reads.ReadingReader`: no memory map, so no file page stays in
+the process), the ranks gather them, and every rank holds the whole layer, as a resident run's gather gives it;
+while the step computes, a thread reads this rank's rows of layer ``i + 1``. When the step is done the hooks
+registered with :meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to
+the meta device: at most the layer in its step, the next layer's rows and the activations are in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..models.config import load_config
+from ..models.reads import ReadingReader
+from ..runtime.distributed import all_gather_rows_, row_range, world
+from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, dominant_dtype, fsdp2_units, init_fsdp2_root
+from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, WeightsApplier
+from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
+from .sources import Source
+
+
+class StreamedLayers(ResidentLayers):
+    """The decoder layers of a streamed model: read in for their step, released after it (see the module docstring).
+
+    ``bytes_read``: what this rank read of the layers so far; ``on_release(hook)``: ``hook(index, layer)`` runs on a
+    held layer just before its parameters are released (every rank, in registration order)."""
+
+    streamed = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reader: ReadingReader,
+        sources: dict[str, Source],
+        device: torch.device,
+        prefetch: bool,
+    ):
+        self.model, self.reader, self.sources, self.device, self.prefetch = model, reader, sources, device, prefetch
+        self.layers = require_decoder_layers(model)
+        self.prefix = decoder_layer_prefix(model, self.layers)
+        self.bytes_read = 0
+        self._hooks: list[Callable[[int, nn.Module], None]] = []
+        self._pending: dict[str, Any] = {}  # checkpointed weights not yet applied, by parameter name
+        self._apply: WeightsApplier | None = None
+        self._next: tuple[int, threading.Thread, dict[str, torch.Tensor]] | None = None
+
+    def on_release(self, hook: Callable[[int, nn.Module], None]) -> None:
+        self._hooks.append(hook)
+
+    def apply_weights(self, model: nn.Module, pieces: Mapping[str, Any], apply: WeightsApplier) -> None:
+        """Checkpointed weights are applied to each layer when it is read in (the resident rows they replace are
+        never held)."""
+        self._apply, self._pending = apply, dict(pieces)
+
+    def _names(self, index: int, layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+        """``(full name, owning module, attribute, parameter)`` of the layer's parameters."""
+        out = []
+        for module_name, module in layer.named_modules(prefix=f"{self.prefix}.{index}"):
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    out.append((f"{module_name}.{attr}", module, attr, p))
+        return out
+
+    def _read_own_rows(self, names: list[tuple[str, nn.Module, str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        """This rank's rows of each parameter (its :func:`row_range`), cast to the parameter's dtype."""
+        rank, size = world()
+        out = {}
+        for name, _, _, p in names:
+            start, stop = row_range(p.shape[0], rank, size) if p.dim() else (0, 0)
+            source = self.sources[name]
+            rows = source.rows(self.reader, start, stop) if p.dim() else source.full(self.reader)
+            self.bytes_read += rows.numel() * rows.element_size()
+            out[name] = rows.to(p.dtype)
+        return out
+
+    def _start_prefetch(self, index: int, layer: nn.Module) -> None:
+        names = self._names(index, layer)
+        box: dict[str, torch.Tensor] = {}
+        thread = threading.Thread(target=lambda: box.update(self._read_own_rows(names)), daemon=True)
+        thread.start()
+        self._next = (index, thread, box)
+
+    def _own_rows(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's rows of layer ``index``: prefetched, or read now."""
+        if self._next is not None and self._next[0] == index:
+            _, thread, box = self._next
+            self._next = None
+            thread.join()
+            if len(box) == len(self._names(index, layer)):
+                return box
+        return self._read_own_rows(self._names(index, layer))
+
+    @contextlib.contextmanager
+    def held(self, index: int, layer: nn.Module) -> Iterator[nn.Module]:
+        names = self._names(index, layer)
+        own = self._own_rows(index, layer)
+        with torch.no_grad():
+            for name, module, attr, p in names:
+                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                if p.dim():
+                    all_gather_rows_(full, own.pop(name).to(self.device))
+                else:
+                    full.copy_(own.pop(name))
+                module._parameters[attr] = nn.Parameter(full, requires_grad=p.requires_grad)
+        if self._apply is not None:
+            mine = {n: v for n, v in self._pending.items() if n.startswith(f"{self.prefix}.{index}.")}
+            if mine:
+                self._apply(self.model, mine)
+        if self.prefetch and index + 1 < len(self.layers):
+            self._start_prefetch(index + 1, self.layers[index + 1])
+        try:
+            yield layer
+            for hook in self._hooks:
+                hook(index, layer)
+        finally:
+            for _, module, attr, p in self._names(index, layer):
+                module._parameters[attr] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+                )
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next[1].join()
+            self._next = None
+        self.reader.close()
+
+
+def load_streamed(
+    path: str | Path, *, shard_root: bool = True, dtype: torch.dtype | str | None = None, prefetch: bool = True
+) -> nn.Module:
+    """Load a Hugging Face-format directory for a streamed run (see the module docstring): the parts outside the
+    decoder stack sharded and resident, the decoder layers read in when a step holds them. shardcal's own model
+    classes; collective (every rank calls it). The model's residency (``model._shardcal_residency``) is a
+    :class:`StreamedLayers`; its distribution plan records the bytes this rank read."""
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+    cfg = load_config(path)
+    if cfg.raw.get("quantization_config") is not None:
+        raise CheckpointError(f"{path}: load_streamed reads unquantized checkpoints")
+    reader = ReadingReader(path)
+    try:
+        target = resolve_dtype(cfg, dtype)
+        model = build_on_meta(cfg, target)
+        check_checkpoint_keys(model, reader, cfg)
+        set_param_dtypes(model, param_dtypes(model, reader, target))
+        layers = require_decoder_layers(model)
+        prefix = decoder_layer_prefix(model, layers)
+        mesh = default_mesh(model)
+        device = torch.device("cpu") if mesh.device_type == "cpu" else _current_device(mesh)
+        streamed = {id(p) for p in layers.parameters()}
+        with _without(model, layers):
+            main = dominant_dtype(model)  # the rest's off-dtype parameters stay replicated, as fsdp2_wrap keeps them
+        ignored = {p for p in model.parameters() if id(p) in streamed or p.dtype != main}
+        kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": OffloadPolicy(), "ignored_params": ignored}
+        for module in fsdp2_units(model, replicate=list(layers)):
+            if module is getattr(model, "lm_head", None) and not shard_root:
+                continue
+            fully_shard(module, reshard_after_forward=True, **kwargs)
+        if shard_root:
+            fully_shard(model, reshard_after_forward=True, **kwargs)
+        with _without(model, layers):
+            buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+            model.to_empty(device=device)  # the rest only: the decoder stack is detached
+            with torch.no_grad():
+                for name, value in buffers.items():
+                    model.get_buffer(name).copy_(value)
+            if callable(getattr(model, "tie_weights", None)):
+                model.tie_weights()
+            read = _fill_root(model, reader)
+        if shard_root:
+            model._get_fsdp_state()._lazy_init()  # the decoder layers stay on meta: init_fsdp2_root would wait
+        init_fsdp2_root(model)
+        _layer_buffers(layers, prefix, reader, path, device)
+        sources = {n: Source([[n]]) for n, _ in layers.named_parameters(prefix=prefix)}
+        residency = StreamedLayers(model, reader, sources, device, prefetch)
+    except BaseException:
+        reader.close()
+        raise
+    setattr(model, RESIDENCY_ATTR, residency)
+    setattr(model, DISTRIBUTION_PLAN_ATTR, {"streamed": True, "shard_root": shard_root, "world_size": mesh.size(),
+                                            "rank": world()[0], "bytes_read": read})  # fmt: skip
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _without(model: nn.Module, layers: nn.ModuleList) -> Iterator[None]:
+    """``model`` with its decoder stack detached for the block (so that materialising the rest leaves it on meta)."""
+    parent, attr = next((m, name) for m in model.modules() for name, child in m.named_children() if child is layers)
+    setattr(parent, attr, nn.ModuleList())
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)
+
+
+def _layer_buffers(
+    layers: nn.ModuleList, prefix: str, reader: ReadingReader, path: str | Path, device: torch.device
+) -> None:
+    """The decoder layers' buffers stay resident (they are small): computed ones as built, stored ones read whole."""
+    for name, buffer in list(layers.named_buffers(prefix=prefix)):
+        if buffer.device.type != "meta":
+            continue
+        if name not in reader:
+            raise CheckpointError(f"{path}: buffer {name!r} is neither computed by the model nor stored")
+        owner, _, attr = name[len(prefix) + 1 :].rpartition(".")
+        module = layers.get_submodule(owner) if owner else layers
+        module._buffers[attr] = reader.get(name).to(device=device, dtype=buffer.dtype)
+
+
+def _fill_root(model: nn.Module, reader: ReadingReader) -> int:
+    """The parameters outside the decoder stack: this rank's rows of the sharded ones, the replicated ones whole."""
+    from torch.distributed.tensor import DTensor
+
+    from ..sharding.fsdp2 import local_rows
+
+    read = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.device.type == "meta":
+                continue
+            if isinstance(param, DTensor):
+                start, stop = local_rows(param)
+                if stop > start:
+                    rows = reader.get_rows(name, start, stop)
+                    param.to_local().copy_(rows)
+                    read += rows.numel() * rows.element_size()
+            else:
+                full = reader.get(name)
+                param.copy_(full)
+                read += full.numel() * full.element_size()
+    return read
+
+
+def _current_device(mesh: Any) -> torch.device:
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())

@@ -1,0 +1,87 @@
+"""A streamed calibration: the decoder layers stay on disk until their step, and each is exported at the end of it.
+
+:func:`calibrate_streamed` is what :func:`~.calibrate.calibrate_to_checkpoint` runs when it streams: the model is
+loaded by :func:`shardcal.loading.streamed.load_streamed` (everything but the decoder layers, sharded), the export is
+planned from the model's structure and the recipe before anything is calibrated (:func:`~shardcal.export.export.
+plan_streamed_export`), and every decoder layer is written into the export while its step still holds it — so a rank
+never holds more than the layer in its step, the next layer's rows and the activations. :func:`streaming_refusal`
+says which runs cannot stream, and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from ..calib.recipes import Recipe, quantize_modules
+from ..calib.report import CalibrationReport
+from ..calib.runner import calibrate
+from ..export.export import ExportSession, plan_streamed_export
+from ..layerwise.options import CalibrationOptions
+from ..sharding.residency import residency_of
+
+#: What ``stream=`` (``--stream``) takes: stream when the resident run does not fit, always, or never.
+STREAM_MODES: tuple[str, ...] = ("auto", "on", "off")
+
+
+def streaming_refusal(recipe: Recipe, options: CalibrationOptions, impl: str) -> str | None:
+    """Why a run with ``recipe``, ``options`` and model implementation ``impl`` cannot stream (None: it can)."""
+    if impl != "shardcal":
+        return "a model loaded with transformers' class is loaded whole; streaming needs shardcal's own model class"
+    if recipe.rotates_residual:
+        return (
+            f"recipe {recipe.name!r} rotates the residual stream ([rotation] residual), folded into every layer's "
+            "weights before the first step: that needs the whole model at once"
+        )
+    if recipe.fallback is not None:
+        return (
+            f"recipe {recipe.name!r} has a [fallback], which decides after each layer's step how it is stored; a "
+            "streamed export is laid out before the run"
+        )
+    if options.checkpoint_dir is not None:
+        return "a streamed run does not write a calibration checkpoint (resuming one is not built yet)"
+    return None
+
+
+def calibrate_streamed(
+    model_dir: Path,
+    out_dir: Path,
+    recipe: Recipe,
+    ids: object,
+    options: CalibrationOptions,
+    *,
+    overwrite: bool,
+    shard_root: bool,
+    export_format: object,
+    export_dtype: object,
+) -> CalibrationReport:
+    """Load ``model_dir`` streamed, calibrate it on ``ids`` with ``recipe`` and export it to ``out_dir``, each decoder
+    layer written at the end of its step (collective). A failure or Ctrl-C anywhere leaves no ``out_dir`` (and no
+    staging directory). Returns the calibration report."""
+    from ..loading.streamed import load_streamed
+
+    model = load_streamed(model_dir, shard_root=shard_root)
+    residency = residency_of(model)
+    try:
+        plan = plan_streamed_export(model, recipe, _attach, format=export_format, dtype=export_dtype)
+        session = ExportSession(
+            model, out_dir, recipe, overwrite=overwrite, tokenizer_dir=model_dir, format=export_format,
+            dtype=export_dtype, source=model_dir, planned=plan,
+        )  # fmt: skip
+        try:
+            residency.on_release(session.write_held_layer)
+            report = calibrate(model, ids, recipe, options)
+            session.write_remaining()
+            session.finish(report)
+        except BaseException:
+            session.abort()
+            raise
+    finally:
+        residency.close()
+    return report
+
+
+def _attach(layer: nn.Module, recipe: Recipe, prefix: str) -> None:
+    """What calibration attaches to a decoder layer before its step (the quantizers, the input rotations)."""
+    quantize_modules(layer, recipe, prefix=prefix)

@@ -1,0 +1,243 @@
+"""A streamed run (``stream="on"``, ``--stream``): the decoder layers read in for their step and exported at its end
+give the resident run's export byte for byte (every file but the timed report), on one rank and on two; it streams by
+itself when the resident run does not fit the memory; what cannot stream is refused with the reason; a failure or
+Ctrl-C leaves nothing; each rank reads only its own rows (counted from the files' headers, outside the reader)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from shardcal.errors import InsufficientMemoryError, RunInterrupted, UsageError
+from shardcal.layerwise.options import CalibrationOptions
+from shardcal.pipeline import calibrate as pipeline_calibrate
+from shardcal.runtime.faults import armed
+
+from _dist import run_on_ranks
+from _injected import ExportInterrupted, fail_export_at
+from _tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: Written by rank 0 beside the export with timings (the report) or matplotlib's bytes (the plot), and the manifest
+#: that records the report's size.
+TIMED = ("calibration_report.json", "calibration_sqnr.png", "shardcal_export.json")
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("streamed")
+    model_dir = make_tiny_checkpoint(root, "llama", seed=5)
+    np.save(root / "ids.npy", np.random.default_rng(1).integers(0, 256, size=(6, 16)))
+    return model_dir, root / "ids.npy"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in TIMED}
+
+
+def _tensors(folder: Path) -> dict[str, bytes]:
+    """Every stored tensor's bytes by name, whichever file holds it."""
+    out: dict[str, bytes] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update({k: v.tobytes() for k, v in load_file(shard).items()})
+    return out
+
+
+def _run(model_dir: Path, data: Path, out: Path, recipe: str, stream: str, **kwargs) -> list[float]:
+    result = pipeline_calibrate.calibrate_to_checkpoint(model_dir, out, recipe, data=data, stream=stream, **kwargs)
+    return [layer.sqnr_db for layer in result.report.layers]
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic-kv", "w8a8-int8-sq", "w4a16-gptq-rot", "nvfp4-sq-gptq", "w4a16-awq"])
+def test_streamed_export_is_the_resident_export(model_and_data, tmp_path, recipe):
+    """Observers, SmoothQuant, GPTQ, AWQ, online rotations, the KV cache: the same files, the same SQNRs."""
+    model_dir, data = model_and_data
+    resident = _run(model_dir, data, tmp_path / "resident", recipe, "off")
+    streamed = _run(model_dir, data, tmp_path / "streamed", recipe, "on")
+    assert streamed == resident
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+
+
+def test_streamed_moe_export_is_the_resident_export(tmp_path):
+    """Fused experts: their 3-D parameters read by rows like any other."""
+    model_dir = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=2)
+    np.save(tmp_path / "ids.npy", np.random.default_rng(2).integers(0, 256, size=(4, 16)))
+    _run(model_dir, tmp_path / "ids.npy", tmp_path / "resident", "fp8", "off")
+    _run(model_dir, tmp_path / "ids.npy", tmp_path / "streamed", "fp8", "on")
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+
+
+def _on_rank(model_dir: str, data: str, out: str, stream: str) -> dict[str, int]:
+    from shardcal.loading.streamed import StreamedLayers
+
+    seen: dict[str, int] = {}
+    original = StreamedLayers.close
+
+    def counting(self) -> None:  # what this rank read of the decoder layers in the whole run
+        original(self)
+        seen["bytes_read"] = self.bytes_read
+
+    StreamedLayers.close = counting
+    try:
+        _run(Path(model_dir), Path(data), Path(out), "w4a16-gptq", stream)
+    finally:
+        StreamedLayers.close = original
+    return seen
+
+
+def test_two_ranks_stream_the_resident_export_and_one_ranks_tensors(model_and_data, tmp_path):
+    """2 ranks streamed: the 2-rank resident export's files, the 1-rank export's tensors; each rank reads its own
+    rows of the layers (about half of them), counted against the files' headers."""
+    model_dir, data = model_and_data
+    run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "resident2"), "off")
+    reads = run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "streamed2"), "on")
+    assert "bytes_read" not in run_on_ranks(1, _on_rank, str(model_dir), str(data), str(tmp_path / "r1"), "off")[0]
+    _run(model_dir, data, tmp_path / "one", "w4a16-gptq", "on")
+    assert _files(tmp_path / "streamed2") == _files(tmp_path / "resident2")
+    assert _tensors(tmp_path / "streamed2") == _tensors(tmp_path / "one")
+    counted = [r["bytes_read"] for r in reads]  # the tiny model's tensors split evenly: each rank reads half
+    assert counted[0] == counted[1] and sum(counted) == _layer_bytes_on_disk(model_dir)
+
+
+def _layer_bytes_on_disk(model_dir: Path) -> int:
+    """The decoder layers' bytes from the safetensors header, read here (not by shardcal's reader)."""
+    path = next(model_dir.glob("*.safetensors"))
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    spans = [entry["data_offsets"] for key, entry in header.items() if key.startswith("model.layers.")]
+    return sum(stop - start for start, stop in spans)
+
+
+def test_auto_streams_when_the_resident_run_does_not_fit(model_and_data, tmp_path, monkeypatch):
+    """A budget between the streamed and the resident plan's needs: auto streams (one warning says so), off is
+    refused by the planner, and the export is the resident one's."""
+    from shardcal.plan import planner
+
+    model_dir, data = model_and_data
+    _run(model_dir, data, tmp_path / "resident", "fp8", "off", force=True)
+    options = CalibrationOptions()
+    ids_shape = tuple(np.load(data).shape)
+    need = {}
+    for streamed in (False, True):
+        settings = planner.PlanSettings(num_samples=ids_shape[0], seq_len=ids_shape[1], streamed=streamed)
+        plan = planner.plan_source(planner.read_source(model_dir), _recipe("fp8"), settings, model_dir)
+        need[streamed] = plan.ranks[0].required
+    assert need[True] < need[False]
+    budget = (need[True] + need[False]) // 2
+    monkeypatch.setattr(planner, "local_budget", lambda device: planner.Budget(None, budget))
+    with pytest.raises(InsufficientMemoryError):
+        _run(model_dir, data, tmp_path / "off", "fp8", "off")
+    assert not (tmp_path / "off").exists()
+    with pytest.warns(UserWarning, match="streaming its decoder layers from disk"):
+        _run(model_dir, data, tmp_path / "auto", "fp8", "auto")
+    assert _files(tmp_path / "auto") == _files(tmp_path / "resident")
+    monkeypatch.setattr(planner, "local_budget", lambda device: planner.Budget(None, need[True] // 2))
+    with pytest.raises(InsufficientMemoryError):  # neither fits: the resident refusal, unchanged
+        _run(model_dir, data, tmp_path / "neither", "fp8", "auto")
+
+
+def _recipe(name: str):
+    from shardcal.calib.recipes import load_recipe
+
+    return load_recipe(name)
+
+
+FALLBACK = """name = "fb"
+[weight]
+format = "int4"
+granularity = "group"
+group_size = 32
+[fallback]
+min_layer_sqnr_db = 60
+full_precision = true
+"""
+RESIDUAL = """name = "res"
+[weight]
+format = "int8"
+granularity = "channel"
+[rotation]
+residual = "hadamard"
+"""
+
+
+@pytest.mark.parametrize(
+    ("recipe", "kwargs", "reason"),
+    [
+        (FALLBACK, {}, r"\[fallback\]"),
+        (RESIDUAL, {}, r"residual stream"),
+        ("fp8", {"options": CalibrationOptions(checkpoint_dir="CKPT")}, "calibration checkpoint"),
+        ("fp8", {"model_impl": "transformers"}, "transformers' class"),
+    ],
+    ids=["fallback", "residual-rotation", "checkpoint-dir", "transformers-class"],
+)
+def test_what_cannot_stream_is_refused_with_the_reason(model_and_data, tmp_path, recipe, kwargs, reason):
+    model_dir, data = model_and_data
+    if recipe.startswith("name"):
+        (tmp_path / "r.toml").write_text(recipe)
+        recipe = str(tmp_path / "r.toml")
+    if "options" in kwargs:
+        kwargs = {"options": CalibrationOptions(checkpoint_dir=str(tmp_path / "ckpt"))}
+    if kwargs.get("model_impl") == "transformers":
+        pytest.importorskip("transformers")
+    with pytest.raises(UsageError, match=rf"stream on: cannot stream this run: .*{reason}"):
+        _run(model_dir, data, tmp_path / "out", recipe, "on", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_stream_mode_is_named(model_and_data, tmp_path):
+    model_dir, data = model_and_data
+    with pytest.raises(UsageError, match=r"stream 'yes': expected one of auto, on, off"):
+        _run(model_dir, data, tmp_path / "out", "fp8", "yes")
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith((".out", "out")))
+
+
+def test_a_failed_streamed_export_leaves_nothing(model_and_data, tmp_path):
+    """A failure while a layer is written at the end of its step: the error comes through, no out_dir, no staging."""
+    model_dir, data = model_and_data
+    with fail_export_at(1), pytest.raises(ExportInterrupted, match="unit 1"):
+        _run(model_dir, data, tmp_path / "out", "fp8", "on")
+    assert _leftovers(tmp_path) == []
+
+
+def test_ctrl_c_in_a_streamed_run_leaves_nothing_and_says_so(model_and_data, tmp_path):
+    model_dir, data = model_and_data
+
+    def interrupt(unit: int, unit_name: str) -> None:  # while layer 0, calibrated, is written
+        if unit == 0:
+            raise KeyboardInterrupt
+
+    with armed("export.unit", interrupt), pytest.raises(RunInterrupted) as caught:
+        _run(model_dir, data, tmp_path / "out", "fp8", "on")
+    assert str(caught.value) == (
+        f"interrupted at layer 1 of 2 of a streamed run: {tmp_path / 'out'} was not written (a streamed run keeps "
+        "no calibration checkpoint)"
+    )
+    assert _leftovers(tmp_path) == []
+
+
+def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(model_and_data):
+    """The streamed plan: the same bytes read, no checkpoint page kept, less held between steps."""
+    from shardcal.plan import planner
+
+    model_dir, _ = model_and_data
+    plans = {
+        streamed: planner.plan_source(
+            planner.read_source(model_dir), _recipe("fp8"),
+            planner.PlanSettings(world_size=2, num_samples=6, seq_len=16, streamed=streamed), model_dir,
+        ).ranks[0]
+        for streamed in (False, True)
+    }  # fmt: skip
+    resident, streamed = plans[False], plans[True]
+    assert streamed.bytes_read == resident.bytes_read > 0
+    assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
+    layers = _layer_bytes_on_disk(model_dir)
+    assert resident.parts["param_shards"] - streamed.parts["param_shards"] == pytest.approx(layers / 2, rel=0.05)
