@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _injected import ExportInterrupted, fail_export_at
 from safetensors.numpy import load_file
 
 from shardcal.errors import InsufficientMemoryError, RunInterrupted, UsageError
@@ -19,7 +20,6 @@ from shardcal.pipeline import calibrate as pipeline_calibrate
 from shardcal.runtime.faults import armed
 
 from _dist import run_on_ranks
-from _injected import ExportInterrupted, fail_export_at
 from _tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,7 +121,6 @@ def test_auto_streams_when_the_resident_run_does_not_fit(model_and_data, tmp_pat
 
     model_dir, data = model_and_data
     _run(model_dir, data, tmp_path / "resident", "fp8", "off", force=True)
-    options = CalibrationOptions()
     ids_shape = tuple(np.load(data).shape)
     need = {}
     for streamed in (False, True):
