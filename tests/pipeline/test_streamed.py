@@ -6,6 +6,7 @@ Ctrl-C leaves nothing; each rank reads only its own rows (counted from the files
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -240,3 +241,31 @@ def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(mo
     assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
     layers = _layer_bytes_on_disk(model_dir)
     assert resident.parts["param_shards"] - streamed.parts["param_shards"] == pytest.approx(layers / 2, rel=0.05)
+
+
+def test_plan_shows_the_streamed_run_beside_the_resident_one(model_and_data, capsys):
+    from shardcal.cli import main as cli
+
+    model_dir, _ = model_and_data
+    assert cli.main(["plan", str(model_dir), "--recipe", "fp8", "--host-memory", "10GB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "fits: 10.0 GiB host (--host-memory)" or lines[-2].startswith("fits: ")
+    assert re.fullmatch(
+        r"streamed \(--stream on\): peak [\d.]+ [KMG]iB per rank \(rank 0, while \w+\), reads [\d.]+ KiB", lines[-1]
+    )
+    assert cli.main(["plan", str(model_dir), "--recipe", "fp8", "--host-memory", "1MB"]) == 0
+    assert "does not fit either" in capsys.readouterr().out.splitlines()[-1]
+    (model_dir.parent / "fb.toml").write_text(FALLBACK)
+    assert cli.main(["plan", str(model_dir), "--recipe", str(model_dir.parent / "fb.toml")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("streamed (--stream on): cannot stream this run: recipe")
+
+
+def test_the_command_says_it_streamed(model_and_data, tmp_path, capsys):
+    from shardcal.cli import main as cli
+
+    model_dir, data = model_and_data
+    args = ["calibrate", str(model_dir), "--recipe", "fp8", "--data", str(data), "--out", str(tmp_path / "o")]
+    assert cli.main([*args, "--stream", "on"]) == 0
+    assert "over 1 rank(s) streamed from disk in " in capsys.readouterr().out
+    assert cli.main([*args, "--stream", "off", "--overwrite"]) == 0
+    assert "streamed from disk" not in capsys.readouterr().out

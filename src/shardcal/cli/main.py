@@ -323,7 +323,8 @@ def calibrate_summary(result: PipelineResult) -> list[str]:  # noqa: F821
     sqnr = report.mean_sqnr_db
     lines = [
         f"calibrated {len(report.layers)} layers on {rows} x {length} tokens of {result.data_source} "
-        f"with {result.recipe.name} over {result.world_size} rank(s) in {result.seconds:.1f} s; mean layer SQNR "
+        f"with {result.recipe.name} over {result.world_size} rank(s){' streamed from disk' if result.streamed else ''} "
+        f"in {result.seconds:.1f} s; mean layer SQNR "
         f"{'n/a' if sqnr is None else f'{sqnr:.1f} dB'}",
         memory_summary(result),
     ]
@@ -642,12 +643,17 @@ def _plan(args: argparse.Namespace) -> int:
         pin_mmap_threshold()  # the allocator setting calibrate's ranks run with (it changes their speed)
         with_time(plan, source.config, recipe, args.model_dir)
     baseline = size_after_imports()
+    streamed, why_not = _streamed_plan(source, recipe, settings, impl, args.model_dir)
+    streamed_short = planning.shortfall(streamed, budget) if streamed is not None else None
     if args.json:
         out = plan.to_dict()
         out["budget"] = {"device_bytes": budget.device, "host_bytes": budget.host}
         out["fits"] = None if budget.device is None and budget.host is None else short is None
         out["fix"] = fix
         out["baseline_bytes"] = baseline
+        out["streamed"] = streamed.to_dict() if streamed is not None else {"refused": why_not}
+        if streamed is not None:
+            out["streamed"]["fits"] = out["fits"] if out["fits"] is None else streamed_short is None
         print(json.dumps(out))
         return 0
     print(planning.format_plan(plan, baseline=baseline))
@@ -657,7 +663,41 @@ def _plan(args: argparse.Namespace) -> int:
         known = [f"{planning.fmt_bytes(v)} {w}" for v, w in ((budget.device, budget.device_what),
                  (budget.host, f"host ({budget.host_what})")) if v is not None]  # fmt: skip
         print("fits: " + ", ".join(known))
+    print(_streamed_line(streamed, why_not, streamed_short, short is not None))
     return 0
+
+
+def _streamed_plan(source, recipe, settings, impl: str, model_dir: str):
+    """The plan of the same run streamed (``--stream on``), or None and why it cannot stream."""
+    import dataclasses
+
+    import shardcal.plan.planner as planning
+
+    from ..pipeline.streamed import streaming_refusal
+
+    why_not = streaming_refusal(recipe, settings.options, impl)
+    if why_not is not None:
+        return None, why_not
+    return planning.plan_source(source, recipe, dataclasses.replace(settings, streamed=True), model_dir), None
+
+
+def _streamed_line(streamed, why_not: str | None, short, resident_refused: bool) -> str:
+    """One line on the streamed run: its peak, whether it fits, and what calibrate does with the two."""
+    import shardcal.plan.planner as planning
+
+    if streamed is None:
+        return f"streamed (--stream on): cannot stream this run: {why_not}"
+    worst = max(streamed.ranks, key=lambda r: r.peak)
+    text = (
+        f"streamed (--stream on): peak {planning.fmt_bytes(worst.peak)} per rank (rank {worst.rank}, while "
+        f"{worst.peak_phase}), reads {planning.fmt_bytes(worst.bytes_read)}"
+    )
+    if short is not None:
+        return (
+            text
+            + f"; does not fit either ({planning.fmt_bytes(short.need)} needed, {planning.fmt_bytes(short.available)} {short.where})"
+        )
+    return text + ("; calibrate streams by itself (--stream auto)" if resident_refused else "")
 
 
 def size_after_imports() -> int | None:

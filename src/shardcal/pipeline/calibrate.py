@@ -76,6 +76,8 @@ class PipelineResult:
     memory_growth_mib: list[float] | None = None
     memory_baseline_mib: list[float] | None = None
     planned_growth_mib: list[float] | None = None
+    #: Whether the decoder layers were streamed from disk (``stream=``).
+    streamed: bool = False
 
     @property
     def process_peak_mib(self) -> list[float] | None:
@@ -180,7 +182,7 @@ def calibrate_to_checkpoint(
         out_dir=out_dir, report=report, recipe=inputs.recipe, rank=rank, world_size=world,
         data_shape=(int(ids.shape[0]), int(ids.shape[1])), data_source=source, seconds=seconds, peak_memory_mb=peaks,
         checkpoint_dir=options.checkpoint_dir, plot=plot, checkpoint_removed_bytes=removed,
-        memory_growth_mib=growth, memory_baseline_mib=baselines, planned_growth_mib=planned,
+        memory_growth_mib=growth, memory_baseline_mib=baselines, planned_growth_mib=planned, streamed=streamed,
     )  # fmt: skip
 
 
