@@ -83,7 +83,8 @@ class StreamedLayers(ResidentLayers):
             source = self.sources[name]
             rows = source.rows(self.reader, start, stop) if p.dim() else source.full(self.reader)
             self.bytes_read += rows.numel() * rows.element_size()
-            out[name] = rows.to(p.dtype)
+            rows = rows.to(p.dtype)
+            out[name] = rows.pin_memory() if self.device.type == "cuda" else rows  # copied to the GPU asynchronously
         return out
 
     def _start_prefetch(self, index: int, layer: nn.Module) -> None:
@@ -111,7 +112,7 @@ class StreamedLayers(ResidentLayers):
             for name, module, attr, p in names:
                 full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
                 if p.dim():
-                    all_gather_rows_(full, own.pop(name).to(self.device))
+                    all_gather_rows_(full, own.pop(name).to(self.device, non_blocking=True))
                 else:
                     full.copy_(own.pop(name))
                 module._parameters[attr] = nn.Parameter(full, requires_grad=p.requires_grad)
