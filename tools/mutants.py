@@ -53,6 +53,47 @@ CATALOGUE: list[Mutant] = [
         "    valid = (facts.algorithm_keeps == KEEPS_FULL_PRECISION) or (\n",
         "full-precision outputs a weight-changing algorithm's statistics pass kept go on as valid",
     ),
+    # ------------------------------------------------------------------ streaming (docs/scaling.md)
+    Mutant(
+        "stream-row-range",
+        "runtime/distributed.py",
+        "    start = min(rank * chunk, rows)\n    return start, min(start + chunk, rows)\n",
+        "    start = min(rank * chunk, rows)\n    return start, min(start + chunk - 1, rows)\n",
+        "each rank reads one row fewer than its share of a streamed layer",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "stream-write-offset",
+        "export/shards.py",
+        "                offset += e.nbytes\n",
+        "                offset += e.nbytes - (e.nbytes > 8)\n",
+        "tensors written at offsets that drift from the header's",
+        tests=("tests/pipeline/test_streamed.py", "tests/export/test_export.py"),
+    ),
+    Mutant(
+        "stream-release-before-export",
+        "loading/streamed.py",
+        "            yield layer\n            for hook in self._hooks:\n                hook(index, layer)\n",
+        "            yield layer\n",
+        "a streamed layer is released without being exported",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "stream-plan-keeps-pages",
+        "plan/planner.py",
+        "    pages = 0 if s.streamed else read",
+        "    pages = read",
+        "the streamed plan counts the checkpoint's pages as if memory-mapped",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "stream-plan-keeps-layer-shards",
+        "plan/planner.py",
+        "        streamed = set(prepared.layer_names) if s.streamed else set()\n",
+        "        streamed = set()\n",
+        "the streamed plan keeps every layer's shard resident",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
     # ------------------------------------------------------------------ the audit's breaks (docs/testing.md)
     Mutant(
         "break-1",

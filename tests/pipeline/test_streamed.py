@@ -269,3 +269,24 @@ def test_the_command_says_it_streamed(model_and_data, tmp_path, capsys):
     assert "over 1 rank(s) streamed from disk in " in capsys.readouterr().out
     assert cli.main([*args, "--stream", "off", "--overwrite"]) == 0
     assert "streamed from disk" not in capsys.readouterr().out
+
+
+def test_decoder_layers_with_buffers_are_refused(model_and_data, monkeypatch):
+    """Streaming materialises parameters only: a layer holding a buffer is named, not streamed with it missing."""
+    import torch
+
+    from shardcal.errors import CheckpointError
+    from shardcal.loading import streamed
+
+    built = streamed.build_on_meta
+
+    def with_a_buffer(cfg, dtype):
+        model = built(cfg, dtype)
+        model.model.layers[1].register_buffer("table", torch.zeros(3, device="meta"))
+        return model
+
+    monkeypatch.setattr(streamed, "build_on_meta", with_a_buffer)
+    with pytest.raises(
+        CheckpointError, match=r"cannot stream decoder layers that hold buffers \(model\.layers\.1\.table\)"
+    ):
+        streamed.load_streamed(model_and_data[0])

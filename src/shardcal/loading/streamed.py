@@ -184,7 +184,7 @@ def load_streamed(
         if shard_root:
             model._get_fsdp_state()._lazy_init()  # the decoder layers stay on meta: init_fsdp2_root would wait
         init_fsdp2_root(model)
-        _layer_buffers(layers, prefix, reader, path, device)
+        _layer_buffers(layers, prefix, path)
         sources = {n: Source([[n]]) for n, _ in layers.named_parameters(prefix=prefix)}
         residency = StreamedLayers(model, reader, sources, device, prefetch)
     except BaseException:
@@ -207,18 +207,12 @@ def _without(model: nn.Module, layers: nn.ModuleList) -> Iterator[None]:
         setattr(parent, attr, layers)
 
 
-def _layer_buffers(
-    layers: nn.ModuleList, prefix: str, reader: ReadingReader, path: str | Path, device: torch.device
-) -> None:
-    """The decoder layers' buffers stay resident (they are small): computed ones as built, stored ones read whole."""
-    for name, buffer in list(layers.named_buffers(prefix=prefix)):
-        if buffer.device.type != "meta":
-            continue
-        if name not in reader:
-            raise CheckpointError(f"{path}: buffer {name!r} is neither computed by the model nor stored")
-        owner, _, attr = name[len(prefix) + 1 :].rpartition(".")
-        module = layers.get_submodule(owner) if owner else layers
-        module._buffers[attr] = reader.get(name).to(device=device, dtype=buffer.dtype)
+def _layer_buffers(layers: nn.ModuleList, prefix: str, path: str | Path) -> None:
+    """A :class:`CheckpointError` when a decoder layer holds a buffer (shardcal's own layers hold none; streaming
+    materialises parameters only)."""
+    buffers = [name for name, _ in layers.named_buffers(prefix=prefix)]
+    if buffers:
+        raise CheckpointError(f"{path}: cannot stream decoder layers that hold buffers ({', '.join(buffers[:3])})")
 
 
 def _fill_root(model: nn.Module, reader: ReadingReader) -> int:
