@@ -286,6 +286,9 @@ def test_decoder_layers_with_buffers_are_refused(model_and_data, monkeypatch):
         return model
 
     monkeypatch.setattr(streamed, "build_on_meta", with_a_buffer)
+    from shardcal.runtime.distributed import init_distributed
+
+    init_distributed()
     with pytest.raises(
         CheckpointError, match=r"cannot stream decoder layers that hold buffers \(model\.layers\.1\.table\)"
     ):
