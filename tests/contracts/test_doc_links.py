@@ -75,9 +75,9 @@ def test_the_docs_index_links_every_page():
 
 def _named_doc_paths() -> dict[str, list[str]]:
     named: dict[str, list[str]] = {}
-    files = [ROOT / "Makefile", ROOT / "pyproject.toml", *PAGES]
+    files = [ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / ".ci" / "run", *PAGES]
     for folder in NAMING:
-        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".toml", ".md") and p.is_file()]
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".toml", ".md", ".sh") and p.is_file()]
     for file in files:
         if file == Path(__file__).resolve():
             continue  # this file names pages to test the checker
