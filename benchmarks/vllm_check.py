@@ -7,7 +7,7 @@ default data), then its perplexity as vLLM CPU computes it beside ``shardcal eva
 vLLM runs in its own venv (``make test-vllm`` or ``make bench-vllm`` creates ``.venv-vllm``), one subprocess for all
 exports (``tools/vllm_run.py``): float32, ``enforce_eager``, the logprob of every held-out token (``prompt_logprobs``);
 bfloat16 for weight-only int4 where vLLM CPU's own W4A16 kernel runs (it has no float32 path). Where vLLM CPU lacks a
-kernel on this machine a reference stands in for that step (the table names it; docs/vllm-conventions.md). The
+kernel on this machine a reference stands in for that step (the table names it; docs/reference/vllm-conventions.md). The
 held-out ids are ``shardcal eval``'s default data (8 x 256 tokens of the Wikipedia summaries' "eval" split), written
 to a file that both sides read; ``shardcal eval --data`` on it gives the shardcal column, and the same export with
 its embeddings perturbed by 1e-6 (three draws) shows how far last-bit differences alone move that perplexity.
