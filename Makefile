@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # The numerically sensitive tests (marker `numerics`) again with AVX2 kernels forced, as on a CPU without AVX-512:
-# an assertion that holds only for this machine's kernels fails here, not on a user's machine (docs/testing.md).
+# an assertion that holds only for this machine's kernels fails here, not on a user's machine (docs/design/testing.md).
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: $(STAMP)
 	env $(AVX2_ENV) $(PY) -m pytest -q -m numerics tests
@@ -81,7 +81,7 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 # Every shipped recipe's export of a tiny Llama loaded by vLLM CPU against shardcal's own model of it
-# (tests/export/test_vllm.py; docs/testing.md). Run it before resolving any issue that touches export.
+# (tests/export/test_vllm.py; docs/design/testing.md). Run it before resolving any issue that touches export.
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	SHARDCAL_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q -m vllm tests/export/test_vllm.py
 
@@ -91,7 +91,7 @@ bench-vllm: $(STAMP) $(VLLM_STAMP)
 	nice -n 10 $(PY) benchmarks/vllm_check.py --vllm-python $(VLLM_PY)
 
 # On demand, not in CI (slow: ~30-40 min on 2 cores): break the core modules one small change at a time
-# (tools/mutants.py) and list the changes the tests miss; results in runs/mutation-results.md (docs/testing.md).
+# (tools/mutants.py) and list the changes the tests miss; results in runs/mutation-results.md (docs/design/testing.md).
 # MUTATION_ARGS=--all adds every operator/constant mutant of the core modules (hours).
 mutation: $(STAMP)
 	nice -n 10 $(PY) tools/mutation.py $(MUTATION_ARGS)

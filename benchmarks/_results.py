@@ -60,7 +60,11 @@ def machine() -> str:
         torch_version = metadata.version("torch")
     except Exception:
         torch_version = "?"
-    return f"{cpu}, {os.cpu_count()} cores{memory}; torch {torch_version}, Python {platform.python_version()}"
+    try:  # how busy the machine was (timings on a shared machine are only as good as that)
+        load = f"; load average {os.getloadavg()[0]:.1f} when written"
+    except (OSError, AttributeError):
+        load = ""
+    return f"{cpu}, {os.cpu_count()} cores{memory}; torch {torch_version}, Python {platform.python_version()}{load}"
 
 
 def command_line() -> str:

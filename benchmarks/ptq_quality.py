@@ -18,7 +18,7 @@ its ratio to FP32, calibration seconds.
 
 Recipes run as shipped. SmolLM2-135M's hidden size (576) is not a multiple of 128: the W4A16 recipes (groups of
 128) fit groups of 64 on the 576-wide Linears and keep 128 on down_proj (1536 wide); the notes column counts the
-Linears that fell back (see docs/quant-recipes.md).
+Linears that fell back (see docs/reference/quant-recipes.md).
 """
 
 from __future__ import annotations

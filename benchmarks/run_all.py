@@ -7,7 +7,8 @@ their default arguments, so that one's memory or threads never affect the next o
 tables to ``docs/results/`` (benchmarks/_results.py); ``python tools/results_page.py`` then regenerates
 ``docs/results.md`` from them. A benchmark that
 fails is reported and the others still run; the exit status is the number of failures. ``vs_peers`` needs the peer
-tools' venv (``.venv-peers``, made by ``make bench-peers``); without it, it is skipped with a message.
+tools' venv (``.venv-peers``, made by ``make bench-peers``), ``vllm_check`` vLLM CPU's (``.venv-vllm``, made by
+``make bench-vllm`` or ``make test-vllm``); without it, each is skipped with a message.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ HERE = Path(__file__).resolve().parent
 #: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
 BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr", "sqnr_sample", "load_memory", "calibration_speed", "foreign_speed", "collect_speed", "ptq_quality",
-    "autoround_speed", "plan_accuracy", "scaling", "vs_peers",
+    "autoround_speed", "plan_accuracy", "scaling", "vs_peers", "vllm_check",
 )  # fmt: skip
 #: Benchmarks that need a venv of their own: name -> its python (relative to the repository root).
-NEEDS_VENV: dict[str, str] = {"vs_peers": ".venv-peers/bin/python"}
+NEEDS_VENV: dict[str, str] = {"vs_peers": ".venv-peers/bin/python", "vllm_check": ".venv-vllm/bin/python"}
+#: The make target that creates each of those venvs.
+MAKES_VENV: dict[str, str] = {"vs_peers": "make bench-peers", "vllm_check": "make bench-vllm"}
 
 
 def main() -> int:
@@ -42,7 +45,7 @@ def main() -> int:
         print(f"\n=== {name} ({HERE / (name + '.py')})", flush=True)
         venv = HERE.parent / NEEDS_VENV.get(name, "")
         if name in NEEDS_VENV and not venv.is_file():
-            print(f"=== {name}: skipped: {venv} is missing (make bench-peers creates it and runs {name})", flush=True)
+            print(f"=== {name}: skipped: {venv} is missing ({MAKES_VENV[name]} creates it and runs {name})", flush=True)
             continue
         start = time.perf_counter()
         status = subprocess.run([sys.executable, str(HERE / f"{name}.py")]).returncode

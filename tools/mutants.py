@@ -1,7 +1,7 @@
 """The mutation check's catalogue: small, deliberate breaks of the core modules, each a claim of the docs.
 
 ``Mutant(id, module, old, new, description)`` replaces the text ``old`` (which must occur exactly once in
-``src/shardcal/<module>``) by ``new``. ``break-*`` are the audit's breaks (docs/testing.md, "The audit's breaks").
+``src/shardcal/<module>``) by ``new``. ``break-*`` are the audit's breaks (docs/design/testing.md, "The audit's breaks").
 ``harmless`` gives the reason a mutant cannot be caught and does not matter; ``tests`` overrides the module's test
 set (tools/mutation.py, ``TESTS``); ``line`` pins ``old`` to one line (the mechanical operator mutants of ``--all``).
 """
@@ -53,7 +53,7 @@ CATALOGUE: list[Mutant] = [
         "    valid = (facts.algorithm_keeps == KEEPS_FULL_PRECISION) or (\n",
         "full-precision outputs a weight-changing algorithm's statistics pass kept go on as valid",
     ),
-    # ------------------------------------------------------------------ streaming (docs/scaling.md)
+    # ------------------------------------------------------------------ streaming (docs/guides/scaling.md)
     Mutant(
         "stream-row-range",
         "runtime/distributed.py",
@@ -94,7 +94,7 @@ CATALOGUE: list[Mutant] = [
         "the streamed plan keeps every layer's shard resident",
         tests=("tests/pipeline/test_streamed.py",),
     ),
-    # ------------------------------------------------------------------ the audit's breaks (docs/testing.md)
+    # ------------------------------------------------------------------ the audit's breaks (docs/design/testing.md)
     Mutant(
         "break-1",
         "models/checkpoint.py",

@@ -15,7 +15,7 @@ pointing at the scratch ``src`` (``-x``: the first failure kills the mutant), un
 killed). The unmutated code must pass the same tests first (once per test set), or the run stops.
 
 A mutant that survives is either killed by a new test, or marked ``harmless`` in the catalogue with the reason
-(docs/testing.md lists them). Results go to ``runs/mutation-results.md`` (``--out``); the exit status is 1 when a
+(docs/design/testing.md lists them). Results go to ``runs/mutation-results.md`` (``--out``); the exit status is 1 when a
 mutant not marked harmless survives. ``--tests-dir DIR`` runs the mutants against another copy of the tests (e.g.
 an older revision's, to compare survivor rates).
 """
@@ -345,7 +345,7 @@ def write_results(results: list[Result], out: Path, command: str, tests_dir: Pat
         "# Mutation check: results",
         "",
         f"Written by `{command}` (tools/mutation.py) against the tests in `{tests_dir.relative_to(ROOT) if tests_dir.is_relative_to(ROOT) else tests_dir}`.",
-        "Regenerate with `make mutation`; docs/testing.md explains the check and why the survivors are harmless.",
+        "Regenerate with `make mutation`; docs/design/testing.md explains the check and why the survivors are harmless.",
         "",
         f"- mutants: {len(results)}",
         f"- killed: {len(killed)} (of which timeouts: {sum(r.status == 'timeout' for r in results)})",

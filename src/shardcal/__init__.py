@@ -1,6 +1,6 @@
 """shardcal: layer-by-layer PTQ calibration of FSDP2-sharded LLMs, exported as compressed-tensors.
 
-Public API (see docs/api.md):
+Public API (see docs/reference/api.md):
 
 - :class:`LayerActivationCollector` — where a model keeps its decoder layers (registry).
 - :func:`fsdp2_wrap`, :func:`fsdp2_root_unsharded`, :func:`layer_unsharded` — FSDP2 sharding for layer-wise use.

@@ -1,4 +1,4 @@
-"""The package's layer order (docs/architecture.md), enforced on the import graph of ``src/shardcal``.
+"""The package's layer order (docs/design/architecture.md), enforced on the import graph of ``src/shardcal``.
 
 Every import statement counts, function-local and ``TYPE_CHECKING`` ones included. The test fails on an import
 cycle, on an import that goes up the order, on a private name used across modules, on a module missing from the
@@ -174,7 +174,7 @@ def violations(modules: dict[str, Path]) -> list[str]:
         layer = layer_of(module)
         if layer is None:
             problems.append(
-                f"{module}: not in the layer table of tests/contracts/test_architecture.py (and docs/architecture.md)"
+                f"{module}: not in the layer table of tests/contracts/test_architecture.py (and docs/design/architecture.md)"
             )
             continue
         found, external = imports_of(module, path, modules)
@@ -246,12 +246,12 @@ def test_import_graph_follows_the_layer_order():
 
 
 def test_layer_table_matches_the_architecture_doc():
-    doc = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    doc = (SRC.parent / "docs" / "design" / "architecture.md").read_text(encoding="utf-8")
     for name, patterns in LAYERS:
-        assert name in doc, f"layer {name!r} is not described in docs/architecture.md"
+        assert name in doc, f"layer {name!r} is not described in docs/design/architecture.md"
         for pattern in patterns:
             shown = f"{ROOT_PACKAGE}/__init__" if pattern == "" else pattern.replace(".*", "/").replace(".", "/")
-            assert shown.rstrip("/") in doc, f"{pattern!r} of layer {name!r} is not in docs/architecture.md"
+            assert shown.rstrip("/") in doc, f"{pattern!r} of layer {name!r} is not in docs/design/architecture.md"
 
 
 def test_facades_resolve_every_public_name():
@@ -326,11 +326,11 @@ def test_transformers_is_loaded_by_name_in_one_place_only():
 
 
 def documented_path(module: str) -> str:
-    """How docs/architecture.md names a module: its file under ``src/shardcal`` (``calib/runner.py``)."""
+    """How docs/design/architecture.md names a module: its file under ``src/shardcal`` (``calib/runner.py``)."""
     return str(all_modules()[module].relative_to(SRC / ROOT_PACKAGE))
 
 
 def test_the_architecture_doc_lists_every_module():
-    doc = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    doc = (SRC.parent / "docs" / "design" / "architecture.md").read_text(encoding="utf-8")
     missing = [documented_path(m) for m in all_modules() if f"`{documented_path(m)}`" not in doc]
-    assert not missing, f"modules missing from docs/architecture.md's module list: {missing}"
+    assert not missing, f"modules missing from docs/design/architecture.md's module list: {missing}"

@@ -1,6 +1,6 @@
 """The bad-input catalogue: every bad input a user can hand shardcal, and the one clear error it gets.
 
-:data:`CASES` is the catalogue; docs/bad-inputs.md mirrors it row by row (``test_docs_mirror_the_catalogue`` keeps
+:data:`CASES` is the catalogue; docs/reference/bad-inputs.md mirrors it row by row (``test_docs_mirror_the_catalogue`` keeps
 them in sync). Each case builds a fresh tiny model directory (plus data, recipe, checkpoint directory as needed),
 breaks one thing, and runs the command in-process (``shardcal.cli.main``) — or the Python API where the CLI
 cannot reach. Every case must give:
@@ -46,7 +46,7 @@ from shardcal.errors import (
 from _tiny_models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "bad-inputs.md"
+DOC = ROOT / "docs" / "reference" / "bad-inputs.md"
 VOCAB = 300  # the byte-level test tokenizer's ids fit
 KEY = "model.layers.0.self_attn.q_proj.weight"
 TEXT = "The theater is in the city. " * 40
@@ -1488,7 +1488,7 @@ def _unescape(cell: str) -> str:
 
 
 def test_docs_mirror_the_catalogue() -> None:
-    """docs/bad-inputs.md lists every case (and no other), each row with its error class and message."""
+    """docs/reference/bad-inputs.md lists every case (and no other), each row with its error class and message."""
     rows = _doc_rows()
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), "duplicate case ids"
@@ -1500,11 +1500,11 @@ def test_docs_mirror_the_catalogue() -> None:
         assert f"`{c.error.__name__}`" in row, (c.id, row)
         assert c.message in row, (c.id, c.message, row)
     match = re.search(r"(\d+) cases", DOC.read_text(encoding="utf-8"))
-    assert match and int(match.group(1)) == len(CASES), "the case count in docs/bad-inputs.md is stale"
+    assert match and int(match.group(1)) == len(CASES), "the case count in docs/reference/bad-inputs.md is stale"
 
 
 def docs_table() -> str:
-    """The markdown table docs/bad-inputs.md carries (``python tests/contracts/test_bad_inputs.py`` prints it)."""
+    """The markdown table docs/reference/bad-inputs.md carries (``python tests/contracts/test_bad_inputs.py`` prints it)."""
     lines = ["| case | bad input | via | error | message contains |", "|---|---|---|---|---|"]
     for c in CASES:
         via = "Python API" if c.via == "API" else f"`shardcal {c.via}`"

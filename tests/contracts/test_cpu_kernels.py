@@ -1,5 +1,5 @@
 """The AVX2 leg of CI (`make test-avx2`) really runs AVX2 kernels: a capability cap that torch ignored would let the
-numerically sensitive tests pass on this machine's own kernels only (docs/testing.md)."""
+numerically sensitive tests pass on this machine's own kernels only (docs/design/testing.md)."""
 
 from __future__ import annotations
 

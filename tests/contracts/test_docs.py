@@ -1,4 +1,4 @@
-"""The docs say what the code does: every ``shardcal.*`` name in docs/api.md exists, with the defaults shown."""
+"""The docs say what the code does: every ``shardcal.*`` name in docs/reference/api.md exists, with the defaults shown."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def resolve(dotted: str):
     raise ImportError(dotted)
 
 
-API = (DOCS / "api.md").read_text(encoding="utf-8")
+API = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
 BLOCKS = "\n".join(code_blocks(API))
 
 
@@ -62,7 +62,7 @@ def test_documented_defaults_are_the_codes(name, args):
 
 # ---------------------------------------------------------------------------------------------- command lines
 ROOT = DOCS.parent
-MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
 def _command_lines() -> list[tuple[str, str]]:
@@ -75,7 +75,7 @@ def _command_lines() -> list[tuple[str, str]]:
             for line in joined.splitlines():
                 line = line.split("#")[0].strip()
                 if re.match(r"^(shardcal |python -m shardcal |torchrun .*-m shardcal )", line):
-                    found.append((path.name, line[line.index("shardcal ") + len("shardcal ") :]))
+                    found.append((str(path.relative_to(ROOT)), line[line.index("shardcal ") + len("shardcal ") :]))
     return found
 
 
@@ -119,7 +119,7 @@ def test_documented_commands_without_placeholders_run(capsys):
 
 
 def shipped_recipes_table() -> str:
-    """docs/quant-recipes.md's table of shipped recipes, from the recipe files (``shardcal recipes``' rows)."""
+    """docs/reference/quant-recipes.md's table of shipped recipes, from the recipe files (``shardcal recipes``' rows)."""
     from shardcal.pipeline.chooser import recipe_rows
 
     lines = ["| recipe | weight | input | algorithm | description |", "|---|---|---|---|---|"]
@@ -128,7 +128,7 @@ def shipped_recipes_table() -> str:
 
 
 def test_the_shipped_recipes_table_is_the_recipes():
-    text = (ROOT / "docs" / "quant-recipes.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "reference" / "quant-recipes.md").read_text(encoding="utf-8")
     table = text.split("<!-- shipped-recipes -->\n", 1)[1].split("\n<!-- /shipped-recipes -->", 1)[0]
     assert table == shipped_recipes_table(), "regenerate with: python tests/contracts/test_docs.py"
 
@@ -139,11 +139,11 @@ def test_the_documented_unknown_recipe_error_is_the_real_one():
 
     with pytest.raises(RecipeError) as info:
         load_recipe("w3a3")
-    assert str(info.value) in (ROOT / "docs" / "quant-recipes.md").read_text(encoding="utf-8")
+    assert str(info.value) in (ROOT / "docs" / "reference" / "quant-recipes.md").read_text(encoding="utf-8")
 
 
 if __name__ == "__main__":
-    path = ROOT / "docs" / "quant-recipes.md"
+    path = ROOT / "docs" / "reference" / "quant-recipes.md"
     head, rest = path.read_text(encoding="utf-8").split("<!-- shipped-recipes -->\n", 1)
     tail = rest.split("\n<!-- /shipped-recipes -->", 1)[1]
     path.write_text(f"{head}<!-- shipped-recipes -->\n{shipped_recipes_table()}\n<!-- /shipped-recipes -->{tail}")

@@ -2,7 +2,7 @@
 model's logits: exactly for the dense families, to float32 rounding for the MoE ones (fused gate_up matmuls).
 
 Dense families with static int8 and fp8 activations; MoE families weight-only: transformers 5 keeps MoE experts
-fused, applies their dequantized weights but no input scales (docs/export-format.md, "Fused experts"), and cannot
+fused, applies their dequantized weights but no input scales (docs/reference/export-format.md, "Fused experts"), and cannot
 convert int8 per-expert weights into fused ones at all (the strict xfail below turns into a failure the day it can).
 """
 

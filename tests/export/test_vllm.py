@@ -4,7 +4,7 @@ that shardcal's own fake-quant model of the export (its reload) computes.
 vLLM runs in a venv of its own (``make test-vllm`` creates ``.venv-vllm`` and sets ``SHARDCAL_VLLM_PYTHON``; without
 it this module is skipped), in one subprocess (``tools/vllm_run.py``) that loads every export in turn. Where vLLM CPU
 has no kernel for a step on this machine, a reference stands in for that step only (the run names it; see
-tools/vllm_run.py and docs/vllm-conventions.md); a recipe vLLM CPU cannot run at all is reported as an expected
+tools/vllm_run.py and docs/reference/vllm-conventions.md); a recipe vLLM CPU cannot run at all is reported as an expected
 failure naming the reason, and any other failure fails.
 
 "Computes the same" is measured against what quantization itself moves: the mean |logprob difference| between vLLM

@@ -1,4 +1,4 @@
-"""The fused-layer conventions vLLM applies on load (docs/vllm-conventions.md), each written out here in plain torch
+"""The fused-layer conventions vLLM applies on load (docs/reference/vllm-conventions.md), each written out here in plain torch
 from the stored tensors — nvfp4's one global scale (the largest), fp8 per-tensor weights requantized to the largest
 scale, one input scale per fused layer (the largest), an MoE expert's w13 computed with w1's global scale, int4
 zero points packed per member along the output dim — and compared with shardcal's reload of the same export (its

@@ -1,4 +1,4 @@
-"""The public layer-stepping primitive, ``shardcal.layer_steps``, used as docs/calibration.md shows.
+"""The public layer-stepping primitive, ``shardcal.layer_steps``, used as docs/guides/calibration.md shows.
 
 References are the model's own forward (hooks on its decoder layers) and hand computations of what the next layer
 must receive under each ``propagate`` mode when the caller changes a layer's weights during its step.

@@ -1,4 +1,4 @@
-"""docs/scaling.md's tables are the planner's output: four published model shapes, three recipes, 8 / 16 / 64 GPUs.
+"""docs/guides/scaling.md's tables are the planner's output: four published model shapes, three recipes, 8 / 16 / 64 GPUs.
 
 ``python tests/plan/test_scaling_doc.py`` prints the tables the doc carries; the test regenerates them and compares.
 The configs are written here from the models' published ``config.json`` shapes (nothing is downloaded).
@@ -16,7 +16,7 @@ from shardcal.layerwise.options import CalibrationOptions
 from shardcal.models.config import ModelConfig
 from shardcal.plan.planner import Budget, ModelSource, PlanSettings, PreparedModel, fmt_bytes, plan_prepared, shortfall
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "guides" / "scaling.md"
 GPU_BYTES = 80 * 2**30  # "80 GB" GPUs (A100 / H100 80GB: 80 GiB)
 WORLD_SIZES = (8, 16, 64)
 RECIPES = ("fp8", "w8a8-int8", "w4a16-gptq")
@@ -97,7 +97,7 @@ def _doc_tables() -> dict[str, str]:
     out = {}
     for name in CONFIGS:
         match = re.search(rf"### {re.escape(name)}\n\n(\|.*?)(?:\n\n|\Z)", text, flags=re.S)
-        assert match, f"docs/scaling.md has no table under '### {name}'"
+        assert match, f"docs/guides/scaling.md has no table under '### {name}'"
         out[name] = match.group(1).strip()
     return out
 

@@ -1,6 +1,6 @@
 """The fused-layer rule (shardcal.quant.fused): which Linears vLLM fuses, which of their ranges it takes as one, and
 sharing them — against vLLM's ``packed_modules_mapping`` and scale handling written out by hand (the sources:
-docs/vllm-conventions.md)."""
+docs/reference/vllm-conventions.md)."""
 
 from __future__ import annotations
 

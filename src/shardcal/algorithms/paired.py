@@ -13,8 +13,7 @@ give ``W t`` and computes ``W' q``; over the calibration tokens the least-square
 corrects, in one linear map, the drift the previous quantized layers left in the stream and the error of this
 Linear's own input quantization. :func:`corrected_weight` takes the fraction ``α`` of that step; GPTQ then rounds
 the result against ``C_qq``, its Hessian on the inputs the quantized layer will really see. The full step over-fits
-the calibration tokens (measured: perplexity far worse on held-out text); a quarter of it is what the shipped
-recipes use.
+the calibration tokens and loses on held-out text; a quarter of it is what the shipped recipes use.
 
 Sums are exact (:class:`~shardcal.algorithms.stats.ExactSum`), one all-reduce for all of a layer's Linears, so the
 statistics are the same bits at every world size. A static input quantizer is calibrated first, on the layer's

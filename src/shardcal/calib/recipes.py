@@ -1,4 +1,4 @@
-"""Recipes: which Linear modules to quantize and how, as TOML files (schema in docs/quant-recipes.md).
+"""Recipes: which Linear modules to quantize and how, as TOML files (schema in docs/reference/quant-recipes.md).
 
 ::
 

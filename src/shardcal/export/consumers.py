@@ -1,7 +1,7 @@
 """Where an export runs: what vLLM and transformers do with the compressed-tensors export of a recipe.
 
 One rule per recipe feature, each checked by a test against the real consumer (transformers in
-``tests/export/test_consumers.py``; vLLM's CPU build in ``make test-vllm``, see docs/testing.md):
+``tests/export/test_consumers.py``; vLLM's CPU build in ``make test-vllm``, see docs/design/testing.md):
 
 * **online Hadamard rotations** (``[rotation] block``): vLLM applies the ``transform_config`` at tensor parallel 1
   only (its online transforms refuse a sharded input dimension); transformers loads the export without an error but

@@ -1,6 +1,6 @@
 """``export_checkpoint``: a calibrated (plain or FSDP2-sharded) model -> a checkpoint directory (compressed-tensors).
 
-Collective under torch.distributed: every rank calls it. The flow (see docs/export-format.md):
+Collective under torch.distributed: every rank calls it. The flow (see docs/reference/export-format.md):
 
 1. every rank builds the same :class:`~.plan.ExportPlan` from module structure (nothing gathered yet); anything
    that cannot be exported (uncalibrated quantizers, specs the export format cannot express) fails here, on every

@@ -275,7 +275,7 @@ def check_fused_layers(model: nn.Module, quant: dict[str, QuantModule]) -> None:
     gate/up) would not compute what these modules compute: members quantized with different schemes or rotations, or
     some quantized and some not (vLLM loads one scheme per fused layer, and refuses a partly ignored one); or members
     whose calibrated ranges vLLM takes as one (nvfp4 global scales, fp8 per-tensor weight scales, static input
-    scales) but which differ. ``shardcal.calibrate`` shares those ranges itself (docs/vllm-conventions.md)."""
+    scales) but which differ. ``shardcal.calibrate`` shares those ranges itself (docs/reference/vllm-conventions.md)."""
     schemes: dict[str, Any] = {n: None for n, m in model.named_modules() if _linear_like(m)}
     for name, module in model.named_modules():
         if (shape := fused_experts_shape(module, name, strict=False)) is not None:

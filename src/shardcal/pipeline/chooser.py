@@ -198,7 +198,7 @@ def recipe_row(recipe: Recipe) -> tuple[str, str, str, str, str]:
 
 
 def recipe_rows() -> list[tuple[str, str, str, str, str]]:
-    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (docs/quant-recipes.md's
+    """Per shipped recipe: name, weight scheme, input scheme, algorithm, description (docs/reference/quant-recipes.md's
     table)."""
     return [recipe_row(load_recipe(name)) for name in shipped_recipes()]
 

@@ -1,5 +1,5 @@
 """Quantization: number formats, granularities, observers, the fake-quant ``TensorQuantizer``, ``QuantLinear``
-insertion and TOML recipes. See docs/quantization.md.
+insertion and TOML recipes. See docs/design/quantization.md.
 
 - :mod:`.spec` — ``QuantizerSpec``: plain-data description of one quantizer (what recipes and export use).
 - :mod:`.formats` — int8 / int4 / fp8_e4m3 / nvfp4 fake quantization and real encodings (compressed-tensors).

@@ -75,7 +75,7 @@ def _e4m3_table() -> torch.Tensor:
 
 def fp8_e4m3_to_float32(t: torch.Tensor) -> torch.Tensor:
     """The float32 values of a float8_e4m3fn tensor: on CPU a large tensor's are read from a 256-entry table by
-    code, the same values as ``t.float()``, which there converts element by element (about 3x slower)."""
+    code, the same values as ``t.float()``, which there converts element by element (slower)."""
     if t.device.type != "cpu" or t.numel() < _E4M3_TABLE_MIN_ELEMENTS:
         return t.float()
     return _e4m3_table().index_select(0, t.view(torch.uint8).reshape(-1).to(torch.int32)).view(t.shape)
@@ -265,7 +265,7 @@ def _quantize_arranged(
         xb = _nvfp4_blocks(a)
         q = torch.abs(xb)  # |x| for the block amax, then the scaled values, rounded in place: one full-size buffer
         s = _block_scales(q.amax(dim=-1, keepdim=True), gs)
-        eff = (s / gs).expand(xb.shape).contiguous()  # full size: dividing by a 16-wide broadcast is ~8x slower
+        eff = (s / gs).expand(xb.shape).contiguous()  # full size: dividing by a 16-wide broadcast is much slower
         if q.requires_grad:  # under autograd: new tensors (autograd refuses out= and needs x for sign's gradient)
             q = round_e2m1(torch.clamp(xb / eff, -E2M1_MAX, E2M1_MAX))
         else:

@@ -3,7 +3,7 @@
 vLLM loads sibling Linears of a checkpoint into one fused layer (its models' ``packed_modules_mapping``): q / k / v
 into ``qkv_proj``, gate / up into ``gate_up_proj`` (also each MoE expert's, ``w1`` / ``w3`` into ``w13``), and
 DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``. A fused layer computes with one scale
-where the checkpoint stores one per Linear (the sources in vLLM's code: docs/vllm-conventions.md):
+where the checkpoint stores one per Linear (the sources in vLLM's code: docs/reference/vllm-conventions.md):
 
 - nvfp4 weights: one ``weight_global_scale`` (vLLM takes the largest of the stored ones for all, or expert ``w1``'s
   for ``w13``, without recomputing the block scales, which were computed with each Linear's own);

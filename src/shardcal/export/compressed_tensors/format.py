@@ -19,7 +19,7 @@ from .tensors import encode_input, encode_weight
 
 
 class CompressedTensorsFormat:
-    """compressed-tensors (vLLM's and transformers' quantized checkpoint format); see docs/export-format.md."""
+    """compressed-tensors (vLLM's and transformers' quantized checkpoint format); see docs/reference/export-format.md."""
 
     name = ct_config.QUANT_METHOD
     config_key = "quantization_config"
