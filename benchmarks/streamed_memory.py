@@ -5,7 +5,8 @@
 
 Builds a checkpoint with Llama-3-8B's widths (hidden 4096, MLP 14336, 32 query / 8 KV heads, vocabulary 128256) and
 ``--layers`` decoder layers, random bf16 weights, written file by file (never whole in memory), then runs
-``shardcal calibrate MODEL --recipe fp8 --nproc-per-node 2 --data ids.npy`` — the plain command, which streams by
+``shardcal calibrate MODEL --recipe fp8 --nproc-per-node 2 --data ids.npy --batch-size B`` (B: every rank gets a
+batch) — the plain command, which streams by
 itself when the resident run does not fit (the command's warning says whether it did). Measured in the same run:
 
 - each rank's peak resident memory (the kernel's ``VmHWM``, as the command prints it) and its growth over the
@@ -144,7 +145,7 @@ def plain_forward(layers: int, num_samples: int, seq_len: int, threads: int) -> 
 def run_command(model: Path, data: Path, out: Path, nproc: int, num_samples: int, seq_len: int) -> dict:
     cmd = [sys.executable, "-m", "shardcal", "calibrate", str(model), "--recipe", "fp8", "--out", str(out),
            "--overwrite", "--data", str(data), "--num-samples", str(num_samples), "--seq-len", str(seq_len),
-           "--nproc-per-node", str(nproc)]  # fmt: skip
+           "--nproc-per-node", str(nproc), "--batch-size", str(max(1, num_samples // nproc))]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
