@@ -308,8 +308,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "runner-checkpoint-every",
         "calib/runner.py",
-        "step.index % options.checkpoint_every == 0",
-        "step.index % 1 == 0",
+        "if k % every == 0]",
+        "if k % 1 == 0]",
         "checkpoint_every is ignored (a commit after every layer)",
     ),
     Mutant(
@@ -543,8 +543,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "export-owner",
         "export/plan.py",
-        "                i, prefix, kind, module, i % world_size,\n",
-        "                i, prefix, kind, module, 0,\n",
+        '    return 0 if kind == "root" else index % world_size\n',
+        "    return 0\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(
