@@ -103,3 +103,20 @@ def test_a_layers_memory_steps_are_its_passes(tmp_path):
         "gather", "sqnr-reference", "algorithm", "solve", "weight scales", "sqnr", "propagate", "sqnr sums",
     ]  # fmt: skip
     assert _step_names(tmp_path, "nvfp4-sq-gptq")[:3] == ["gather", "reference-stream", "sqnr-reference"]
+
+
+def test_the_full_precision_stream_is_counted_when_the_plan_runs_its_pass(tmp_path):
+    """An algorithm that reads the full-precision stream (GPTQ's ``stream_correction``: a ``reference-stream`` pass
+    first) holds that stream's inputs and outputs beside the cache: two more hidden-state caches, by hand."""
+    from dataclasses import replace
+
+    from shardcal.plan.planner import plan_source
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "torch_dtype": "float32"}))
+    source, recipe = read_source(folder), load_recipe("nvfp4-sq-gptq")
+    plain = replace(recipe, algorithm={k: v for k, v in recipe.algorithm.items() if k != "stream_correction"})
+    settings = PlanSettings(num_samples=4, seq_len=16, options=CalibrationOptions(batch_size=2))
+    caches = [plan_source(source, r, settings).ranks[0].parts["activation_cache"] for r in (recipe, plain)]
+    assert caches[0] - caches[1] == 2 * (4 * 16 * CONFIG["hidden_size"] * 4)  # samples x seq x hidden x float32
