@@ -308,8 +308,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "runner-checkpoint-every",
         "calib/runner.py",
-        "step.index % options.checkpoint_every == 0",
-        "step.index % 1 == 0",
+        "if k % every == 0]",
+        "if k % 1 == 0]",
         "checkpoint_every is ignored (a commit after every layer)",
     ),
     Mutant(
@@ -543,8 +543,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "export-owner",
         "export/plan.py",
-        "                i, prefix, kind, module, i % world_size,\n",
-        "                i, prefix, kind, module, 0,\n",
+        '    return 0 if kind == "root" else index % world_size\n',
+        "    return 0\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(
@@ -690,28 +690,28 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "plan-read-load-dtype",
-        "plan/planner.py",
-        "            key = (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded)\n",
-        "            key = (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded)\n",
+        "plan/prepared.py",
+        "            _count(self.read_groups, (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))\n",
+        "            _count(self.read_groups, (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded))\n",
         "the planned bytes read are counted in the load dtype, not the file's",
     ),
     Mutant(
         "plan-ckpt-weights-one-layer-behind",
-        "plan/planner.py",
+        "plan/disk.py",
         "            + (weights_upto[k] if m.changes_weights else 0)\n",
         "            + (weights_upto[k - 1] if m.changes_weights else 0)\n",
         "the planned checkpoint dir holds the changed weights of one layer fewer than a commit",
     ),
     Mutant(
         "plan-export-unrotated",
-        "plan/planner.py",
+        "plan/disk.py",
         "            key = (t.linear.out_features, t.linear.in_features, t.rotation)\n",
         "            key = (t.linear.out_features, t.linear.in_features, None)\n",
         "the planned export size leaves out the Hadamard matrices of online rotations",
     ),
     Mutant(
         "plan-export-no-kv-scales",
-        "plan/planner.py",
+        "plan/disk.py",
         "    if m.recipe.kv_cache is not None:  # each decoder layer's quantized attention: its KV-cache scales\n",
         "    if False:\n",
         "the planned export size leaves out the KV-cache scales",

@@ -517,17 +517,32 @@ def build_plan(
     for i, (kind, prefix, module) in enumerate(prefixes):
         units.append(
             Unit(
-                i, prefix, kind, module, i % world_size,
+                i, prefix, kind, module, unit_owner(i, kind, world_size),
                 _entries_for(assigned[prefix], params, quant, fused, fmt, dtype),
             )
         )  # fmt: skip
     root_entries = _entries_for(root_names, params, quant, fused, fmt, dtype)
-    units.append(Unit(len(prefixes), "<root>", "root", None, 0, root_entries))
+    root = len(prefixes)
+    units.append(Unit(root, "<root>", "root", None, unit_owner(root, "root", world_size), root_entries))
     for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
         owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
         unit = next((u for u in units if u.name == owner), units[-1])
         unit.entries += kv_cache_entries(name)
 
+    shards = split_into_shards(units, world_size, max_shard_bytes)
+    config = build_quantization_config(model, quant, kv_cache, fmt)
+    return ExportPlan(units, shards, quant, config, kv_cache, fmt)
+
+
+def unit_owner(index: int, kind: str, world_size: int) -> int:
+    """The rank that writes unit ``index`` of the export (``kind``: ``"layer"``, ``"module"`` or ``"root"``): rank 0
+    the root, the others round robin (``index % world_size``)."""
+    return 0 if kind == "root" else index % world_size
+
+
+def split_into_shards(units: list[Unit], world_size: int, max_shard_bytes: int) -> list[Shard]:
+    """The shard files of ``units`` (in the order every rank gathers them): each rank's own units' entries, in
+    order, cut into files of at most ``max_shard_bytes`` (a larger tensor alone in its file), numbered rank by rank."""
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):
         current: list[Entry] = []
@@ -543,10 +558,9 @@ def build_plan(
                 size += e.nbytes
         if current:
             per_rank[r].append(current)
-    total = sum(len(s) for s in per_rank)
+    total = sum(len(files) for files in per_rank)
     shards: list[Shard] = []
     for r, files in enumerate(per_rank):
         for entries in files:
             shards.append(Shard(SHARD_NAME.format(index=len(shards) + 1, total=total), r, entries))
-    config = build_quantization_config(model, quant, kv_cache, fmt)
-    return ExportPlan(units, shards, quant, config, kv_cache, fmt)
+    return shards
