@@ -364,21 +364,21 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ checkpoint / resume (both kinds' base, calibration's)
     Mutant(
         "ckpt-fingerprint",
-        "layerwise/checkpoint.py",
+        "layerwise/layer_checkpoint.py",
         "            if stored.get(key) != value:\n",
         "            if key == 'world_size' and stored.get(key) != value:\n",
         "only the world size of a checkpoint is checked on resume",
     ),
     Mutant(
         "ckpt-options",
-        "calib/checkpoint.py",
+        "calib/calibration_checkpoint.py",
         '        "options": digest(options),\n',
         '        "options": digest({}),\n',
         "the checkpoint fingerprint drops the options",
     ),
     Mutant(
         "ckpt-sha",
-        "layerwise/checkpoint.py",
+        "layerwise/layer_checkpoint.py",
         "        if sha256(path) != expected:\n",
         "        if False:\n",
         "a corrupt checkpoint file is used",
@@ -542,14 +542,14 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ export
     Mutant(
         "export-owner",
-        "export/plan.py",
+        "export/layout.py",
         "                i, prefix, kind, module, i % world_size,\n",
         "                i, prefix, kind, module, 0,\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(
         "export-shard-bound",
-        "export/plan.py",
+        "export/layout.py",
         "                if current and size + e.nbytes > max_shard_bytes:\n",
         "                if current and size > max_shard_bytes:\n",
         "a shard may grow past max_shard_bytes",
@@ -563,7 +563,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-ignore",
-        "export/plan.py",
+        "export/layout.py",
         "    ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]\n",
         "    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]\n",
         "routers held as plain 2-D weights (not nn.Linear) are left out of ignore",

@@ -46,7 +46,7 @@ _EXPORTS: dict[str, str] = {
     "layer_unsharded": "shardcal.sharding.fsdp2",
     "load_pretrained": "shardcal.loading.sharded",
     "load_recipe": "shardcal.calib.recipes",
-    "load_token_data": "shardcal.data.calibration",
+    "load_token_data": "shardcal.data.token_data",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

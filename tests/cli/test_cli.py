@@ -110,7 +110,7 @@ def test_help_defaults_are_what_the_commands_use():
     (defaults that name no value, "default: the recipe's ...", are None in the namespace)."""
     import re
 
-    from shardcal.data.calibration import DEFAULT_SEQ_LEN
+    from shardcal.data.token_data import DEFAULT_SEQ_LEN
 
     checked = 0
     for name, sub in _subcommand_parsers().items():
@@ -243,7 +243,7 @@ def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
 
 
 def test_eval_text_files(capsys, tiny_dir, tmp_path):
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.io.tokenizer import Tokenizer
 
     text = "The theater is in the city. " * 40
@@ -271,7 +271,7 @@ def test_eval_text_files(capsys, tiny_dir, tmp_path):
 
 
 def test_txt_is_tokenized_in_pieces_exactly_as_a_whole(tiny_dir, tmp_path):
-    from shardcal.data.calibration import _text_stream, load_token_data
+    from shardcal.data.token_data import _text_stream, load_token_data
     from shardcal.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tiny_dir)
@@ -487,7 +487,7 @@ def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir,
 def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
     import warnings
 
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
 
     np.save(tmp_path / "stream.npy", np.arange(100))  # 3 blocks of 32 and 4 tokens over
     with warnings.catch_warnings(record=True) as caught:

@@ -86,7 +86,7 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     """On one rank: the library call's export is byte for byte the CLI's and that of load_pretrained + calibrate +
     export_checkpoint composed by hand (the independent reference); the reports agree up to timings."""
     from shardcal.calib.runner import calibrate
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.export import export_checkpoint
     from shardcal.loading.sharded import load_pretrained
 

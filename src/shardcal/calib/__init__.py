@@ -1,2 +1,2 @@
 """Calibration: recipes (:mod:`.recipes`), the runner ``calibrate`` (:mod:`.runner`), its report (:mod:`.report`)
-and its resumable checkpoint (:mod:`.checkpoint`)."""
+and its resumable checkpoint (:mod:`.calibration_checkpoint`)."""

@@ -44,7 +44,7 @@
 
 A recipe is the layer above both quantizer specs (:mod:`shardcal.quant`) and algorithms
 (:mod:`shardcal.algorithms`): its ``[algorithm]`` table is checked by the algorithm registry. Shipped recipes live
-in the top-level ``calibration/recipes/`` folder of a source checkout, and in ``shardcal/calibration/recipes/`` of
+in the top-level ``recipes/`` folder of a source checkout, and in ``shardcal/recipes/`` of
 an installed wheel; :func:`load_recipe` takes a shipped name or a path. Every problem is a :class:`RecipeError`
 naming the file and the key.
 """
@@ -298,14 +298,12 @@ class Recipe:
 
 def shipped_recipes_dir() -> Path:
     """The folder of shipped recipe TOML files: inside the installed package, or the source checkout's
-    top-level ``calibration/recipes``."""
+    top-level ``recipes``."""
     package = Path(__file__).resolve().parents[1]  # src/shardcal (installed: site-packages/shardcal)
-    for candidate in (package / "calibration" / "recipes", package.parents[1] / "calibration" / "recipes"):
+    for candidate in (package / "recipes", package.parents[1] / "recipes"):
         if candidate.is_dir():
             return candidate
-    raise RecipeError(
-        f"the shipped recipes are missing (looked in {package / 'calibration' / 'recipes'}); reinstall shardcal"
-    )
+    raise RecipeError(f"the shipped recipes are missing (looked in {package / 'recipes'}); reinstall shardcal")
 
 
 def shipped_recipes() -> list[str]:

@@ -420,7 +420,7 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     where the report and the checkpoint go (never over an input), the model's config, its tensors' names and shapes
     (the safetensors headers) and the target patterns against its modules (:mod:`shardcal.plan.preflight`). Returns
     ``(model implementation, vocab_size)``."""
-    from ..collect.checkpoint import CollectionCheckpoint
+    from ..collect.collection_checkpoint import CollectionCheckpoint
     from ..collect.report import REPORT_JSON
     from ..collect.targets import parse_targets
     from ..errors import CalibrationCheckpointError
@@ -485,7 +485,7 @@ def collection_options(args: argparse.Namespace, progress: bool = False) -> Coll
 
 def collect_job(options: dict) -> dict:
     """One rank's part of ``shardcal collect`` (also what ``--nproc-per-node`` runs in each process)."""
-    from ..collect.checkpoint import remove_checkpoint
+    from ..collect.collection_checkpoint import remove_checkpoint
     from ..collect.runner import collect_activations
     from ..loading.foreign import load_transformers_sharded
     from ..loading.sharded import load_pretrained
@@ -838,8 +838,8 @@ def _demo(args: argparse.Namespace) -> int:
     import tempfile
 
     from ..calib.recipes import load_recipe
-    from ..data.calibration import token_blocks
     from ..data.perplexity import generate_greedy, perplexity
+    from ..data.token_data import token_blocks
     from ..io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
     from ..io.tokenizer import Tokenizer
     from ..loading.plain import from_pretrained
@@ -921,8 +921,8 @@ def demo_job(options: dict) -> None:
     from ..calib.recipes import load_recipe
     from ..calib.report import SQNR_PLOT_NAME
     from ..calib.runner import calibrate
-    from ..data.calibration import token_blocks
     from ..data.perplexity import distributed_perplexity
+    from ..data.token_data import token_blocks
     from ..export import export_checkpoint
     from ..io.tokenizer import Tokenizer
     from ..loading.sharded import load_pretrained

@@ -65,7 +65,7 @@ from ..calib.recipes import Recipe, compile_pattern, load_recipe
 from ..errors import CheckpointError, ConfigError, PlanError, RecipeError, UsageError
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.format import ExportFormat, get_format, module_sizes
-from ..export.plan import SHARD_NAME, Entry, kv_cache_entries
+from ..export.layout import SHARD_NAME, Entry, kv_cache_entries
 from ..export.shards import header_bytes
 from ..layerwise.batches import leading_rows_of, rank_batch_indices
 from ..layerwise.options import CalibrationOptions

@@ -11,7 +11,7 @@ uninterrupted run (whose result does not depend on the world size either).
 The directory's rules — safetensors files written atomically with their SHA-256 in the manifest, commits on every
 rank or none, the previous commit's files deleted only after the new manifest is in place, another run's or another
 kind's checkpoint refused naming what differs, a corrupt file never used — are :class:`LayerCheckpoint`'s
-(:mod:`shardcal.layerwise.checkpoint`); this module adds what a calibration commits and restores.
+(:mod:`shardcal.layerwise.layer_checkpoint`); this module adds what a calibration commits and restores.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import CalibrationCheckpointError
 from ..layerwise.batches import Batch, data_fingerprint
-from ..layerwise.checkpoint import LayerCheckpoint, is_count, read_tensor, read_tensors
+from ..layerwise.layer_checkpoint import LayerCheckpoint, is_count, read_tensor, read_tensors
 from ..layerwise.options import CalibrationOptions
 from ..quant.experts import expert_projections, iter_projections
 from ..quant.quantizer import QuantMode

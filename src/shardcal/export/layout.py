@@ -1,4 +1,4 @@
-"""The export plan: what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
+"""The export layout (its :class:`ExportPlan`): what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
 every rank from the module structure alone (names, global shapes, specs), before anything is gathered.
 
 Because the plan is known up front, every rank knows every shard's exact safetensors header (names, dtypes,

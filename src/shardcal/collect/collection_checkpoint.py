@@ -13,7 +13,7 @@ A commit after layer ``k`` holds what a rerun needs to go on at layer ``k``:
 The directory's rules — safetensors files written atomically with their SHA-256 in the manifest, commits on every
 rank or none, files no manifest lists removed only once the new manifest is in place, another run's or another
 kind's checkpoint refused naming what differs, a corrupt file never used — are :class:`LayerCheckpoint`'s
-(:mod:`shardcal.layerwise.checkpoint`), its errors :class:`~shardcal.errors.CollectionCheckpointError`. All ranks
+(:mod:`shardcal.layerwise.layer_checkpoint`), its errors :class:`~shardcal.errors.CollectionCheckpointError`. All ranks
 must see one shared directory.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CollectionCheckpointError
-from ..layerwise.checkpoint import LayerCheckpoint, is_count, read_tensors, sha256
+from ..layerwise.layer_checkpoint import LayerCheckpoint, is_count, read_tensors, sha256
 from ..runtime.distributed import world
 from ..runtime.faults import fault_point
 from .report import TargetStats
