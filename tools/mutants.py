@@ -599,28 +599,28 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ the second audit's classes (issue 45)
     Mutant(
         "tok-strip-python-whitespace",
-        "io/tokenizer_normalizers.py",
+        "io/tokenizer/normalizers.py",
         "            return Normalization(lambda text: text.strip(WHITESPACE), leading)\n",
         "            return Normalization(lambda text: text.strip(), leading)\n",
         "Strip removes Python's whitespace (U+001C-U+001F too), not Unicode White_Space as tokenizers does",
     ),
     Mutant(
         "tok-strip-right-python-whitespace",
-        "io/tokenizer_normalizers.py",
+        "io/tokenizer/normalizers.py",
         "        return Normalization(lambda text: text.rstrip(WHITESPACE) if right else text)\n",
         "        return Normalization(lambda text: text.rstrip() if right else text)\n",
         "Strip (right only) removes trailing U+001C-U+001F, which tokenizers keeps",
     ),
     Mutant(
         "tok-unigram-tie-later",
-        "io/tokenizer_unigram.py",
+        "io/tokenizer/unigram.py",
         "                if start_of[end] is None or candidate > best[end]:\n",
         "                if start_of[end] is None or candidate >= best[end]:\n",
         "Unigram Viterbi: an equal score replaces the path found first (the later split wins a tie)",
     ),
     Mutant(
         "tok-metaspace-older-never",
-        "io/tokenizer_spec.py",
+        "io/tokenizer/spec.py",
         '        scheme = "never" if value.get("add_prefix_space") is False else "always"\n',
         '        scheme = "always" if value.get("add_prefix_space") else "never"\n',
         "a Metaspace with neither prepend_scheme nor add_prefix_space never prepends (tokenizers: always)",

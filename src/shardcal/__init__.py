@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "LayerStep": "shardcal.layerwise.steps",
     "PipelineResult": "shardcal.pipeline.calibrate",
     "ShardcalError": "shardcal.errors",
-    "Tokenizer": "shardcal.io.tokenizer",
+    "Tokenizer": "shardcal.io.tokenizer.tokenizer",
     "calibrate": "shardcal.calib.runner",
     "calibrate_to_checkpoint": "shardcal.pipeline.calibrate",
     "collect_activations": "shardcal.collect.runner",

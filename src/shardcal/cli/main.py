@@ -841,7 +841,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ..data.perplexity import generate_greedy, perplexity
     from ..data.token_data import token_blocks
     from ..io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
-    from ..io.tokenizer import Tokenizer
+    from ..io.tokenizer.tokenizer import Tokenizer
     from ..loading.plain import from_pretrained
     from ..runtime.launcher import launch
 
@@ -924,7 +924,7 @@ def demo_job(options: dict) -> None:
     from ..data.perplexity import distributed_perplexity
     from ..data.token_data import token_blocks
     from ..export import export_checkpoint
-    from ..io.tokenizer import Tokenizer
+    from ..io.tokenizer.tokenizer import Tokenizer
     from ..loading.sharded import load_pretrained
     from ..runtime.distributed import all_gather_floats, init_distributed
 

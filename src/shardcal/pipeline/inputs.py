@@ -117,7 +117,7 @@ def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None
     directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds, before any weight
     or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the field."""
     from ..data.token_data import TEXT_SUFFIXES
-    from ..io.tokenizer import check_tokenizer_file
+    from ..io.tokenizer.tokenizer import check_tokenizer_file
 
     if data is None or Path(data).suffix.lower() in TEXT_SUFFIXES:
         path = Path(model_dir) / "tokenizer.json"
@@ -176,6 +176,6 @@ def read_token_data(
 
 
 def _tokenizer(model_dir: Path):
-    from ..io.tokenizer import Tokenizer
+    from ..io.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
