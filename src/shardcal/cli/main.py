@@ -345,13 +345,6 @@ def memory_summary(result: PipelineResult) -> str:  # noqa: F821
     return f"peak memory per rank: growth {_mib_list(growth)} ({planned}), process peak {_mib_list(peak)}"
 
 
-def torch_peak_memory_mb() -> float:
-    """This process's peak resident memory (MiB), or the accelerator's peak allocation when on CUDA."""
-    from ..pipeline.calibrate import torch_peak_memory_mb as peak
-
-    return peak()
-
-
 # ---------------------------------------------------------------------------------------------- collect
 
 
@@ -926,6 +919,7 @@ def demo_job(options: dict) -> None:
     from ..export import export_checkpoint
     from ..io.tokenizer.tokenizer import Tokenizer
     from ..loading.sharded import load_pretrained
+    from ..pipeline.calibrate import torch_peak_memory_mb
     from ..runtime.distributed import all_gather_floats, init_distributed
 
     rank, world = init_distributed()
