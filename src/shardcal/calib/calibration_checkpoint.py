@@ -38,7 +38,8 @@ from ..quant.session import iter_quantizers
 from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
 from ..sharding.fsdp2 import local_rows
-from .recipes import Recipe, quantize_modules
+from .attach import quantize_modules
+from .recipes import Recipe
 from .report import LayerReport
 
 MANIFEST = "manifest.json"

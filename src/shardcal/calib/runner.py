@@ -59,6 +59,7 @@ from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.fsdp2 import sync_unsharded_to_shards
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+from .attach import quantize_modules, rotate_modules, weight_fallbacks
 from .calibration_checkpoint import (
     CalibrationCheckpoint,
     ResumeState,
@@ -69,7 +70,7 @@ from .calibration_checkpoint import (
     run_fingerprint,
 )
 from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
-from .recipes import Recipe, load_recipe, quantize_modules, rotate_modules, weight_fallbacks
+from .recipes import Recipe, load_recipe
 from .report import CalibrationReport, LayerReport, amax_summary
 
 
