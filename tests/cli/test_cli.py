@@ -20,6 +20,7 @@ from test_gguf_tokenizer import (
 )
 
 from shardcal.calib.runner import calibrate as api_calibrate
+from shardcal.cli import commands, demo_command
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError
 from shardcal.models import from_pretrained
@@ -196,8 +197,10 @@ def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
     def fail_bug(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setitem(cli.COMMANDS, "fail-user", cli.Command("fail-user", "test", lambda p: None, fail_user))
-    monkeypatch.setitem(cli.COMMANDS, "fail-bug", cli.Command("fail-bug", "test", lambda p: None, fail_bug))
+    monkeypatch.setitem(
+        commands.COMMANDS, "fail-user", commands.Command("fail-user", "test", lambda p: None, fail_user)
+    )
+    monkeypatch.setitem(commands.COMMANDS, "fail-bug", commands.Command("fail-bug", "test", lambda p: None, fail_bug))
     status, _, err = run_cli(capsys, "fail-user")
     assert status == 2 and err == "error: bad.json: line one line two\n"
     with pytest.raises(RuntimeError, match="a bug"):
@@ -428,7 +431,7 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
     assert status == 0, err
     values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
     values = {k.strip(): v.strip() for k, v in values.items()}
-    fake_quant = float(values[f"perplexity, fake-quant ({cli.DEMO_RECIPE}, sharded)"])
+    fake_quant = float(values[f"perplexity, fake-quant ({demo_command.DEMO_RECIPE}, sharded)"])
     reloaded = float(values["perplexity, reloaded export"])
     assert fake_quant == pytest.approx(reloaded, rel=1e-6)  # the export reloads to the calibrated model
     assert values["output dir"] == str(out_dir) and (out_dir / "config.json").is_file()
@@ -438,8 +441,8 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
         f"{sizes[0]:.1f} MB vs {sizes[1]:.1f} MB ({sizes[0] / sizes[1]:.2f}x)"
     )  # bytes counted here, not by the command
     report, plot = values["report, plot"].split(", ")
-    assert json.loads(Path(report).read_text())["recipe"] == cli.DEMO_RECIPE and Path(plot).is_file()
-    prompt = repr(cli.DEMO_PROMPT)
+    assert json.loads(Path(report).read_text())["recipe"] == demo_command.DEMO_RECIPE and Path(plot).is_file()
+    prompt = repr(demo_command.DEMO_PROMPT)
     assert values[f"greedy {prompt}, float32"].startswith("'") and values[f"greedy {prompt}, export"].startswith("'")
 
 
