@@ -56,7 +56,7 @@ _REPORT_REQUIRED = {
 _OPTIONS = [f.name for f in dataclasses.fields(CalibrationOptions) if f.metadata.get("fingerprint")]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ResumeState:
     """What a committed checkpoint restores for this rank."""
 
@@ -145,7 +145,15 @@ class CalibrationCheckpoint(LayerCheckpoint):
         weights = {}
         for pname, pieces in manifest["weights"].items():
             weights[pname] = [(str(self.verified(manifest, f)), a, b) for f, a, b in pieces]
-        return ResumeState(done, activations, quant, list(manifest["report"]), weights, self.committed_at(), streams)
+        return ResumeState(
+            completed_layers=done,
+            activations=activations,
+            quantizer_state=quant,
+            report=list(manifest["report"]),
+            weights=weights,
+            committed_at=self.committed_at(),
+            reference=streams,
+        )
 
     # ------------------------------------------------------------------ writing
     def commit(

@@ -161,7 +161,7 @@ class Rotation:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """A parsed recipe. ``matches(name)`` says whether the Linear named ``name`` (full path) is quantized."""
 

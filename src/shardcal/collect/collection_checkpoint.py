@@ -64,7 +64,7 @@ def stats_name(layer: int) -> str:
     return f"stats-L{layer:05d}.safetensors"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CollectionResume:
     """What a committed collection checkpoint restores for this rank."""
 
@@ -124,7 +124,14 @@ class CollectionCheckpoint(LayerCheckpoint):
         if finished and world()[0] == 0:  # no commit follows to clear what a killed final commit left
             self.remove_files_except(self.committed)
         done = manifest["completed_layers"]
-        return CollectionResume(done, finished, activations, stats, list(manifest["layers"]), self.committed_at())
+        return CollectionResume(
+            completed_layers=done,
+            finished=finished,
+            activations=activations,
+            stats=stats,
+            entries=list(manifest["layers"]),
+            committed_at=self.committed_at(),
+        )
 
     def _inputs(self, manifest: dict[str, Any], batch: int) -> torch.Tensor:
         name = manifest["batches"].get(str(batch))

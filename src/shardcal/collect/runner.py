@@ -89,7 +89,7 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CollectionPlan:
     """One run, checked: its targets by layer, the batches (global, and this rank's), fingerprint and writers."""
 
@@ -131,7 +131,16 @@ def _plan(model: nn.Module, data: Any, targets: Any, options: CollectionOptions)
         checkpoint = CollectionCheckpoint(options.checkpoint_dir, {**fingerprint, **settings})
         checkpoint.check_directory()
     mine = rank_batch_indices(len(batches), rank, world_size)
-    return CollectionPlan(resolved, settings["patterns"], options, batches, mine, fingerprint, writer, checkpoint)
+    return CollectionPlan(
+        targets=resolved,
+        patterns=settings["patterns"],
+        options=options,
+        batches=batches,
+        mine=mine,
+        fingerprint=fingerprint,
+        writer=writer,
+        checkpoint=checkpoint,
+    )
 
 
 def _resume(
