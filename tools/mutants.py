@@ -627,7 +627,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "gguf-swa-array-reversed",
-        "io/gguf.py",
+        "io/gguf/model.py",
         "        sliding = list(pattern)\n",
         "        sliding = list(pattern)[::-1]\n",
         "Gemma 3: a per-layer sliding_window_pattern array is read last layer first",
@@ -637,7 +637,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "gguf-swa-period-offset",
-        "io/gguf.py",
+        "io/gguf/model.py",
         "        sliding = [(i + 1) % pattern != 0 for i in range(layers)]\n",
         "        sliding = [i % pattern != 0 for i in range(layers)]\n",
         "Gemma 3: a scalar sliding_window_pattern makes layer 0 global, not the last of each period",

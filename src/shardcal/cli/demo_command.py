@@ -74,7 +74,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ..calib.recipes import load_recipe
     from ..data.perplexity import generate_greedy, perplexity
     from ..data.token_data import token_blocks
-    from ..io.gguf import default_cache_dir, embedded_gguf_path, embedded_model_dir
+    from ..io.gguf.importer import default_cache_dir, embedded_gguf_path, embedded_model_dir
     from ..io.tokenizer.tokenizer import Tokenizer
     from ..loading.plain import from_pretrained
     from ..runtime.launcher import launch

@@ -32,7 +32,7 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
     "import-gguf", help="convert a GGUF file into a Hugging Face-format model directory", arguments=_import_arguments
 )
 def _import_gguf(args: argparse.Namespace) -> int:
-    from ..io.gguf import import_gguf
+    from ..io.gguf.importer import import_gguf
 
     start = time.perf_counter()
     out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite, dtype=args.dtype)
