@@ -364,21 +364,21 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ checkpoint / resume (both kinds' base, calibration's)
     Mutant(
         "ckpt-fingerprint",
-        "layerwise/checkpoint.py",
+        "layerwise/layer_checkpoint.py",
         "            if stored.get(key) != value:\n",
         "            if key == 'world_size' and stored.get(key) != value:\n",
         "only the world size of a checkpoint is checked on resume",
     ),
     Mutant(
         "ckpt-options",
-        "calib/checkpoint.py",
+        "calib/calibration_checkpoint.py",
         '        "options": digest(options),\n',
         '        "options": digest({}),\n',
         "the checkpoint fingerprint drops the options",
     ),
     Mutant(
         "ckpt-sha",
-        "layerwise/checkpoint.py",
+        "layerwise/layer_checkpoint.py",
         "        if sha256(path) != expected:\n",
         "        if False:\n",
         "a corrupt checkpoint file is used",
@@ -542,14 +542,14 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ export
     Mutant(
         "export-owner",
-        "export/plan.py",
+        "export/layout.py",
         '    return 0 if kind == "root" else index % world_size\n',
         "    return 0\n",
         "rank 0 writes every unit (ranks do not share the writing)",
     ),
     Mutant(
         "export-shard-bound",
-        "export/plan.py",
+        "export/layout.py",
         "                if current and size + e.nbytes > max_shard_bytes:\n",
         "                if current and size > max_shard_bytes:\n",
         "a shard may grow past max_shard_bytes",
@@ -563,7 +563,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-ignore",
-        "export/plan.py",
+        "export/layout.py",
         "    ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]\n",
         "    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]\n",
         "routers held as plain 2-D weights (not nn.Linear) are left out of ignore",
@@ -599,35 +599,35 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ the second audit's classes (issue 45)
     Mutant(
         "tok-strip-python-whitespace",
-        "io/tokenizer_normalizers.py",
+        "io/tokenizer/normalizers.py",
         "            return Normalization(lambda text: text.strip(WHITESPACE), leading)\n",
         "            return Normalization(lambda text: text.strip(), leading)\n",
         "Strip removes Python's whitespace (U+001C-U+001F too), not Unicode White_Space as tokenizers does",
     ),
     Mutant(
         "tok-strip-right-python-whitespace",
-        "io/tokenizer_normalizers.py",
+        "io/tokenizer/normalizers.py",
         "        return Normalization(lambda text: text.rstrip(WHITESPACE) if right else text)\n",
         "        return Normalization(lambda text: text.rstrip() if right else text)\n",
         "Strip (right only) removes trailing U+001C-U+001F, which tokenizers keeps",
     ),
     Mutant(
         "tok-unigram-tie-later",
-        "io/tokenizer_unigram.py",
+        "io/tokenizer/unigram.py",
         "                if start_of[end] is None or candidate > best[end]:\n",
         "                if start_of[end] is None or candidate >= best[end]:\n",
         "Unigram Viterbi: an equal score replaces the path found first (the later split wins a tie)",
     ),
     Mutant(
         "tok-metaspace-older-never",
-        "io/tokenizer_spec.py",
+        "io/tokenizer/spec.py",
         '        scheme = "never" if value.get("add_prefix_space") is False else "always"\n',
         '        scheme = "always" if value.get("add_prefix_space") else "never"\n',
         "a Metaspace with neither prepend_scheme nor add_prefix_space never prepends (tokenizers: always)",
     ),
     Mutant(
         "gguf-swa-array-reversed",
-        "io/gguf.py",
+        "io/gguf/model.py",
         "        sliding = list(pattern)\n",
         "        sliding = list(pattern)[::-1]\n",
         "Gemma 3: a per-layer sliding_window_pattern array is read last layer first",
@@ -637,7 +637,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "gguf-swa-period-offset",
-        "io/gguf.py",
+        "io/gguf/model.py",
         "        sliding = [(i + 1) % pattern != 0 for i in range(layers)]\n",
         "        sliding = [i % pattern != 0 for i in range(layers)]\n",
         "Gemma 3: a scalar sliding_window_pattern makes layer 0 global, not the last of each period",

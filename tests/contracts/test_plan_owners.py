@@ -1,6 +1,6 @@
 """The planner (``src/shardcal/plan``) copies no rule of another package: it asks the owners.
 
-* the export's units, their owners and the shard files: ``shardcal.export.plan`` (``unit_owner``,
+* the export's units, their owners and the shard files: ``shardcal.export.layout`` (``unit_owner``,
   ``split_into_shards``) — no rank chosen by ``... % world_size`` and no size held to ``max_shard_bytes`` in plan/;
 * a decoder layer's passes: the runner (``shardcal.calib.runner.predicted_pass_plan``, which makes the plan the run
   executes) — plan/ reads none of the flags and promises the pass plan is made from;
@@ -20,8 +20,8 @@ PLAN = Path(__file__).resolve().parents[2] / "src" / "shardcal" / "plan"
 
 #: ``(owner module, name)`` that some module of plan/ must import.
 ASKED = [
-    ("shardcal.export.plan", "unit_owner"),
-    ("shardcal.export.plan", "split_into_shards"),
+    ("shardcal.export.layout", "unit_owner"),
+    ("shardcal.export.layout", "split_into_shards"),
     ("shardcal.calib.runner", "predicted_pass_plan"),
     ("shardcal.calib.runner", "commit_points"),
 ]
@@ -78,7 +78,7 @@ def copied_rules(sources: dict[str, str]) -> list[str]:
                 if _names(node.right) & set(ROUND_ROBIN):
                     problems.append(f"{at}: a round robin over {sorted(_names(node.right))} (ask its owner)")
             elif isinstance(node, ast.Compare) and "max_shard_bytes" in _names(node):
-                problems.append(f"{at}: splits shards by max_shard_bytes (ask shardcal.export.plan)")
+                problems.append(f"{at}: splits shards by max_shard_bytes (ask shardcal.export.layout)")
             elif isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
                 named = (
                     node.id
@@ -100,7 +100,7 @@ def test_the_plan_package_asks_the_owners():
 
 
 ASKING = (
-    "from ..export.plan import split_into_shards, unit_owner\n"
+    "from ..export.layout import split_into_shards, unit_owner\n"
     "from ..calib.runner import commit_points, predicted_pass_plan\n"
 )
 
@@ -114,11 +114,11 @@ ASKING = (
         (ASKING + "def stream(algorithm):\n    return algorithm.reference_stream\n", "reads reference_stream"),
         (ASKING + "from ..calib.passes import LayerFacts\n", "reads LayerFacts"),
         (
-            "from ..export.plan import unit_owner\nfrom ..calib.runner import commit_points, predicted_pass_plan\n",
-            "does not ask shardcal.export.plan.split_into_shards",
+            "from ..export.layout import unit_owner\nfrom ..calib.runner import commit_points, predicted_pass_plan\n",
+            "does not ask shardcal.export.layout.split_into_shards",
         ),
         (
-            "from ..export.plan import split_into_shards, unit_owner\nfrom ..calib.runner import commit_points\n",
+            "from ..export.layout import split_into_shards, unit_owner\nfrom ..calib.runner import commit_points\n",
             "does not ask shardcal.calib.runner.predicted_pass_plan",
         ),
     ],

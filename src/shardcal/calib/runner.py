@@ -5,7 +5,7 @@ quantizers, calibrate weight quantizers from the full weights, run the layer ove
 with activation observers collecting (one pass, or two for percentile / mse), merge the statistics across
 ranks in one collective per reduce op, measure the layer's output SQNR, and move on. Data are split across
 ranks by whole batches, so the result does not depend on the world size. With ``checkpoint_dir`` the run can
-be interrupted and resumed bit-identically (see :mod:`shardcal.calib.checkpoint`). Options: :class:`CalibrationOptions`.
+be interrupted and resumed bit-identically (see :mod:`shardcal.calib.calibration_checkpoint`). Options: :class:`CalibrationOptions`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.fsdp2 import sync_unsharded_to_shards
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from .checkpoint import (
+from .attach import quantize_modules, rotate_modules, weight_fallbacks
+from .calibration_checkpoint import (
     CalibrationCheckpoint,
     ResumeState,
     local_weight_pieces,
@@ -70,7 +71,7 @@ from .checkpoint import (
     run_fingerprint,
 )
 from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
-from .recipes import Recipe, load_recipe, quantize_modules, rotate_modules, weight_fallbacks
+from .recipes import Recipe, load_recipe
 from .report import CalibrationReport, LayerReport, amax_summary
 
 

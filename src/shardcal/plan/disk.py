@@ -1,4 +1,4 @@
-"""What a planned calibration writes to disk: the export's shard files, as the export plan (:mod:`shardcal.export.plan`)
+"""What a planned calibration writes to disk: the export's shard files, as the export plan (:mod:`shardcal.export.layout`)
 splits them, and the most a ``--checkpoint-dir`` holds between two commits."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from ..calib.runner import commit_points
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.format import ExportFormat, get_format, module_sizes
-from ..export.plan import Entry, Unit, kv_cache_entries, split_into_shards
+from ..export.layout import Entry, Unit, kv_cache_entries, split_into_shards
 from ..export.shards import header_bytes
 from ..quant.kv_cache import kv_cache_attentions
 from .costs import CHECKPOINT_ENTRY_BYTES, CHECKPOINT_RANK_BYTES
@@ -69,7 +69,7 @@ def export_files(
 ) -> list[tuple[str, int]]:
     """``(file name, size in bytes)`` of every shard the export writes in ``export_format`` (default
     compressed-tensors): the units' entries given to their owners and split into files by the export plan itself
-    (:func:`~shardcal.export.plan.split_into_shards`), each file its safetensors header and its tensors."""
+    (:func:`~shardcal.export.layout.split_into_shards`), each file its safetensors header and its tensors."""
     stored = unit_entries(m.prepared) if export_format is None else export_entries(m.prepared, export_format)
     units = [
         Unit(

@@ -20,7 +20,7 @@ from ..calib.passes import PassPlan
 from ..calib.recipes import Recipe
 from ..calib.runner import predicted_pass_plan
 from ..errors import PlanError
-from ..export.plan import Entry, unit_owner
+from ..export.layout import Entry, unit_owner
 from ..loading.build import resolve_dtype
 from .costs import (
     FORWARD_ATTN_HIDDEN,

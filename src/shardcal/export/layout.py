@@ -1,4 +1,4 @@
-"""The export plan: what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
+"""The export layout (its :class:`ExportPlan`): what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
 every rank from the module structure alone (names, global shapes, specs), before anything is gathered.
 
 Because the plan is known up front, every rank knows every shard's exact safetensors header (names, dtypes,
@@ -50,7 +50,7 @@ from .format import ExportFormat, get_format, module_sizes
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuantModule:
     """A Linear exported quantized: an ``nn.Linear``, or one projection of one expert of fused experts.
 
@@ -118,7 +118,7 @@ class Shard:
         return sum(e.nbytes for e in self.entries)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExportPlan:
     units: list[Unit]
     shards: list[Shard]
@@ -234,7 +234,17 @@ def _quant_module(
         if recipe.input is not None:
             _check_spec(name, recipe.input, "input", fmt)
         stored = fmt.module_format(weight_spec, recipe.input)
-        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, stored, None, None)
+        return QuantModule(
+            name=name,
+            weight=weight,
+            out_features=out_f,
+            in_features=in_f,
+            spec_weight=weight_spec,
+            spec_input=recipe.input,
+            format=stored,
+            weight_quantizer=None,
+            input_quantizer=None,
+        )
     if oq is not None:
         raise ExportError(
             f"module {name!r} has an output quantizer; {fmt.name} export supports weights and inputs only"
@@ -259,7 +269,16 @@ def _quant_module(
     stored = fmt.module_format(wq.spec, iq.spec if iq is not None else None)
     rotation = getattr(holder, "input_rotation", None)
     return QuantModule(
-        name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, stored, wq, iq, rotation
+        name=name,
+        weight=weight,
+        out_features=out_f,
+        in_features=in_f,
+        spec_weight=wq.spec,
+        spec_input=iq.spec if iq is not None else None,
+        format=stored,
+        weight_quantizer=wq,
+        input_quantizer=iq,
+        input_rotation=rotation,
     )
 
 
@@ -531,7 +550,10 @@ def build_plan(
 
     shards = split_into_shards(units, world_size, max_shard_bytes)
     config = build_quantization_config(model, quant, kv_cache, fmt)
-    return ExportPlan(units, shards, quant, config, kv_cache, fmt)
+    return ExportPlan(
+        units=units, shards=shards, quant_modules=quant, quantization_config=config, kv_cache=kv_cache,
+        export_format=fmt,
+    )  # fmt: skip
 
 
 def unit_owner(index: int, kind: str, world_size: int) -> int:
