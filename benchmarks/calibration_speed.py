@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
 
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     add_save_options(parser)
     args = parser.parse_args(argv)
 
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.layerwise.batches import make_batches

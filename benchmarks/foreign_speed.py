@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     import transformers
 
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.loading.plain import from_pretrained

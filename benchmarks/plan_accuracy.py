@@ -151,7 +151,7 @@ def predict(model_dir: Path, recipe: str, num_samples: int, seq_len: int, batch_
 
 
 def _smollm2_data(samples: int, seq_len: int) -> tuple[Path, torch.Tensor]:
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 

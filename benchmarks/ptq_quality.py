@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardcal import calibrate, load_recipe
     from shardcal.calib.recipes import shipped_recipes
-    from shardcal.data.calibration import token_blocks
     from shardcal.data.perplexity import perplexity
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from shardcal import calibrate, load_recipe
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
     from shardcal.models import from_pretrained

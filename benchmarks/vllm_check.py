@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     from shardcal.calib.recipes import shipped_recipes
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@
 
 Every tool gets the same model (the embedded SmolLM2-135M-Instruct as an HF-format float32 directory), the same 32 x
 256 calibration tokens and the same held-out blocks of 256 tokens (``--eval-samples`` of them, 8 by default, the
-articles shuffled with ``--eval-seed``; ``shardcal.data.calibration.token_blocks``, splits "calib" and "eval"), and
+articles shuffled with ``--eval-seed``; ``shardcal.data.token_data.token_blocks``, splits "calib" and "eval"), and
 perplexity is ``exp(mean cross-entropy)`` of every next-token prediction, float32, fake-quantized model
 in memory. shardcal's recipes run here, in this process, one after the other (``calibrate`` timed); each peer run is
 ``benchmarks/peer_run.py`` in the peers' own venv (``make bench-peers`` creates ``.venv-peers``), one at a time,
@@ -190,7 +190,7 @@ def write_inputs(
     ``eval_seed``)."""
     from safetensors.torch import save_file
 
-    from shardcal.data.calibration import token_blocks
+    from shardcal.data.token_data import token_blocks
     from shardcal.io.gguf import embedded_model_dir
     from shardcal.io.tokenizer import Tokenizer
 

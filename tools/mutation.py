@@ -9,7 +9,7 @@ Run it on demand (``make mutation``; not part of ``make test``: it is slow)::
     python tools/mutation.py --list          # print the mutants, run nothing
     python tools/mutation.py --check         # check that every catalogue entry still applies, run nothing
 
-Each mutant is applied to a scratch copy of the repository (``src/``, ``tests/``, ``calibration/``; the real tree is
+Each mutant is applied to a scratch copy of the repository (``src/``, ``tests/``, ``recipes/``; the real tree is
 never touched), and the tests mapped to the mutated module (:data:`TESTS`) run against it with ``PYTHONPATH``
 pointing at the scratch ``src`` (``-x``: the first failure kills the mutant), under a timeout (a hang counts as
 killed). The unmutated code must pass the same tests first (once per test set), or the run stops.
@@ -120,14 +120,14 @@ TESTS: dict[str, list[str]] = {
         "tests/layerwise/test_moe_reference.py",
         "tests/calib/test_calibrate.py",
     ],
-    "calib/checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
-    "layerwise/checkpoint.py": [
+    "calib/calibration_checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
+    "layerwise/layer_checkpoint.py": [
         "tests/calib/test_fingerprint_options.py",
         "tests/calib/test_calibrate.py",
         "tests/layerwise/test_checkpoint_kinds.py",
     ],
     "algorithms/smoothquant.py": ["tests/algorithms/test_algorithms.py"],
-    "export/plan.py": [
+    "export/layout.py": [
         "tests/export/test_export_claims.py",
         "tests/export/test_export.py",
         "tests/export/test_export_families.py",
@@ -137,27 +137,29 @@ TESTS: dict[str, list[str]] = {
     "export/shards.py": ["tests/export/test_export_claims.py", "tests/export/test_export.py"],
     "export/export.py": ["tests/export/test_export.py"],
     "data/perplexity.py": ["tests/cli/test_cli.py", "tests/io/test_embedded_model.py"],
-    "io/tokenizer_normalizers.py": ["tests/io/test_tokenizer_sentencepiece.py"],
-    "io/tokenizer_unigram.py": ["tests/io/test_tokenizer_sentencepiece.py"],
-    "io/tokenizer_spec.py": ["tests/io/test_tokenizer_sentencepiece.py"],
-    "io/gguf.py": ["tests/io/test_gguf_import_families.py"],
+    "io/tokenizer/normalizers.py": ["tests/io/test_tokenizer_sentencepiece.py"],
+    "io/tokenizer/unigram.py": ["tests/io/test_tokenizer_sentencepiece.py"],
+    "io/tokenizer/spec.py": ["tests/io/test_tokenizer_sentencepiece.py"],
+    "io/gguf/model.py": ["tests/io/test_gguf_import_families.py"],
     "algorithms/autoround.py": ["tests/algorithms/test_autoround.py"],
     "algorithms/gptq.py": ["tests/algorithms/test_algorithms.py"],
     "algorithms/residual.py": ["tests/algorithms/test_residual.py"],
-    "plan/planner.py": ["tests/plan/test_plan.py"],
+    "plan/prepared.py": ["tests/plan/test_plan.py"],
+    "plan/disk.py": ["tests/plan/test_plan.py"],
 }
 
 #: Modules only the catalogue mutates: their operator mutants are not part of ``--all``.
 CATALOGUE_ONLY = {
     "data/perplexity.py",
-    "io/tokenizer_normalizers.py",
-    "io/tokenizer_unigram.py",
-    "io/tokenizer_spec.py",
-    "io/gguf.py",
+    "io/tokenizer/normalizers.py",
+    "io/tokenizer/unigram.py",
+    "io/tokenizer/spec.py",
+    "io/gguf/model.py",
     "algorithms/autoround.py",
     "algorithms/gptq.py",
     "algorithms/residual.py",
-    "plan/planner.py",
+    "plan/prepared.py",
+    "plan/disk.py",
 }
 #: Modules whose operators and constants ``--all`` mutates mechanically (besides the catalogue).
 CORE = [m for m in TESTS if m not in CATALOGUE_ONLY]

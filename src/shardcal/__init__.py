@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "LayerStep": "shardcal.layerwise.steps",
     "PipelineResult": "shardcal.pipeline.calibrate",
     "ShardcalError": "shardcal.errors",
-    "Tokenizer": "shardcal.io.tokenizer",
+    "Tokenizer": "shardcal.io.tokenizer.tokenizer",
     "calibrate": "shardcal.calib.runner",
     "calibrate_to_checkpoint": "shardcal.pipeline.calibrate",
     "collect_activations": "shardcal.collect.runner",
@@ -46,7 +46,7 @@ _EXPORTS: dict[str, str] = {
     "layer_unsharded": "shardcal.sharding.fsdp2",
     "load_pretrained": "shardcal.loading.sharded",
     "load_recipe": "shardcal.calib.recipes",
-    "load_token_data": "shardcal.data.calibration",
+    "load_token_data": "shardcal.data.token_data",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

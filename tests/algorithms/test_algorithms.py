@@ -98,7 +98,7 @@ def test_layer_without_known_pairs_warns_and_is_left_alone():
     from types import SimpleNamespace
 
     from shardcal.algorithms.smoothquant import SmoothQuant
-    from shardcal.calib.recipes import quantize_modules
+    from shardcal.calib.attach import quantize_modules
 
     layer = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
     quantize_modules(layer, _recipe("smoothquant", weight_only=False), prefix="blocks.0")
@@ -682,7 +682,7 @@ def test_reference_stream_is_the_float_models_own_layer_inputs():
     gives it (hooks on a copy), while the propagated stream carries the quantized layers' outputs."""
     import copy
 
-    from shardcal.calib.recipes import quantize_modules
+    from shardcal.calib.attach import quantize_modules
     from shardcal.layerwise.batches import model_batches
     from shardcal.layerwise.steps import layer_steps
 

@@ -12,7 +12,8 @@ import torch
 from shardcal.algorithms.awq import AWQ
 from shardcal.algorithms.mappings import layer_smoothings
 from shardcal.algorithms.smoothquant import SmoothQuant, smoothing_scales
-from shardcal.calib.recipes import parse_recipe, quantize_modules
+from shardcal.calib.attach import quantize_modules
+from shardcal.calib.recipes import parse_recipe
 from shardcal.models import CausalLM, ModelConfig
 
 from _tiny_models import TINY_CONFIGS, randomize_

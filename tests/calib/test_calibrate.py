@@ -11,7 +11,8 @@ import torch
 from _injected import CalibrationInterrupted, interrupt_after
 from torch import nn
 
-from shardcal.calib.recipes import load_recipe, parse_recipe, quantize_modules
+from shardcal.calib.attach import quantize_modules
+from shardcal.calib.recipes import load_recipe, parse_recipe
 from shardcal.calib.runner import calibrate
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.models import CausalLM, ModelConfig

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardcal.calib.recipes import load_recipe, parse_recipe, quantize_modules
+from shardcal.calib.attach import quantize_modules
+from shardcal.calib.recipes import load_recipe, parse_recipe
 from shardcal.calib.runner import calibrate
 from shardcal.errors import CheckpointError, ConfigError, ExportError, RecipeError
 from shardcal.export import export_checkpoint

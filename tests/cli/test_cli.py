@@ -20,6 +20,7 @@ from test_gguf_tokenizer import (
 )
 
 from shardcal.calib.runner import calibrate as api_calibrate
+from shardcal.cli import commands, demo_command
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError
 from shardcal.models import from_pretrained
@@ -110,7 +111,7 @@ def test_help_defaults_are_what_the_commands_use():
     (defaults that name no value, "default: the recipe's ...", are None in the namespace)."""
     import re
 
-    from shardcal.data.calibration import DEFAULT_SEQ_LEN
+    from shardcal.data.token_data import DEFAULT_SEQ_LEN
 
     checked = 0
     for name, sub in _subcommand_parsers().items():
@@ -196,8 +197,10 @@ def test_only_shardcal_errors_become_exit_2(capsys, monkeypatch):
     def fail_bug(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setitem(cli.COMMANDS, "fail-user", cli.Command("fail-user", "test", lambda p: None, fail_user))
-    monkeypatch.setitem(cli.COMMANDS, "fail-bug", cli.Command("fail-bug", "test", lambda p: None, fail_bug))
+    monkeypatch.setitem(
+        commands.COMMANDS, "fail-user", commands.Command("fail-user", "test", lambda p: None, fail_user)
+    )
+    monkeypatch.setitem(commands.COMMANDS, "fail-bug", commands.Command("fail-bug", "test", lambda p: None, fail_bug))
     status, _, err = run_cli(capsys, "fail-user")
     assert status == 2 and err == "error: bad.json: line one line two\n"
     with pytest.raises(RuntimeError, match="a bug"):
@@ -243,7 +246,7 @@ def test_eval_token_id_files(capsys, tiny_dir, tmp_path):
 
 
 def test_eval_text_files(capsys, tiny_dir, tmp_path):
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.io.tokenizer import Tokenizer
 
     text = "The theater is in the city. " * 40
@@ -271,7 +274,7 @@ def test_eval_text_files(capsys, tiny_dir, tmp_path):
 
 
 def test_txt_is_tokenized_in_pieces_exactly_as_a_whole(tiny_dir, tmp_path):
-    from shardcal.data.calibration import _text_stream, load_token_data
+    from shardcal.data.token_data import _text_stream, load_token_data
     from shardcal.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tiny_dir)
@@ -428,7 +431,7 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
     assert status == 0, err
     values = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line and not line.startswith(" "))
     values = {k.strip(): v.strip() for k, v in values.items()}
-    fake_quant = float(values[f"perplexity, fake-quant ({cli.DEMO_RECIPE}, sharded)"])
+    fake_quant = float(values[f"perplexity, fake-quant ({demo_command.DEMO_RECIPE}, sharded)"])
     reloaded = float(values["perplexity, reloaded export"])
     assert fake_quant == pytest.approx(reloaded, rel=1e-6)  # the export reloads to the calibrated model
     assert values["output dir"] == str(out_dir) and (out_dir / "config.json").is_file()
@@ -438,8 +441,8 @@ def test_demo_path_on_a_small_model(capsys, tmp_path):
         f"{sizes[0]:.1f} MB vs {sizes[1]:.1f} MB ({sizes[0] / sizes[1]:.2f}x)"
     )  # bytes counted here, not by the command
     report, plot = values["report, plot"].split(", ")
-    assert json.loads(Path(report).read_text())["recipe"] == cli.DEMO_RECIPE and Path(plot).is_file()
-    prompt = repr(cli.DEMO_PROMPT)
+    assert json.loads(Path(report).read_text())["recipe"] == demo_command.DEMO_RECIPE and Path(plot).is_file()
+    prompt = repr(demo_command.DEMO_PROMPT)
     assert values[f"greedy {prompt}, float32"].startswith("'") and values[f"greedy {prompt}, export"].startswith("'")
 
 
@@ -487,7 +490,7 @@ def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir,
 def test_short_data_and_dropped_tails_are_one_warning_each(tmp_path):
     import warnings
 
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
 
     np.save(tmp_path / "stream.npy", np.arange(100))  # 3 blocks of 32 and 4 tokens over
     with warnings.catch_warnings(record=True) as caught:

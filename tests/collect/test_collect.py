@@ -282,7 +282,7 @@ def test_a_commit_killed_midway_resumes_exactly(tmp_path):
 def test_a_failed_checkpoint_write_stops_with_the_error_and_keeps_the_previous_commit(tmp_path, monkeypatch):
     import errno
 
-    from shardcal.layerwise import checkpoint as collect_checkpoint  # where every checkpoint file is written
+    from shardcal.layerwise import layer_checkpoint as collect_checkpoint  # where every checkpoint file is written
 
     real, calls = collect_checkpoint.save_file, []
 

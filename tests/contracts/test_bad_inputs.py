@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_gguf_tokenizer import byte_level_tokenizer_json, tiny_state_dict, write_tiny_gguf
 
+from shardcal.cli import commands
 from shardcal.cli import main as cli
 from shardcal.errors import (
     CalibrationCheckpointError,
@@ -1418,7 +1419,7 @@ def env(template: Path, tmp_path: Path) -> Env:
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str, raised: list[BaseException]) -> None:
     """Record the exception subcommand ``name`` raises (main prints only its message)."""
-    command = cli.COMMANDS[name]
+    command = commands.COMMANDS[name]
 
     def run(args: Any) -> Any:
         try:
@@ -1427,7 +1428,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, raised: list[BaseException]
             raised.append(exc)
             raise
 
-    monkeypatch.setitem(cli.COMMANDS, name, replace(command, run=run))
+    monkeypatch.setitem(commands.COMMANDS, name, replace(command, run=run))
 
 
 @pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])

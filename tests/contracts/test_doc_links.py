@@ -16,7 +16,6 @@ NAMING = ["src", "tools", "benchmarks", "calibration", "examples", "tests"]
 #: them to the new path, then drop the entry here): file -> the stale paths it may still name.
 PENDING = {
     "src/shardcal/plan/planner.py": {"docs/scaling.md"},
-    "src/shardcal/loading/quantized.py": {"docs/vllm-conventions.md"},
 }
 
 

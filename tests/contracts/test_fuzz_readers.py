@@ -41,10 +41,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
-from shardcal.calib.checkpoint import MANIFEST, CalibrationCheckpoint
+from shardcal.calib.calibration_checkpoint import MANIFEST, CalibrationCheckpoint
 from shardcal.calib.recipes import parse_recipe, recipe_from_dict
-from shardcal.collect.checkpoint import MANIFEST as COLLECT_MANIFEST
-from shardcal.collect.checkpoint import CollectionCheckpoint, sha256
+from shardcal.collect.collection_checkpoint import MANIFEST as COLLECT_MANIFEST
+from shardcal.collect.collection_checkpoint import CollectionCheckpoint, sha256
 from shardcal.errors import (
     CalibrationCheckpointError,
     CheckpointError,
@@ -369,7 +369,7 @@ IDS_SAFETENSORS = join_file({"input_ids": {"dtype": "I64", "shape": [2, 4], "dat
 )
 def test_data_file_reader_fuzz(workdir: Path, case: tuple[str, bytes]) -> None:
     """``--data`` token-id files (.npy read without pickle, .safetensors): only DataError."""
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.errors import DataError
 
     suffix, data = case
@@ -403,7 +403,7 @@ def test_terabyte_claims_fail_fast_and_cleanly(workdir: Path, make: Callable[[],
 
 def test_data_file_claiming_terabytes(workdir: Path) -> None:
     """The ``--data`` safetensors reader refuses the same lies just as fast."""
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.errors import DataError
 
     path = workdir / "ids.safetensors"

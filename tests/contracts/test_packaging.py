@@ -18,15 +18,15 @@ def test_every_subpackage_is_listed():
         for p in (ROOT / "src" / "shardcal").rglob("__init__.py")
     }
     found = {name.rstrip(".") for name in found}
-    assert found | {"shardcal.calibration.recipes", "shardcal.results"} == listed
-    assert config["package-data"]["shardcal.calibration.recipes"] == ["*.toml"]
+    assert found | {"shardcal.recipes", "shardcal.results"} == listed
+    assert config["package-data"]["shardcal.recipes"] == ["*.toml"]
     assert config["package-data"]["shardcal.results"] == ["*.json"]  # the tables `shardcal recipes` shows
     assert config["package-dir"]["shardcal.results"] == "docs/results"
 
 
-def test_calibration_folder_holds_recipes_only():
+def test_recipes_folder_holds_recipes_only():
     """What users read, copy and edit: TOML recipes, no Python."""
-    files = [p for p in (ROOT / "calibration").rglob("*") if p.is_file()]
+    files = [p for p in (ROOT / "recipes").rglob("*") if p.is_file()]
     assert files and all(p.suffix == ".toml" and p.parent.name == "recipes" for p in files), files
 
 

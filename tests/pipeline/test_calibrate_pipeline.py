@@ -13,6 +13,7 @@ import torch
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
 import shardcal
+from shardcal.cli import calibrate_command
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError, ExportError, TokenizerError
 from shardcal.layerwise.options import CalibrationOptions
@@ -86,7 +87,7 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     """On one rank: the library call's export is byte for byte the CLI's and that of load_pretrained + calibrate +
     export_checkpoint composed by hand (the independent reference); the reports agree up to timings."""
     from shardcal.calib.runner import calibrate
-    from shardcal.data.calibration import load_token_data
+    from shardcal.data.token_data import load_token_data
     from shardcal.export import export_checkpoint
     from shardcal.loading.sharded import load_pretrained
 
@@ -105,7 +106,9 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     assert result.data_shape == (6, 16) and result.data_source == str(data) and result.recipe.name == RECIPE
     assert len(result.peak_memory_mb) == 1 and result.peak_memory_mb[0] > 0
     assert result.plot == (tmp_path / "lib" / PLOT if (tmp_path / "cli" / PLOT).exists() else None)
-    said = "\n".join(cli.calibrate_summary(result)) + "\n"  # what the command prints for it, up to times and paths
+    said = (
+        "\n".join(calibrate_command.calibrate_summary(result)) + "\n"
+    )  # what the command prints for it, up to times and paths
     assert _masked(said, tmp_path / "lib") == _masked(printed, tmp_path / "cli")
     assert "calibrated 2 layers on 6 x 16 tokens of " in said and "over 1 rank(s)" in said
 
@@ -182,9 +185,9 @@ def test_the_growth_reported_is_the_high_water_mark_over_the_baseline_after_impo
     result = _library(model_dir, data, tmp_path / "fake")
     assert resets and result.memory_growth_mib == [84.0] and result.memory_baseline_mib == [300.0]
     planned = result.planned_growth_mib[0]
-    line = cli.memory_summary(result)
+    line = calibrate_command.memory_summary(result)
     assert line == f"peak memory per rank: growth 84 MiB (planned {planned:.0f} MiB), process peak 384 MiB"
-    assert line in cli.calibrate_summary(result)
+    assert line in calibrate_command.calibrate_summary(result)
 
 
 def _on_rank(model_dir: str, data: str, out: str, via: str) -> dict:

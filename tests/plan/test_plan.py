@@ -25,6 +25,7 @@ from shardcal.loading.build import build_on_meta
 from shardcal.models.config import ModelConfig
 from shardcal.plan import planner as planning
 from shardcal.plan.planner import PlanSettings, plan_calibration
+from shardcal.plan.render import PART_LABELS
 from shardcal.runtime import hostmem
 
 from _dist import run_on_ranks
@@ -388,7 +389,7 @@ def test_plan_json_schema(capsys, tmp_path):
         == max(r["peak_bytes"] for r in doc["ranks"])
         == doc["ranks"][doc["peak_rank"]]["peak_bytes"]
     )
-    assert set(doc["parts"]) == set(planning._PART_LABELS) and all(isinstance(v, int) for v in doc["parts"].values())
+    assert set(doc["parts"]) == set(PART_LABELS) and all(isinstance(v, int) for v in doc["parts"].values())
     assert [r["rank"] for r in doc["ranks"]] == [0, 1] and set(doc["ranks"][0]["phases"]) == {
         "load",
         "embed",

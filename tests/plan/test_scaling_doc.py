@@ -65,7 +65,7 @@ def _gib(n: int) -> str:
 def model_table(name: str) -> str:
     """One model's rows: recipe x world size."""
     cfg = ModelConfig.from_dict(CONFIGS[name], source=name)
-    source = ModelSource(cfg, None, 0)
+    source = ModelSource(config=cfg, file_dtypes=None, checkpoint_bytes=0)
     lines = [
         "| recipe | GPUs | device peak / rank (GiB) | at | fits 80 GB | largest part | host / rank (GiB) "
         "| read / rank (GiB) | all-gather / layer (GiB) | export (GiB) |",

@@ -59,9 +59,13 @@ class _Experts(nn.Module):
 def test_the_forward_decides_the_split_and_slices_reproduce_it(transposed, interleaved, biased):
     module = _Experts(transposed, interleaved, biased)
     structural = fused_experts_layout(module, "experts")
-    assert structural == ExpertsLayout(E, H, I, transposed, False, biased)  # nothing names the split: halves
+    assert structural == ExpertsLayout(
+        experts=E, hidden=H, inter=I, transposed=transposed, interleaved=False, biased=biased
+    )  # nothing names the split: halves
     layout = probe_layout(module, "experts")
-    assert layout == ExpertsLayout(E, H, I, transposed, interleaved, biased)
+    assert layout == ExpertsLayout(
+        experts=E, hidden=H, inter=I, transposed=transposed, interleaved=interleaved, biased=biased
+    )
     assert fused_experts_layout(module, "experts") == layout  # kept
     x = torch.randn(5, H)
     index = torch.full((5, 1), 2)
@@ -86,7 +90,9 @@ def test_the_gate_function_names_the_split_without_the_weights():
         experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
     for flag in ("is_transposed", "is_concatenated"):
         delattr(experts, flag)
-    assert fused_experts_layout(experts, "experts") == ExpertsLayout(E, H, I, True, True, True)
+    assert fused_experts_layout(experts, "experts") == ExpertsLayout(
+        experts=E, hidden=H, inter=I, transposed=True, interleaved=True, biased=True
+    )
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardcal.calib.recipes import load_recipe, parse_recipe, quantize_modules
+from shardcal.calib.attach import quantize_modules
+from shardcal.calib.recipes import load_recipe, parse_recipe
 from shardcal.errors import RecipeError, ShardcalError
 from shardcal.models import CausalLM, DecoderLayer, ModelConfig
 from shardcal.models.rope import RotaryEmbedding

@@ -93,7 +93,7 @@ def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Ten
     return bool(torch.allclose(second, 2.0 * first, rtol=1e-3, atol=1e-6)) and bool(first.abs().sum() > 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Smoothing:
     """One foldable (producer, consumers) pair; see the module docstring."""
 
@@ -265,7 +265,15 @@ def _smoothing(
     index: torch.Tensor | None = None,
 ) -> Smoothing:
     """A :class:`Smoothing` keyed by its producer's name, with its consumers' names."""
-    return Smoothing(kind, names[id(source)], source, consumers, point, index, [names[id(c)] for c in consumers])
+    return Smoothing(
+        kind=kind,
+        key=names[id(source)],
+        source=source,
+        consumers=consumers,
+        point=point,
+        index=index,
+        consumer_names=[names[id(c)] for c in consumers],
+    )
 
 
 def _layer_smoothings(layer: nn.Module, kinds: tuple[str, ...], prefix: str) -> list[Smoothing]:

@@ -1,2 +1,2 @@
-"""Calibration: recipes (:mod:`.recipes`), the runner ``calibrate`` (:mod:`.runner`), its report (:mod:`.report`)
-and its resumable checkpoint (:mod:`.checkpoint`)."""
+"""Calibration: recipes (:mod:`.recipes`) and their quantizers put on modules (:mod:`.attach`), the runner
+``calibrate`` (:mod:`.runner`), its report (:mod:`.report`) and its resumable checkpoint (:mod:`.calibration_checkpoint`)."""

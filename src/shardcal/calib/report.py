@@ -13,7 +13,7 @@ import torch
 from ..runtime.fsutil import atomic_path, atomic_write_text
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerReport:
     index: int
     name: str
@@ -41,7 +41,7 @@ class LayerReport:
     from_activation_report: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CalibrationReport:
     recipe: str
     propagate: str

@@ -5,12 +5,13 @@ quantizers, calibrate weight quantizers from the full weights, run the layer ove
 with activation observers collecting (one pass, or two for percentile / mse), merge the statistics across
 ranks in one collective per reduce op, measure the layer's output SQNR, and move on. Data are split across
 ranks by whole batches, so the result does not depend on the world size. With ``checkpoint_dir`` the run can
-be interrupted and resumed bit-identically (see :mod:`shardcal.calib.checkpoint`). Options: :class:`CalibrationOptions`.
+be interrupted and resumed bit-identically (see :mod:`shardcal.calib.calibration_checkpoint`). Options: :class:`CalibrationOptions`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 import time
@@ -59,7 +60,8 @@ from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.fsdp2 import sync_unsharded_to_shards
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from .checkpoint import (
+from .attach import quantize_modules, rotate_modules, weight_fallbacks
+from .calibration_checkpoint import (
     CalibrationCheckpoint,
     ResumeState,
     local_weight_pieces,
@@ -69,7 +71,7 @@ from .checkpoint import (
     run_fingerprint,
 )
 from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
-from .recipes import Recipe, load_recipe, quantize_modules, rotate_modules, weight_fallbacks
+from .recipes import Recipe, load_recipe
 from .report import CalibrationReport, LayerReport, amax_summary
 
 
@@ -267,6 +269,37 @@ def _check_promise(step: LayerStep, algorithm: LayerAlgorithm, promised: Algorit
                            f"outputs, they left {left!r}")  # fmt: skip
 
 
+def commit_points(num_layers: int, every: int, start: int = 0) -> list[int]:
+    """After how many finished decoder layers a calibration with a checkpoint directory commits: every ``every``
+    layers past ``start`` (the layers it resumed with), and once all ``num_layers`` are done."""
+    return [k for k in range(start + 1, num_layers) if k % every == 0] + ([num_layers] if start < num_layers else [])
+
+
+def _plan_layer(
+    step: LayerStep, recipe: Recipe, algorithm: LayerAlgorithm, propagate: str, feed: ActivationFeed | None,
+    all_experts: bool,
+) -> tuple[AlgorithmStep, _LayerQuantizers, PassPlan]:  # fmt: skip
+    """A step's start, before any pass: the recipe's quantizers inserted into the layer, what the algorithm promises
+    its hooks will do, the quantizers sorted by how they get their state, and the pass plan made from them."""
+    quantize_modules(step.layer, recipe, prefix=step.name, rotate=not algorithm.smooths_before_rotation)
+    promised = algorithm.plan_step(step, recipe)
+    kv = _pass_kv_cache(step, recipe)
+    quantizers = _layer_quantizers(step, recipe, feed, all_experts, kv, promised.derives)
+    return promised, quantizers, layer_pass_plan(step, algorithm, promised, quantizers, propagate)
+
+
+def predicted_pass_plan(
+    layer: nn.Module, name: str, recipe: Recipe, algorithm: LayerAlgorithm, propagate: str
+) -> PassPlan:
+    """The pass plan the runner will make for decoder layer ``name``, predicted before anything is loaded: the same
+    start of the step (:func:`_plan_layer`) on a copy of ``layer`` (a skeleton's, on the meta device; left as it
+    is), without an activation report. For the planner (:mod:`shardcal.plan`), which counts the passes it runs."""
+    skeleton = copy.deepcopy(layer)
+    meta = torch.device("meta")
+    step = LayerStep(index=0, name=name, layer=skeleton, inputs=[], device=meta, cache_device=meta)
+    return _plan_layer(step, recipe, algorithm, propagate, None, False)[2]
+
+
 def _calibrate_layer_once(
     step: LayerStep,
     recipe: Recipe,
@@ -283,13 +316,9 @@ def _calibrate_layer_once(
     if feed is not None:
         feed.used = []
     rotate_later = algorithm.smooths_before_rotation
-    quantize_modules(step.layer, recipe, prefix=step.name, rotate=not rotate_later)
-    promised = algorithm.plan_step(step, recipe)
-    kv = _pass_kv_cache(step, recipe)
-    quantizers = _layer_quantizers(step, recipe, feed, calibrate_all_experts, kv, promised.derives)
+    promised, quantizers, plan = _plan_layer(step, recipe, algorithm, propagate, feed, calibrate_all_experts)
     if feed is not None:
         feed.used = []  # planning looked the report up; the uses are recorded below, where they happen
-    plan = layer_pass_plan(step, algorithm, promised, quantizers, propagate)
     reference: dict[int, torch.Tensor] | None = None
     if plan.sqnr_reference_first:  # SQNR against the layer as it was
         with quantizer_mode(step.layer, QuantMode.DISABLED):
@@ -534,10 +563,11 @@ def _calibrate(
     )
     report_phase("calibrate: embedding")
     committed = start  # the layers the checkpoint directory holds (0 without one)
+    commits = set(commit_points(len(layers), options.checkpoint_every, start))
     try:
         for step in steps:
             report_phase(f"calibrate {step.name}")
-            if checkpoint is not None and step.index > start and step.index % options.checkpoint_every == 0:
+            if checkpoint is not None and step.index in commits:
                 acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
                 refs = None if step.reference_inputs is None else dict(zip(mine, step.reference_inputs))
                 _commit(checkpoint, model, names, step.index, acts, report, keep_weights, refs)
@@ -556,7 +586,7 @@ def _calibrate(
     finally:
         if bar is not None:  # closed before any message, so that an error starts on a line of its own
             bar.close()
-    if checkpoint is not None and start < len(layers):
+    if checkpoint is not None and len(layers) in commits:
         _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:

@@ -1,1 +1,2 @@
-"""The ``shardcal`` command (:mod:`.main`)."""
+"""The ``shardcal`` command (:mod:`.main`), one module per subcommand (``*_command``) and their registry
+(:mod:`.commands`)."""

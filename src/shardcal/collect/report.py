@@ -45,7 +45,7 @@ FORMAT_VERSION = 1
 TENSOR_STATS = {"absmax": torch.float32, "mean": torch.float64, "meansq": torch.float64, "histogram": torch.int64}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TargetStats:
     """Statistics of one observed tensor over every real (unpadded) token of the data, merged over all ranks.
 
@@ -109,8 +109,9 @@ class TargetStats:
         if values["absmax"] is None:
             raise KeyError(f"{name}/absmax")
         return cls(
-            name, str(summary["pattern"]), int(summary["layer"]), int(summary["channels"]), int(summary["tokens"]),
-            top_channels=[(int(c), float(v)) for c, v in summary["top_channels"]], **values,
+            name=name, pattern=str(summary["pattern"]), layer=int(summary["layer"]), channels=int(summary["channels"]),
+            tokens=int(summary["tokens"]), top_channels=[(int(c), float(v)) for c, v in summary["top_channels"]],
+            **values,
         )  # fmt: skip
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -127,7 +128,7 @@ def top_channels(absmax: torch.Tensor, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(v)) for v, i in zip(order.values[:k], order.indices[:k])]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ActivationReport:
     """What :func:`shardcal.collect_activations` measured; see the module docstring. ``report[name]`` is a target's
     :class:`TargetStats`."""

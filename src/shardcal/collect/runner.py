@@ -13,7 +13,7 @@ Bad targets fail before anything is written: a pattern that matches nothing, a m
 an unknown selector at once; a target whose module the forward never runs (or that yields no tensor) after the
 first pass of its layer, on every rank alike (the ranks merge what their hooks saw first). With ``checkpoint_dir``
 an interrupted run resumes after the last committed layer, on any number of ranks
-(:mod:`shardcal.collect.checkpoint`).
+(:mod:`shardcal.collect.collection_checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..runtime.distributed import dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from .checkpoint import CollectionCheckpoint, CollectionResume
+from .collection_checkpoint import CollectionCheckpoint, CollectionResume
 from .options import CollectionOptions, parse_stats
 from .report import (
     ActivationReport,
@@ -89,7 +89,7 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CollectionPlan:
     """One run, checked: its targets by layer, the batches (global, and this rank's), fingerprint and writers."""
 
@@ -131,7 +131,16 @@ def _plan(model: nn.Module, data: Any, targets: Any, options: CollectionOptions)
         checkpoint = CollectionCheckpoint(options.checkpoint_dir, {**fingerprint, **settings})
         checkpoint.check_directory()
     mine = rank_batch_indices(len(batches), rank, world_size)
-    return CollectionPlan(resolved, settings["patterns"], options, batches, mine, fingerprint, writer, checkpoint)
+    return CollectionPlan(
+        targets=resolved,
+        patterns=settings["patterns"],
+        options=options,
+        batches=batches,
+        mine=mine,
+        fingerprint=fingerprint,
+        writer=writer,
+        checkpoint=checkpoint,
+    )
 
 
 def _resume(

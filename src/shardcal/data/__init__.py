@@ -1,2 +1,2 @@
-"""Calibration and evaluation data (:mod:`.calibration`: token ids from files or text, the Wikipedia summaries)
+"""Calibration and evaluation data (:mod:`.token_data`: token ids from files or text, the Wikipedia summaries)
 and perplexity (:mod:`.perplexity`)."""

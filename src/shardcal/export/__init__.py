@@ -5,7 +5,7 @@
 
 Modules: :mod:`.format` (the :class:`~.format.ExportFormat` interface and the registry :func:`~.format.formats`),
 :mod:`.compressed_tensors` (the compressed-tensors format: specs <-> config, formats, tensor layouts, encoding one
-Linear), :mod:`.plan` (which tensor goes where, decided up front), :mod:`.shards` (streaming safetensors files),
+Linear), :mod:`.layout` (which tensor goes where, decided up front), :mod:`.shards` (streaming safetensors files),
 :mod:`.export` (the collective export). The format is documented in docs/reference/export-format.md.
 """
 

@@ -1,6 +1,6 @@
 """Export formats: what the streaming export asks of a checkpoint format, and the registry of the formats it writes.
 
-The shared export code (:mod:`.plan`, :mod:`.export`, :mod:`.shards`) decides which tensor goes where and streams
+The shared export code (:mod:`.layout`, :mod:`.export`, :mod:`.shards`) decides which tensor goes where and streams
 them into safetensors shards; everything that depends on the checkpoint format comes from one
 :class:`ExportFormat` object: which quantizer specs it can store, the tensors (names, dtypes, shapes) one quantized
 Linear becomes, how they are encoded, and the config dict written into ``config.json``. The planner

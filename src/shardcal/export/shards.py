@@ -1,4 +1,4 @@
-"""Streaming safetensors shard files whose headers are known before their data (see :mod:`.plan`).
+"""Streaming safetensors shard files whose headers are known before their data (see :mod:`.layout`).
 
 A file is ``[u64 little-endian header length][JSON header, space-padded to 8 bytes][tensor bytes in header
 order]`` — the safetensors format. The header comes from the plan, so each tensor's bytes are written at their place
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ExportError
-from .plan import Entry, Shard
+from .layout import Entry, Shard
 
 #: torch dtype -> safetensors dtype name.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .batches import Batch
-from .checkpoint import LayerCheckpoint
 from .inputs import CachedInputs
+from .layer_checkpoint import LayerCheckpoint
 from .steps import compute_device, embed_batches
 
 

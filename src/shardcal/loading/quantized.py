@@ -218,12 +218,12 @@ def load_quantized_into(
 def _warn_unshared_ranges(model: nn.Module, source: str) -> None:
     """Warn when the checkpoint's fused-layer members (q/k/v, gate/up) have scales vLLM takes as one but which differ
     (e.g. an nvfp4 export of shardcal before it shared them): this model computes what the checkpoint says, vLLM
-    computes something else (docs/vllm-conventions.md)."""
+    computes something else (docs/reference/vllm-conventions.md)."""
     for role in ROLES:
         for group in unshared_ranges(role_quantizers(model, "", role), role):
             warnings.warn(
                 f"{source}: {', '.join(group)} have different {role} scales, but vLLM loads them as one fused layer "
                 f"({fused_layer(group[0])}) and computes it with one: in vLLM this checkpoint computes something "
-                "else than here (re-export it with a current shardcal; see docs/vllm-conventions.md)",
+                "else than here (re-export it with a current shardcal; see docs/reference/vllm-conventions.md)",
                 stacklevel=4,
             )

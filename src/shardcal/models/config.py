@@ -69,7 +69,7 @@ _FAMILY_DEFAULTS: dict[str, _FamilyDefaults] = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """What a decoder model needs to know; built by :func:`load_config` / :meth:`from_dict`."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..calib.checkpoint import remove_checkpoint
+from ..calib.calibration_checkpoint import remove_checkpoint
 from ..calib.recipes import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate

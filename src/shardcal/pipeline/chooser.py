@@ -9,10 +9,11 @@ recipe the cell says ``-``. Where an export runs comes from :mod:`shardcal.expor
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..calib.recipes import Recipe, algorithm_summary, load_recipe, shipped_recipes
+from ..calib.recipes import Recipe, load_recipe, shipped_recipes
 from ..calib.report import CalibrationReport
 from ..export.consumers import deployment
 
@@ -32,6 +33,13 @@ SCHEMES: dict[str, str] = {
     "INT4": "INT4 weights, 16-bit activations (W4A16): memory-bound serving, small batches",
     "NVFP4": "NVFP4 weights and activations (W4A4): Blackwell GPUs",
 }
+
+
+def algorithm_summary(recipe: Recipe) -> str:
+    """``gptq``, ``smoothquant + gptq`` (a smoothing pass first), ``rtn``."""
+    name = str(recipe.algorithm.get("name", "rtn"))
+    smooth = recipe.algorithm.get("smooth")
+    return f"{smooth['name']} + {name}" if isinstance(smooth, Mapping) else name
 
 
 def scheme_of(recipe: Recipe) -> str:

@@ -117,8 +117,8 @@ def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None
     """When the data is text (the default Wikipedia summaries, or a ``.txt`` / ``.jsonl`` file), build the model
     directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds, before any weight
     or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the field."""
-    from ..data.calibration import TEXT_SUFFIXES
-    from ..io.tokenizer import check_tokenizer_file
+    from ..data.token_data import TEXT_SUFFIXES
+    from ..io.tokenizer.tokenizer import check_tokenizer_file
 
     if data is None or Path(data).suffix.lower() in TEXT_SUFFIXES:
         path = Path(model_dir) / "tokenizer.json"
@@ -146,7 +146,7 @@ def read_token_data(
     ``vocab_size`` and rows must fit the model's ``max_position_embeddings``; a :class:`~shardcal.errors.DataError`
     names the file (or the option) otherwise.
     """
-    import shardcal.data.calibration as data_mod
+    import shardcal.data.token_data as data_mod
 
     model_dir = Path(model_dir)
     if num_samples is not None and num_samples < 1:
@@ -177,6 +177,6 @@ def read_token_data(
 
 
 def _tokenizer(model_dir: Path):
-    from ..io.tokenizer import Tokenizer
+    from ..io.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)

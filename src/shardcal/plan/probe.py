@@ -33,7 +33,9 @@ from ..loading.build import build_on_meta
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..models.config import ModelConfig
 from ..models.decoder import CausalLM
-from .planner import CalibrationPlan, PlanSettings, batch_rows
+from .calibration_plan import CalibrationPlan
+from .prepared import batch_rows
+from .settings import PlanSettings
 
 #: Vocabulary of the probe model: its embeddings only feed the probed layer (calibrate never runs the head).
 PROBE_VOCAB = 64

@@ -18,7 +18,7 @@ from torch import nn
 from ..algorithms.mappings import KINDS, layer_smoothings
 from ..algorithms.memory import PlannedSmoothing
 from ..errors import PlanError
-from ..export.plan import stored_buffers
+from ..export.layout import stored_buffers
 from ..loading.build import router_weight_names
 from ..quant.experts import PROJECTIONS, fused_experts_shape
 from ..sharding.fsdp2 import fsdp2_units

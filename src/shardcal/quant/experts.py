@@ -67,7 +67,7 @@ _EXPECTED = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertsLayout:
     """How a fused-experts module stores its experts (what :func:`fused_experts_layout` found).
 
@@ -171,7 +171,9 @@ def _structure(module: nn.Module) -> tuple[ExpertsLayout | None, str | None]:
     interleaved = (not concatenated) if isinstance(concatenated, bool) else _interleaved_by_gate_fn(module, inter)
     if interleaved is None and callable(getattr(module, "_apply_gate", None)):
         return None, "its _apply_gate pairs gate and up neither as halves nor interleaved"
-    return ExpertsLayout(experts, hidden, inter, transposed, bool(interleaved), biased), None
+    return ExpertsLayout(
+        experts=experts, hidden=hidden, inter=inter, transposed=transposed, interleaved=bool(interleaved), biased=biased
+    ), None
 
 
 def fused_experts_layout(module: nn.Module, name: str, strict: bool = True) -> ExpertsLayout | None:
@@ -299,7 +301,12 @@ def probe_layout(module: nn.Module, name: str) -> ExpertsLayout:
 
 def _other_split(layout: ExpertsLayout) -> ExpertsLayout:
     return ExpertsLayout(
-        layout.experts, layout.hidden, layout.inter, layout.transposed, not layout.interleaved, layout.biased
+        experts=layout.experts,
+        hidden=layout.hidden,
+        inter=layout.inter,
+        transposed=layout.transposed,
+        interleaved=not layout.interleaved,
+        biased=layout.biased,
     )
 
 

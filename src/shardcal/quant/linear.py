@@ -12,8 +12,8 @@ folded into the weight parameter once and ``x H`` computed on every call, before
 precision the function is unchanged (up to rounding); quantized, the rotation spreads outlier channels over their
 block. ``input_rotation`` is the block size (None: no rotation).
 
-Insert before or after ``fully_shard``; after is what the runner does (it calls ``shardcal.calib.recipes.quantize_modules`` on each
-sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
+Insert before or after ``fully_shard``; after is what the runner does (it calls
+``shardcal.calib.attach.quantize_modules`` on each sharded decoder layer with the layer's name as ``prefix``). The quantizer buffers go on the weight's device (the
 local shard's device for a DTensor weight); the weight quantizer's shape is the full (global) weight shape.
 """
 

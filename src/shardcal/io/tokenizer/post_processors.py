@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tokenizer_spec import Spec
+from .spec import Spec
 
 SUPPORTED = ["TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel", "Sequence"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .tokenizer_spec import WHITESPACE_CLASS, Spec, metaspace_settings, utf8
+from .spec import WHITESPACE_CLASS, Spec, metaspace_settings, utf8
 
 Step = Callable[[list[str], bool], tuple[list[str], bool]]
 

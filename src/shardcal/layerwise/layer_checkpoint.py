@@ -1,9 +1,10 @@
 """The layer-wise checkpoint directory both runners resume from: manifest, fingerprint, verified files, commit, removal.
 
-:class:`LayerCheckpoint` is what a calibration checkpoint (:class:`shardcal.calib.checkpoint.CalibrationCheckpoint`)
-and a collection checkpoint (:class:`shardcal.collect.checkpoint.CollectionCheckpoint`) share; each subclass says what
-its manifest is called, which files are its own, what its fingerprint's keys stand for and which error it raises, and
-writes its own part of a commit. The rules are the same for both:
+:class:`LayerCheckpoint` is what a calibration checkpoint
+(:class:`shardcal.calib.calibration_checkpoint.CalibrationCheckpoint`) and a collection checkpoint
+(:class:`shardcal.collect.collection_checkpoint.CollectionCheckpoint`) share; each subclass says what its manifest is
+called, which files are its own, what its fingerprint's keys stand for and which error it raises, and writes its own
+part of a commit. The rules are the same for both:
 
 * every file is safetensors (never pickle), written to a temporary name, flushed and renamed, its SHA-256 in the
   manifest; the manifest, written last by rank 0, is JSON, read bounded and checked field by field;

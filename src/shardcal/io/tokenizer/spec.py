@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ..errors import TokenizerError
+from ...errors import TokenizerError
 
 #: The characters Rust's ``char::is_whitespace`` accepts (Unicode White_Space), which ``tokenizers`` uses for
 #: Strip, WhitespaceSplit and the lstrip/rstrip of added tokens. Python's ``str.isspace`` also accepts U+001C-U+001F.

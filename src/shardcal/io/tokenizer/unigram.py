@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import TokenizerError
-from .tokenizer_spec import Spec, byte_token, utf8
+from ...errors import TokenizerError
+from .spec import Spec, byte_token, utf8
 
 UNK_PENALTY = 10.0
 

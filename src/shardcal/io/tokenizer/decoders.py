@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .tokenizer_normalizers import replacer
-from .tokenizer_pretokenizers import CHAR_TO_BYTE
-from .tokenizer_spec import Spec, metaspace_settings, utf8
+from .normalizers import replacer
+from .pretokenizers import CHAR_TO_BYTE
+from .spec import Spec, metaspace_settings, utf8
 
 Chain = Callable[[list[str]], list[str]]
 

@@ -13,7 +13,7 @@ A commit after layer ``k`` holds what a rerun needs to go on at layer ``k``:
 The directory's rules — safetensors files written atomically with their SHA-256 in the manifest, commits on every
 rank or none, files no manifest lists removed only once the new manifest is in place, another run's or another
 kind's checkpoint refused naming what differs, a corrupt file never used — are :class:`LayerCheckpoint`'s
-(:mod:`shardcal.layerwise.checkpoint`), its errors :class:`~shardcal.errors.CollectionCheckpointError`. All ranks
+(:mod:`shardcal.layerwise.layer_checkpoint`), its errors :class:`~shardcal.errors.CollectionCheckpointError`. All ranks
 must see one shared directory.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CollectionCheckpointError
-from ..layerwise.checkpoint import LayerCheckpoint, is_count, read_tensors, sha256
+from ..layerwise.layer_checkpoint import LayerCheckpoint, is_count, read_tensors, sha256
 from ..runtime.distributed import world
 from ..runtime.faults import fault_point
 from .report import TargetStats
@@ -64,7 +64,7 @@ def stats_name(layer: int) -> str:
     return f"stats-L{layer:05d}.safetensors"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CollectionResume:
     """What a committed collection checkpoint restores for this rank."""
 
@@ -124,7 +124,14 @@ class CollectionCheckpoint(LayerCheckpoint):
         if finished and world()[0] == 0:  # no commit follows to clear what a killed final commit left
             self.remove_files_except(self.committed)
         done = manifest["completed_layers"]
-        return CollectionResume(done, finished, activations, stats, list(manifest["layers"]), self.committed_at())
+        return CollectionResume(
+            completed_layers=done,
+            finished=finished,
+            activations=activations,
+            stats=stats,
+            entries=list(manifest["layers"]),
+            committed_at=self.committed_at(),
+        )
 
     def _inputs(self, manifest: dict[str, Any], batch: int) -> torch.Tensor:
         name = manifest["batches"].get(str(batch))

@@ -10,7 +10,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-from .tokenizer_spec import WHITESPACE, Spec
+from .spec import WHITESPACE, Spec
 
 Normalizer = Callable[[str], str]
 

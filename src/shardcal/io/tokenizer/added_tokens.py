@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .tokenizer_spec import WHITESPACE, Spec
+from .spec import WHITESPACE, Spec
 
 
 class AddedToken:

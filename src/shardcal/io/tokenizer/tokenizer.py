@@ -6,19 +6,19 @@ families: GPT-2-style byte-level BPE (SmolLM2, GPT-2, Llama 3, Qwen2) and Senten
 Gemma 3, Llama 2, Mistral v0.1, TinyLlama: BPE with byte fallback; T5/ALBERT-style Unigram models). What it
 implements of the tokenizer.json schema, one module each:
 
-* ``added_tokens`` (:mod:`.tokenizer_added`): special or not; ``normalized`` false (matched in the raw text) or
+* ``added_tokens`` (:mod:`.added_tokens`): special or not; ``normalized`` false (matched in the raw text) or
   true (matched in the normalized text); leftmost-longest; ``lstrip`` / ``rstrip`` / ``single_word``.
-* ``normalizer`` (:mod:`.tokenizer_normalizers`): NFC/NFD/NFKC/NFKD, Lowercase, Strip, StripAccents, Replace
+* ``normalizer`` (:mod:`.normalizers`): NFC/NFD/NFKC/NFKD, Lowercase, Strip, StripAccents, Replace
   (String or Regex), Prepend, Sequence. ``Precompiled`` (a SentencePiece character map) is not supported.
-* ``pre_tokenizer`` (:mod:`.tokenizer_pretokenizers`): ByteLevel, Metaspace (prepend_scheme always / first /
+* ``pre_tokenizer`` (:mod:`.pretokenizers`): ByteLevel, Metaspace (prepend_scheme always / first /
   never, split on or off), Split (all delimiter behaviors, invert), Digits, Whitespace, WhitespaceSplit,
   Punctuation, BertPreTokenizer, CharDelimiterSplit, Sequence.
-* ``model``: BPE (:mod:`.tokenizer_bpe`: merges in rank order; ``byte_fallback``, ``unk_token``, ``fuse_unk``,
+* ``model``: BPE (:mod:`.bpe`: merges in rank order; ``byte_fallback``, ``unk_token``, ``fuse_unk``,
   ``ignore_merges``, ``continuing_subword_prefix`` / ``end_of_word_suffix``; ``dropout`` null or 0) or Unigram
-  (:mod:`.tokenizer_unigram`: Viterbi over the piece scores, ``unk_id``, ``byte_fallback``).
-* ``post_processor`` (:mod:`.tokenizer_post`, applied with ``add_special_tokens=True``): TemplateProcessing,
+  (:mod:`.unigram`: Viterbi over the piece scores, ``unk_id``, ``byte_fallback``).
+* ``post_processor`` (:mod:`.post_processors`, applied with ``add_special_tokens=True``): TemplateProcessing,
   BertProcessing, RobertaProcessing, ByteLevel, Sequence.
-* ``decoder`` (:mod:`.tokenizer_decoders`): ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace, BPEDecoder,
+* ``decoder`` (:mod:`.decoders`): ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace, BPEDecoder,
   WordPiece, Sequence.
 
 ``truncation`` and ``padding`` are ignored: shardcal cuts and packs token blocks itself.
@@ -36,16 +36,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import TokenizerError
-from ..runtime.fsutil import read_bounded_text
-from .tokenizer_added import AddedVocabulary
-from .tokenizer_bpe import BPE
-from .tokenizer_decoders import Decoder
-from .tokenizer_normalizers import parse_normalizer
-from .tokenizer_post import parse_post_processor
-from .tokenizer_pretokenizers import GPT2_PATTERN, PreTokenizer, bytes_to_unicode
-from .tokenizer_spec import Spec
-from .tokenizer_unigram import Unigram
+from ...errors import TokenizerError
+from ...runtime.fsutil import read_bounded_text
+from .added_tokens import AddedVocabulary
+from .bpe import BPE
+from .decoders import Decoder
+from .normalizers import parse_normalizer
+from .post_processors import parse_post_processor
+from .pretokenizers import GPT2_PATTERN, PreTokenizer, bytes_to_unicode
+from .spec import Spec
+from .unigram import Unigram
 
 __all__ = ["GPT2_PATTERN", "Tokenizer", "bytes_to_unicode", "check_tokenizer_file"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from .tokenizer_spec import Spec, byte_token, utf8
+from .spec import Spec, byte_token, utf8
 
 
 class BPE:

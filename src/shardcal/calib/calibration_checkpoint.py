@@ -11,7 +11,7 @@ uninterrupted run (whose result does not depend on the world size either).
 The directory's rules — safetensors files written atomically with their SHA-256 in the manifest, commits on every
 rank or none, the previous commit's files deleted only after the new manifest is in place, another run's or another
 kind's checkpoint refused naming what differs, a corrupt file never used — are :class:`LayerCheckpoint`'s
-(:mod:`shardcal.layerwise.checkpoint`); this module adds what a calibration commits and restores.
+(:mod:`shardcal.layerwise.layer_checkpoint`); this module adds what a calibration commits and restores.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import CalibrationCheckpointError
 from ..layerwise.batches import Batch, data_fingerprint
-from ..layerwise.checkpoint import LayerCheckpoint, is_count, read_tensor, read_tensors
+from ..layerwise.layer_checkpoint import LayerCheckpoint, is_count, read_tensor, read_tensors
 from ..layerwise.options import CalibrationOptions
 from ..quant.experts import expert_projections, iter_projections
 from ..quant.quantizer import QuantMode
@@ -38,7 +38,8 @@ from ..quant.session import iter_quantizers
 from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
 from ..sharding.fsdp2 import local_rows
-from .recipes import Recipe, quantize_modules
+from .attach import quantize_modules
+from .recipes import Recipe
 from .report import LayerReport
 
 MANIFEST = "manifest.json"
@@ -55,7 +56,7 @@ _REPORT_REQUIRED = {
 _OPTIONS = [f.name for f in dataclasses.fields(CalibrationOptions) if f.metadata.get("fingerprint")]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ResumeState:
     """What a committed checkpoint restores for this rank."""
 
@@ -144,7 +145,15 @@ class CalibrationCheckpoint(LayerCheckpoint):
         weights = {}
         for pname, pieces in manifest["weights"].items():
             weights[pname] = [(str(self.verified(manifest, f)), a, b) for f, a, b in pieces]
-        return ResumeState(done, activations, quant, list(manifest["report"]), weights, self.committed_at(), streams)
+        return ResumeState(
+            completed_layers=done,
+            activations=activations,
+            quantizer_state=quant,
+            report=list(manifest["report"]),
+            weights=weights,
+            committed_at=self.committed_at(),
+            reference=streams,
+        )
 
     # ------------------------------------------------------------------ writing
     def commit(

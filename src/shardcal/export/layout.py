@@ -1,4 +1,4 @@
-"""The export plan: what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
+"""The export layout (its :class:`ExportPlan`): what every tensor of the checkpoint is, who writes it, and in which shard file — computed on
 every rank from the module structure alone (names, global shapes, specs), before anything is gathered.
 
 Because the plan is known up front, every rank knows every shard's exact safetensors header (names, dtypes,
@@ -50,7 +50,7 @@ from .format import ExportFormat, get_format, module_sizes
 SHARD_NAME = "model-{index:05d}-of-{total:05d}.safetensors"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QuantModule:
     """A Linear exported quantized: an ``nn.Linear``, or one projection of one expert of fused experts.
 
@@ -118,7 +118,7 @@ class Shard:
         return sum(e.nbytes for e in self.entries)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExportPlan:
     units: list[Unit]
     shards: list[Shard]
@@ -241,7 +241,17 @@ def _quant_module(
         if recipe.input is not None:
             _check_spec(name, recipe.input, "input", fmt)
         stored = fmt.module_format(weight_spec, recipe.input)
-        return QuantModule(name, weight, out_f, in_f, weight_spec, recipe.input, stored, None, None)
+        return QuantModule(
+            name=name,
+            weight=weight,
+            out_features=out_f,
+            in_features=in_f,
+            spec_weight=weight_spec,
+            spec_input=recipe.input,
+            format=stored,
+            weight_quantizer=None,
+            input_quantizer=None,
+        )
     if oq is not None:
         raise ExportError(
             f"module {name!r} has an output quantizer; {fmt.name} export supports weights and inputs only"
@@ -266,7 +276,16 @@ def _quant_module(
     stored = fmt.module_format(wq.spec, iq.spec if iq is not None else None)
     rotation = getattr(holder, "input_rotation", None)
     return QuantModule(
-        name, weight, out_f, in_f, wq.spec, iq.spec if iq is not None else None, stored, wq, iq, rotation
+        name=name,
+        weight=weight,
+        out_features=out_f,
+        in_features=in_f,
+        spec_weight=wq.spec,
+        spec_input=iq.spec if iq is not None else None,
+        format=stored,
+        weight_quantizer=wq,
+        input_quantizer=iq,
+        input_rotation=rotation,
     )
 
 
@@ -533,17 +552,35 @@ def build_plan(
     for i, (kind, prefix, module) in enumerate(prefixes):
         units.append(
             Unit(
-                i, prefix, kind, module, i % world_size,
+                i, prefix, kind, module, unit_owner(i, kind, world_size),
                 _entries_for(assigned[prefix], params, quant, fused, fmt, dtype),
             )
         )  # fmt: skip
     root_entries = _entries_for(root_names, params, quant, fused, fmt, dtype)
-    units.append(Unit(len(prefixes), "<root>", "root", None, 0, root_entries))
+    root = len(prefixes)
+    units.append(Unit(root, "<root>", "root", None, unit_owner(root, "root", world_size), root_entries))
     for name in kv_cache:  # k_scale / v_scale go with the unit that holds the attention
         owner = max((p for _, p, _ in prefixes if name.startswith(p + ".")), key=len, default=None)
         unit = next((u for u in units if u.name == owner), units[-1])
         unit.entries += kv_cache_entries(name)
 
+    shards = split_into_shards(units, world_size, max_shard_bytes)
+    config = build_quantization_config(model, quant, kv_cache, fmt)
+    return ExportPlan(
+        units=units, shards=shards, quant_modules=quant, quantization_config=config, kv_cache=kv_cache,
+        export_format=fmt,
+    )  # fmt: skip
+
+
+def unit_owner(index: int, kind: str, world_size: int) -> int:
+    """The rank that writes unit ``index`` of the export (``kind``: ``"layer"``, ``"module"`` or ``"root"``): rank 0
+    the root, the others round robin (``index % world_size``)."""
+    return 0 if kind == "root" else index % world_size
+
+
+def split_into_shards(units: list[Unit], world_size: int, max_shard_bytes: int) -> list[Shard]:
+    """The shard files of ``units`` (in the order every rank gathers them): each rank's own units' entries, in
+    order, cut into files of at most ``max_shard_bytes`` (a larger tensor alone in its file), numbered rank by rank."""
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):
         current: list[Entry] = []
@@ -559,10 +596,9 @@ def build_plan(
                 size += e.nbytes
         if current:
             per_rank[r].append(current)
-    total = sum(len(s) for s in per_rank)
+    total = sum(len(files) for files in per_rank)
     shards: list[Shard] = []
     for r, files in enumerate(per_rank):
         for entries in files:
             shards.append(Shard(SHARD_NAME.format(index=len(shards) + 1, total=total), r, entries))
-    config = build_quantization_config(model, quant, kv_cache, fmt)
-    return ExportPlan(units, shards, quant, config, kv_cache, fmt)
+    return shards
