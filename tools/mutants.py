@@ -633,7 +633,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "export-staging-cleanup",
         "export/export.py",
-        "        if rank == 0 and staging.exists():\n            shutil.rmtree(staging, ignore_errors=True)\n",
+        "        if self.rank == 0 and self.staging is not None and self.staging.exists():\n"
+        "            shutil.rmtree(self.staging, ignore_errors=True)\n",
         "        pass\n",
         "a failed export leaves its staging directory",
     ),
