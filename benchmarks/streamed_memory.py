@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     table = {
         "title": f"A {size / 2**30:.1f} GiB model on this machine: streamed, fp8, {args.nproc} ranks",
-        "columns": RATIO_COLUMNS, "rows": rows, "order": ORDER["memory"] + 5,
+        "columns": RATIO_COLUMNS, "rows": rows,
         "notes": [
             f"Llama-3-8B widths, {args.layers} layers, random bf16 weights; {args.num_samples} x {args.seq_len} "
             f"random tokens; the command streamed by itself: {run['streamed']}.",
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     for row in rows:
         print(row)
-    save_table(args, "streamed_memory", **table)
+    save_table(args, "streamed_memory", order=ORDER["memory"] + 5, **table)
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
     return 0 if bad == 0 else 1

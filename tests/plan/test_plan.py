@@ -423,7 +423,10 @@ def test_plan_text_and_the_time_probe(capsys, tmp_path):
                                "--batch-size", 2, "--probe", "--host-memory", "1KB")  # fmt: skip
     assert status == 0, err
     assert "PEAK" in out and "bytes read from disk" in out and "all-gather per layer" in out
-    assert "time: about" in out and out.strip().splitlines()[-1].startswith("does not fit: not enough memory")
+    *_, refusal, streamed = out.strip().splitlines()
+    assert "time: about" in out and refusal.startswith("does not fit: not enough memory")
+    assert streamed.startswith("streamed (--stream on): peak ")
+    assert streamed.endswith("B host memory (--host-memory))") and "; does not fit either (" in streamed
     doc = json.loads(run_cli(capsys, "plan", folder, "--recipe", "w8a8-int8", "--num-samples", 4, "--seq-len", 8,
                              "--batch-size", 2, "--probe", "--json")[1])  # fmt: skip
     t = doc["time"]

@@ -112,6 +112,11 @@ def run_ranks(
         launch(job, args.nproc_per_node, payload)
     else:
         job(payload)
+        if under_torchrun:  # leave the group together: a rank tearing gloo down while another still talks aborts
+            from ..runtime.distributed import barrier, destroy_distributed
+
+            barrier()
+            destroy_distributed()
     return 0
 
 
