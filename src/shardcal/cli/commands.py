@@ -111,10 +111,11 @@ def run_ranks(
         check(args)  # here, before any rank starts
         launch(job, args.nproc_per_node, payload)
     else:
-        job(payload)
-        if under_torchrun:  # leave the group together: a rank tearing gloo down while another still talks aborts
-            from ..runtime.distributed import barrier, destroy_distributed
+        from ..runtime.distributed import barrier, destroy_distributed, is_initialized
 
+        joined_here = under_torchrun and not is_initialized()  # a caller's own group stays the caller's
+        job(payload)
+        if joined_here:  # leave the group together: a rank tearing gloo down while another still talks aborts
             barrier()
             destroy_distributed()
     return 0
