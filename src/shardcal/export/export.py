@@ -50,6 +50,7 @@ from ..runtime.fsutil import (
     write_manifest,
 )
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
+from ..sharding.residency import decoder_layers_replaced
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
 from .layout import ExportPlan, QuantModule, Unit, build_plan, find_kv_cache, find_quant_modules, scheme_words
 from .shards import RankShardWriter, header_bytes
@@ -584,14 +585,10 @@ def plan_streamed_export(
     twins = nn.ModuleList(copy.deepcopy(layer) for layer in layers)
     for i, twin in enumerate(twins):
         attach(twin, recipe, f"{prefix}.{i}")
-    parent, attr = next((m, n) for m in model.modules() for n, child in m.named_children() if child is layers)
-    setattr(parent, attr, twins)
-    try:
+    with decoder_layers_replaced(model, layers, twins):
         return build_plan(
             model, recipe, world()[1], max_shard_bytes, get_format(format), export_dtype(dtype), structure_only=True
         )
-    finally:
-        setattr(parent, attr, layers)
 
 
 #: Said once by every export with online rotations: the one consumer that loads it and computes something else.

@@ -171,7 +171,6 @@ def layer_steps(
     head_rows: dict[int, int] | None = None,
     reference_stream: bool = False,
     initial_reference: list[torch.Tensor] | None = None,
-    after_step: Callable[[LayerStep], None] | None = None,
 ) -> Iterator[LayerStep]:
     """Visit the decoder layers in order, each unsharded once, on this rank's cached activations.
 
@@ -191,9 +190,7 @@ def layer_steps(
     batches. ``reference_stream``: also carry the full-precision stream — each step's :attr:`LayerStep.reference_inputs`
     are what the unquantized model gives the layer, and its :attr:`LayerStep.reference_outputs` are computed before
     the step is handed out (one more forward per layer, two more activation caches); a resumed run passes that
-    layer's reference hidden states as ``initial_reference``. ``after_step(step)`` runs once the next inputs are in
-    ``step.outputs`` (checked finite), while the layer is still held: what needs the layer's parameters after its
-    step (a checkpoint commit of changed weights) goes there. Each layer is held through the model's residency
+    layer's reference hidden states as ``initial_reference``. Each layer is held through the model's residency
     (:mod:`shardcal.sharding.residency`): gathered when resident, read in when streamed.
     """
     if propagate not in PROPAGATE_MODES:
@@ -235,8 +232,6 @@ def layer_steps(
             outputs = step.outputs
             _check_finite(step.name, outputs, numbers)
             reference = step.reference_outputs
-            if after_step is not None:
-                after_step(step)
         inputs = [x.with_hidden(out) for out, x in zip(outputs, inputs)]
         del step, outputs
 

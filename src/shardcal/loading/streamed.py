@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..models.reads import ReadingReader
 from ..runtime.distributed import all_gather_rows_, row_range, world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, dominant_dtype, fsdp2_units, init_fsdp2_root
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, WeightsApplier
+from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, decoder_layers_replaced
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .sources import Source
 
@@ -53,17 +53,10 @@ class StreamedLayers(ResidentLayers):
         self.prefix = decoder_layer_prefix(model, self.layers)
         self.bytes_read = 0
         self._hooks: list[Callable[[int, nn.Module], None]] = []
-        self._pending: dict[str, Any] = {}  # checkpointed weights not yet applied, by parameter name
-        self._apply: WeightsApplier | None = None
         self._next: tuple[int, threading.Thread, dict[str, torch.Tensor]] | None = None
 
     def on_release(self, hook: Callable[[int, nn.Module], None]) -> None:
         self._hooks.append(hook)
-
-    def apply_weights(self, model: nn.Module, pieces: Mapping[str, Any], apply: WeightsApplier) -> None:
-        """Checkpointed weights are applied to each layer when it is read in (the resident rows they replace are
-        never held)."""
-        self._apply, self._pending = apply, dict(pieces)
 
     def _names(self, index: int, layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
         """``(full name, owning module, attribute, parameter)`` of the layer's parameters."""
@@ -116,10 +109,6 @@ class StreamedLayers(ResidentLayers):
                 else:
                     full.copy_(own.pop(name))
                 module._parameters[attr] = nn.Parameter(full, requires_grad=p.requires_grad)
-        if self._apply is not None:
-            mine = {n: v for n, v in self._pending.items() if n.startswith(f"{self.prefix}.{index}.")}
-            if mine:
-                self._apply(self.model, mine)
         if self.prefetch and index + 1 < len(self.layers):
             self._start_prefetch(index + 1, self.layers[index + 1])
         try:
@@ -162,7 +151,7 @@ def load_streamed(
         mesh = default_mesh(model)
         device = torch.device("cpu") if mesh.device_type == "cpu" else _current_device(mesh)
         streamed = {id(p) for p in layers.parameters()}
-        with _without(model, layers):
+        with decoder_layers_replaced(model, layers, nn.ModuleList()):
             main = dominant_dtype(model)  # the rest's off-dtype parameters stay replicated, as fsdp2_wrap keeps them
         ignored = {p for p in model.parameters() if id(p) in streamed or p.dtype != main}
         kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": OffloadPolicy(), "ignored_params": ignored}
@@ -172,7 +161,7 @@ def load_streamed(
             fully_shard(module, reshard_after_forward=True, **kwargs)
         if shard_root:
             fully_shard(model, reshard_after_forward=True, **kwargs)
-        with _without(model, layers):
+        with decoder_layers_replaced(model, layers, nn.ModuleList()):
             buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
             model.to_empty(device=device)  # the rest only: the decoder stack is detached
             with torch.no_grad():
@@ -194,17 +183,6 @@ def load_streamed(
     setattr(model, DISTRIBUTION_PLAN_ATTR, {"streamed": True, "shard_root": shard_root, "world_size": mesh.size(),
                                             "rank": world()[0], "bytes_read": read})  # fmt: skip
     return model.eval()
-
-
-@contextlib.contextmanager
-def _without(model: nn.Module, layers: nn.ModuleList) -> Iterator[None]:
-    """``model`` with its decoder stack detached for the block (so that materialising the rest leaves it on meta)."""
-    parent, attr = next((m, name) for m in model.modules() for name, child in m.named_children() if child is layers)
-    setattr(parent, attr, nn.ModuleList())
-    try:
-        yield
-    finally:
-        setattr(parent, attr, layers)
 
 
 def _layer_buffers(layers: nn.ModuleList, prefix: str, path: str | Path) -> None:

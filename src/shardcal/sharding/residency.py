@@ -5,16 +5,15 @@ Resident (:class:`ResidentLayers`, every model by default): each rank holds its 
 load to export, and a step gathers its layer (:func:`~shardcal.sharding.fsdp2.layer_unsharded`). Streamed (a
 subclass set by :func:`shardcal.loading.streamed.load_streamed`): a layer's parameters exist only while it is held —
 read from the checkpoint just before, released right after. :func:`shardcal.layer_steps` asks the model's residency
-to hold each layer for its step; whatever must happen while a layer is still there (its export, a checkpoint
-commit of weights an algorithm changed) happens before the hold ends. The runner, the algorithms, resume and the
+to hold each layer for its step; whatever must happen while a layer is still there (its export) happens before the
+hold ends. The runner, the algorithms, resume and the
 export call the same methods either way and do not know which.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -22,9 +21,6 @@ from .fsdp2 import layer_unsharded
 
 #: The attribute a model's residency is set on (absent: resident).
 RESIDENCY_ATTR = "_shardcal_residency"
-
-#: Applies checkpointed weights: ``apply(model, pieces)`` with the pieces of the parameters to fill (by name).
-WeightsApplier = Callable[[nn.Module, Mapping[str, Any]], None]
 
 
 class ResidentLayers:
@@ -35,10 +31,6 @@ class ResidentLayers:
     def held(self, index: int, layer: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
         """The layer, its full parameters present on every rank for the block (collective)."""
         return layer_unsharded(layer)
-
-    def apply_weights(self, model: nn.Module, pieces: Mapping[str, Any], apply: WeightsApplier) -> None:
-        """Checkpointed weights (parameter name -> pieces) into the model: resident, now."""
-        apply(model, pieces)
 
 
 RESIDENT = ResidentLayers()
@@ -54,3 +46,14 @@ def held_layer(model: nn.Module, index: int, layer: nn.Module) -> Iterator[nn.Mo
     """Hold decoder layer ``index`` of ``model`` for a step (collective): gathered, or read in, for the block."""
     with residency_of(model).held(index, layer) as module:
         yield module
+
+
+@contextlib.contextmanager
+def decoder_layers_replaced(model: nn.Module, layers: nn.ModuleList, replacement: nn.ModuleList) -> Iterator[None]:
+    """``model`` with its decoder stack ``layers`` replaced by ``replacement`` for the block (put back after)."""
+    parent, attr = next((m, n) for m in model.modules() for n, child in m.named_children() if child is layers)
+    setattr(parent, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)
