@@ -195,6 +195,30 @@ def test_fake_quantize_equals_decode_of_encode(spec, dtype):
     assert torch.equal(fq, fake_quantize(w.float(), amax, spec).to(dtype))  # computed in float32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_narrow_input_is_quantized_as_its_float32_copy(dtype):
+    """bf16 / fp16 inputs give the results of their float32 copy (fake quantization and the encoded codes), for an
+    asymmetric range, a 0-dim amax and a per-token dynamic amax as well."""
+    torch.manual_seed(5)
+    w = (torch.randn(6, 64) * 3).to(dtype)
+    asym = QuantizerSpec("int4", "group", group_size=16, symmetric=False)
+    lay = Layout(asym, w.shape)
+    amax, amin = lay.amax_of(w) * 0.9, -lay.amax_of(-w) * 0.8  # the range [amin, amax], narrowed
+    got = fake_quantize(w, amax, asym, amin=amin)
+    assert torch.equal(got, fake_quantize(w.float(), amax, asym, amin=amin).to(dtype))
+    assert torch.equal(encode(w, amax, asym, amin=amin)["values"], encode(w.float(), amax, asym, amin=amin)["values"])
+    zero_dim = w.float().abs().amax() * 0.7  # shape []
+    for spec in (INT8, FP8):
+        assert torch.equal(fake_quantize(w, zero_dim, spec), fake_quantize(w.float(), zero_dim, spec).to(dtype))
+        assert torch.equal(encode(w, zero_dim, spec)["values"], encode(w.float(), zero_dim, spec)["values"])
+    token = QuantizerSpec("fp8_e4m3", "token", dynamic=True)
+    x = w.reshape(2, 3, 64)
+    assert torch.equal(
+        fake_quantize(x, Layout(token, x.shape).amax_of(x), token),
+        fake_quantize(x.float(), Layout(token, x.shape).amax_of(x), token).to(dtype),
+    )
+
+
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match=r"layers.0.q_proj.*group_size 128 does not divide the last dimension 576"):
         Layout(QuantizerSpec("int4", "group", group_size=128), (64, 576), name="layers.0.q_proj")

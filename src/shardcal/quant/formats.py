@@ -272,9 +272,14 @@ def _quantize_arranged(
             round_e2m1_(torch.div(xb, eff, out=q).clamp_(-E2M1_MAX, E2M1_MAX))
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
     scale = scale_from_amax(amax_b, fmt)
-    scaled = (a / scale).clamp_(f.qmin, f.qmax)
-    q = scaled.round_() if f.kind == "int" else round_to_fp8_e4m3(scaled)
-    return {"q": q, "eff": scale}
+    if f.kind == "int":
+        return {"q": (a / scale).clamp_(f.qmin, f.qmax).round_(), "eff": scale}
+    return {"q": fp8_e4m3_to_float32(_fp8_codes(a, scale)), "eff": scale}
+
+
+def _fp8_codes(a: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``a / scale`` rounded to float8_e4m3fn (ties to even, saturating at +-448)."""
+    return (a / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -339,8 +344,12 @@ def encode(
     lay = _layout(spec, x, layout)
     a = lay.arrange(x.float())
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
-    r = _quantize_arranged(a, amax_b, spec.format, amin_b)
     kind = FORMATS[spec.format].kind
+    if kind == "fp8" and amin_b is None:  # the codes are the stored values: no round trip through float32
+        scale = scale_from_amax(amax_b, spec.format)
+        values = lay.restore(_fp8_codes(a, scale))
+        return {"values": values, "scale": scale.expand(lay.bshape).reshape(lay.amax_shape).contiguous()}
+    r = _quantize_arranged(a, amax_b, spec.format, amin_b)
     if kind == "nvfp4":
         codes = e2m1_codes(r["q"].flatten(-2))
         return {
