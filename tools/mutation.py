@@ -120,6 +120,14 @@ TESTS: dict[str, list[str]] = {
         "tests/layerwise/test_moe_reference.py",
         "tests/calib/test_calibrate.py",
     ],
+    "calib/layer_calibration.py": [
+        "tests/calib/test_runner_options.py",
+        "tests/layerwise/test_qdq_reference.py",
+        "tests/calib/test_fingerprint_options.py",
+        "tests/contracts/test_padding_reference.py",
+        "tests/layerwise/test_moe_reference.py",
+        "tests/calib/test_calibrate.py",
+    ],
     "calib/calibration_checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
     "layerwise/layer_checkpoint.py": [
         "tests/calib/test_fingerprint_options.py",
