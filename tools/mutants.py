@@ -604,7 +604,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-ignore",
-        "export/layout.py",
+        "export/quant_modules.py",
         "    ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]\n",
         "    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]\n",
         "routers held as plain 2-D weights (not nn.Linear) are left out of ignore",

@@ -140,6 +140,11 @@ TESTS: dict[str, list[str]] = {
         "tests/export/test_export.py",
         "tests/export/test_export_families.py",
     ],
+    "export/quant_modules.py": [
+        "tests/export/test_export_claims.py",
+        "tests/export/test_export.py",
+        "tests/export/test_export_families.py",
+    ],
     "export/compressed_tensors/tensors.py": ["tests/export/test_export.py"],
     "export/compressed_tensors/config.py": ["tests/export/test_export.py", "tests/calib/test_rotation.py"],
     "export/shards.py": ["tests/export/test_export_claims.py", "tests/export/test_export.py"],

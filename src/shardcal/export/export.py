@@ -52,7 +52,8 @@ from ..runtime.fsutil import (
 from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .layout import ExportPlan, QuantModule, Unit, build_plan, find_kv_cache, find_quant_modules, scheme_words
+from .layout import ExportPlan, Unit, build_plan
+from .quant_modules import QuantModule, find_kv_cache, find_quant_modules, scheme_words
 from .shards import RankShardWriter, header_bytes
 
 #: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
