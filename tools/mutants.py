@@ -625,7 +625,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-overwrite-old",
-        "export/export.py",
+        "export/destination.py",
         "    if old is not None:\n        shutil.rmtree(old, ignore_errors=True)\n",
         "",
         "an overwritten export's old directory is left behind",

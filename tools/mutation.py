@@ -149,6 +149,11 @@ TESTS: dict[str, list[str]] = {
     "export/compressed_tensors/config.py": ["tests/export/test_export.py", "tests/calib/test_rotation.py"],
     "export/shards.py": ["tests/export/test_export_claims.py", "tests/export/test_export.py"],
     "export/export.py": ["tests/export/test_export.py"],
+    "export/destination.py": ["tests/export/test_export.py"],
+    "export/metadata.py": [
+        "tests/export/test_export.py",
+        "tests/cli/test_cli.py::test_eval_of_an_export_also_gives_its_source_models_perplexity",
+    ],
     "data/perplexity.py": ["tests/cli/test_cli.py", "tests/io/test_embedded_model.py"],
     "io/tokenizer/normalizers.py": ["tests/io/test_tokenizer_sentencepiece.py"],
     "io/tokenizer/unigram.py": ["tests/io/test_tokenizer_sentencepiece.py"],
