@@ -167,7 +167,8 @@ def test_register_algorithm_extension_point():
 
 def test_one_registry_defaults_agree():
     """The recipe's defaults are the algorithm's own: a recipe without parameters builds the same object."""
-    from shardcal.algorithms.gptq import DEFAULTS, GPTQ
+    from shardcal.algorithms.gptq import GPTQ
+    from shardcal.algorithms.gptq_solve import DEFAULTS
 
     r = parse_recipe('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n[algorithm]\nname = "gptq"\n')
     assert {k: r.algorithm[k] for k in DEFAULTS} == DEFAULTS
