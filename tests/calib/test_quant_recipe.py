@@ -4,7 +4,8 @@ import pytest
 
 import shardcal
 from shardcal.algorithms import ALGORITHMS, LayerAlgorithm, make_algorithm, register_algorithm
-from shardcal.calib.recipes import Recipe, load_recipe, parse_recipe, shipped_recipes
+from shardcal.calib.recipe import Recipe
+from shardcal.calib.recipes import load_recipe, parse_recipe, shipped_recipes
 from shardcal.errors import RecipeError
 from shardcal.quant import QuantizerSpec
 from shardcal.runtime.params import integer, number

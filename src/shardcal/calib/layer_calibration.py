@@ -53,7 +53,7 @@ from ..runtime.distributed import all_reduce_
 from ..sharding.fsdp2 import sync_unsharded_to_shards
 from .attach import quantize_modules, rotate_modules, weight_fallbacks
 from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
-from .recipes import Recipe
+from .recipe import Recipe
 from .report import LayerReport, amax_summary
 
 

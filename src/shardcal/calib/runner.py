@@ -44,7 +44,8 @@ from .calibration_checkpoint import (
     run_fingerprint,
 )
 from .layer_calibration import calibrate_layer
-from .recipes import Recipe, load_recipe
+from .recipe import Recipe
+from .recipes import load_recipe
 from .report import CalibrationReport, LayerReport
 
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import ExportError
 from ..quant.experts import bias_slice, weight_slice
 from ..quant.fused import fused_layer, share_ranges
@@ -386,7 +387,7 @@ def plan_streamed_export(
 ) -> ExportPlan:
     """The export plan of a streamed model (its decoder layers on the meta device) before it is calibrated: a
     meta-device copy of each layer gets what calibration will attach to it (``attach(layer, recipe, prefix)``:
-    :func:`shardcal.calib.recipes.quantize_modules`), and the plan is made from that structure. Every rank alike."""
+    :func:`shardcal.calib.attach.quantize_modules`), and the plan is made from that structure. Every rank alike."""
     import copy
 
     from ..sharding.registry import decoder_layer_prefix, require_decoder_layers

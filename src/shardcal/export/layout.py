@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..errors import ExportError
 from ..quant.experts import PROJECTIONS, ExpertsLayout, fused_experts_layout
 from ..quant.kv_cache import KVCacheQuantizer

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..errors import ExportError
 from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
 from ..quant.fused import ROLES, fused_layer, mixed_schemes, unshared_ranges

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import ConfigError, PlanError
 from ..layerwise.options import CalibrationOptions
 from ..loading.foreign import build_transformers_on_meta, choose_impl

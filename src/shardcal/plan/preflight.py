@@ -19,7 +19,7 @@ from torch import nn
 
 from ..algorithms.residual import check_residual_layout
 from ..calib.attach import quantize_modules
-from ..calib.recipes import Recipe, compile_pattern
+from ..calib.recipe import Recipe, compile_pattern
 from ..collect.targets import Target, TargetPattern, resolve_targets
 from ..errors import RecipeError
 from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype

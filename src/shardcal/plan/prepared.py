@@ -18,7 +18,7 @@ from ..algorithms import make_algorithm
 from ..algorithms.memory import AlgorithmMemory, LayerPlanContext, MemoryModel, memory_model_of
 from ..calib.layer_calibration import predicted_pass_plan
 from ..calib.passes import PassPlan
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..errors import PlanError
 from ..export.layout import Entry, unit_owner
 from ..loading.build import resolve_dtype
