@@ -97,6 +97,11 @@ TESTS: dict[str, list[str]] = {
         "tests/calib/test_calibrate.py",
     ],
     "quant/experts.py": ["tests/layerwise/test_moe_reference.py", "tests/loading/test_foreign_models.py"],
+    "quant/expert_layout.py": [
+        "tests/quant/test_fused_experts_layouts.py",
+        "tests/layerwise/test_moe_reference.py",
+        "tests/loading/test_foreign_models.py",
+    ],
     "layerwise/moe.py": ["tests/layerwise/test_moe_reference.py", "tests/calib/test_calibrate.py"],
     "sharding/fsdp2.py": [
         "tests/sharding/test_fsdp2.py",

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..errors import RecipeError
-from ..quant.experts import PROJECTIONS, attach_expert_quantizers, fused_experts_shape, iter_projections
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape
+from ..quant.experts import attach_expert_quantizers, iter_projections
 from ..quant.kv_cache import attach_kv_cache_quantizers
 from ..quant.linear import QuantLinear, rotate_inputs
 from ..quant.spec import QuantizerSpec

@@ -32,7 +32,7 @@ from torch import nn
 from ..calib.recipe import Recipe
 from ..calib.recipes import load_recipe
 from ..errors import ExportError
-from ..quant.experts import bias_slice, weight_slice
+from ..quant.expert_layout import bias_slice, weight_slice
 from ..quant.fused import fused_layer, share_ranges
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..calib.recipe import Recipe
 from ..errors import ExportError
-from ..quant.experts import PROJECTIONS, ExpertsLayout, fused_experts_layout
+from ..quant.expert_layout import PROJECTIONS, ExpertsLayout, fused_experts_layout
 from ..quant.kv_cache import KVCacheQuantizer
 from ..sharding.fsdp2 import persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix

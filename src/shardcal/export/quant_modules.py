@@ -19,7 +19,8 @@ from torch import nn
 
 from ..calib.recipe import Recipe
 from ..errors import ExportError
-from ..quant.experts import PROJECTIONS, fused_experts_shape, iter_projections, shared_input_quantizer, weight_slice
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape, weight_slice
+from ..quant.experts import iter_projections, shared_input_quantizer
 from ..quant.fused import ROLES, fused_layer, mixed_schemes, unshared_ranges
 from ..quant.kv_cache import KVCacheQuantizer, kv_cache_quantizers
 from ..quant.quantizer import TensorQuantizer

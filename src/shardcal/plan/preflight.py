@@ -27,7 +27,7 @@ from ..loading.foreign import build_transformers_on_meta
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
-from ..quant.experts import PROJECTIONS, fused_experts_shape
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 
 

@@ -171,7 +171,8 @@ class PreparedModel:
 
     def pass_plan(self, i: int, propagate: str) -> PassPlan:
         """The passes the runner will run on decoder layer ``i`` (the same for every layer of its kind), as the
-        runner itself plans them (:func:`~shardcal.calib.layer_calibration.predicted_pass_plan`) on the layer's skeleton."""
+        runner itself plans them (:func:`~shardcal.calib.layer_calibration.predicted_pass_plan`) on the layer's
+        skeleton."""
         key = (self.kind_of[i], propagate)
         if key not in self._pass_plans:
             layer = self.st.model.get_submodule(self.st.layer_prefix)[i]
