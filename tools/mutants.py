@@ -140,7 +140,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "break-3b",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        return bool(self.observing or self.fed or self.dynamic or self.kv or self.fused)\n",
         "        return bool(self.observing or self.fed or self.kv or self.fused)\n",
         "an algorithm's handed-over outputs go on after the runner turned dynamic input quantizers on",
@@ -284,7 +284,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "moe-fallback-off",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "    fallbacks = fallback_unobserved(step.layer)\n",
         "    fallbacks = []\n",
         "experts that saw no token keep amax 0 (no fallback)",
@@ -306,7 +306,7 @@ CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------------------ the layer runner
     Mutant(
         "runner-weights-fp",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        q.mode = QuantMode.DISABLED  # the observing passes run the layer in full precision\n",
         "        q.mode = QuantMode.QUANTIZE  # the observing passes run the layer in full precision\n",
         "the observing pass runs with quantized weights",
@@ -320,7 +320,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "runner-sqnr-whole-batch",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        quantized = step.forward(i, rows).to(fp_outputs[i].device).double()\n",
         "        quantized = step.forward(i)[:rows].to(fp_outputs[i].device).double()\n",
         "the SQNR pass runs the whole batch its sample rows are in",
@@ -334,14 +334,14 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "runner-sqnr-padding",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        real = None if step.inputs[i].token_mask is None else step.inputs[i].token_mask[:rows]\n",
         "        real = None\n",
         "the layer SQNR counts padded positions",
     ),
     Mutant(
         "runner-sqnr-noise",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        sums[1] += (quantized - reference).pow(2).sum().cpu()\n",
         "        sums[1] += (quantized - reference).abs().sum().cpu()\n",
         "the SQNR's noise is a sum of absolute errors",
@@ -355,7 +355,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "runner-expert-masks",
-        "calib/runner.py",
+        "calib/layer_calibration.py",
         "        with moe if moe is not None else contextlib.nullcontext(), ExpertTokenMasks(step.layer), counting:\n",
         "        with moe if moe is not None else contextlib.nullcontext(), counting:\n",
         "routed MoE experts see their padded tokens",
@@ -604,7 +604,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-ignore",
-        "export/layout.py",
+        "export/quant_modules.py",
         "    ignore = [name for name, m in model.named_modules() if _linear_like(m) and name not in quant]\n",
         "    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quant]\n",
         "routers held as plain 2-D weights (not nn.Linear) are left out of ignore",
@@ -625,7 +625,7 @@ CATALOGUE: list[Mutant] = [
     ),
     Mutant(
         "export-overwrite-old",
-        "export/export.py",
+        "export/destination.py",
         "    if old is not None:\n        shutil.rmtree(old, ignore_errors=True)\n",
         "",
         "an overwritten export's old directory is left behind",

@@ -221,7 +221,7 @@ def _correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_beats_round_to_nearest_on_correlated_inputs(act_order):
-    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.algorithms.gptq_solve import gptq_quantize
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 256, generator=g) * 0.05
@@ -238,7 +238,7 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(act_order):
 
 
 def test_gptq_dead_columns_and_unseen_expert_round_to_nearest():
-    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.algorithms.gptq_solve import gptq_quantize
 
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     quantizer = TensorQuantizer(QuantizerSpec("int4", "group", group_size=32), (8, 64))
@@ -253,7 +253,7 @@ def test_gptq_dead_columns_and_unseen_expert_round_to_nearest():
 def test_gptq_damping_grows_tenfold_until_positive_definite():
     """An indefinite Hessian (eigenvalue -0.05, mean diagonal 0.65): percdamp 0.01 adds 0.0065 and 0.1 adds 0.065,
     the first positive definite one; a Hessian no damping of the schedule fixes is an error."""
-    from shardcal.algorithms.gptq import DAMPING_TRIES, gptq_quantize
+    from shardcal.algorithms.gptq_solve import DAMPING_TRIES, gptq_quantize
 
     weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     quantizer = TensorQuantizer(QuantizerSpec("int8", "channel", axis=0), (4, 3))
@@ -271,16 +271,16 @@ def test_gptq_damping_grows_tenfold_until_positive_definite():
 def _gptq_with_indefinite_hessians(shift: float) -> dict:
     """GPTQ on 2 sharded ranks where down_proj's Hessians get ``-shift`` on their diagonal (an indefinite Hessian,
     as bf16 round-off can make): the schedule's damping is reported per Linear, or the run stops naming it."""
-    from shardcal.algorithms import gptq
+    from shardcal.algorithms import gptq_solve
 
-    solve = gptq._upper_cholesky_of_inverse
+    solve = gptq_solve._upper_cholesky_of_inverse
 
     def shifted(h: torch.Tensor):
         if h.shape[0] == LLAMA["intermediate_size"]:  # only down_proj's input has this width
             h = h - shift * torch.eye(h.shape[0], dtype=h.dtype)
         return solve(h)
 
-    gptq._upper_cholesky_of_inverse = shifted
+    gptq_solve._upper_cholesky_of_inverse = shifted
     model = _model(dict(LLAMA, num_hidden_layers=2))
     fsdp2_wrap(model)
     try:
@@ -288,12 +288,12 @@ def _gptq_with_indefinite_hessians(shift: float) -> dict:
     except NumericsError as exc:
         return {"error": str(exc)}
     finally:
-        gptq._upper_cholesky_of_inverse = solve  # the worker process is reused
+        gptq_solve._upper_cholesky_of_inverse = solve  # the worker process is reused
     return {"damping": [layer_report.algorithm["gptq_damping"] for layer_report in report.layers]}
 
 
 def test_gptq_indefinite_hessian_reported_or_named_on_every_rank():
-    from shardcal.algorithms.gptq import DAMPING_TRIES
+    from shardcal.algorithms.gptq_solve import DAMPING_TRIES
 
     linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj")
     linears += ("mlp.up_proj", "mlp.down_proj")
@@ -310,7 +310,7 @@ def test_gptq_indefinite_hessian_reported_or_named_on_every_rank():
 def test_asymmetric_gptq_beats_asymmetric_rtn_and_symmetric_gptq(act_order):
     """On weights whose groups are off-centre, asymmetric int4 (zero points) beats symmetric int4, with GPTQ as with
     round to nearest, and GPTQ's result is reproduced exactly by the quantizer's calibrated range."""
-    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.algorithms.gptq_solve import gptq_quantize
 
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(96, 256, generator=g) * 0.05 + torch.rand(96, 1, generator=g) * 0.1
@@ -335,7 +335,7 @@ def test_nvfp4_gptq_beats_round_to_nearest_and_exports_its_own_blocks(options):
     """FP4-aware GPTQ: each block of 16 columns is rounded to E2M1 with the FP8 block scale of its columns as
     updated so far; the quantizer, which derives block scales from the weight it gets, reproduces the result, and
     the global amax is kept. Reference: the output error of round to nearest (the quantizer on the weight)."""
-    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.algorithms.gptq_solve import gptq_quantize
     from shardcal.quant.formats import E2M1_MAX, nvfp4_global_scale
 
     g = torch.Generator().manual_seed(3)
@@ -408,7 +408,7 @@ def test_gptq_rounding_sweeps_and_scale_refits_beat_plain_gptq():
 def test_rounding_sweeps_lower_the_output_error_of_gptq(symmetric):
     """Rounding sweeps after GPTQ lower ``tr(E H E^T)`` on the Linear's inputs; asymmetric codes move inside their
     zero-point-shifted bounds, so the quantizer's calibrated range reproduces the swept weight exactly."""
-    from shardcal.algorithms.gptq import gptq_quantize
+    from shardcal.algorithms.gptq_solve import gptq_quantize
     from shardcal.algorithms.scales import refine_rounding
 
     g = torch.Generator().manual_seed(4)
@@ -799,7 +799,7 @@ def test_input_stats_share_one_gram_while_points_see_one_tensor():
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_on_a_prepared_hessian_equals_gptq_on_the_hessian(act_order):
     """Linears that share their inputs share one ``prepare_hessian``: the result is bit for bit GPTQ's own."""
-    from shardcal.algorithms.gptq import gptq_quantize, prepare_hessian
+    from shardcal.algorithms.gptq_solve import gptq_quantize, prepare_hessian
 
     x = _correlated_inputs(1024, 64)
     x[:, 7] = 0.0  # a dead column

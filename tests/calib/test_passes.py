@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardcal.algorithms.base import KEEPS_FINAL, KEEPS_FULL_PRECISION, AlgorithmStep
-from shardcal.calib import runner
+from shardcal.calib import layer_calibration, runner
 from shardcal.calib.passes import (
     ALGORITHM,
     OBSERVE,
@@ -72,7 +72,7 @@ def test_the_runner_runs_the_plan(name, monkeypatch):
     """The plan is the one written above, the same for every layer, and the runner calls each layer exactly as often
     as the plan's passes over the batches they cover (the algorithm's own calls apart)."""
     plans, calls, inside = [], {}, [False]
-    real_plan, real_forward = runner.layer_pass_plan, LayerStep.forward
+    real_plan, real_forward = layer_calibration.layer_pass_plan, LayerStep.forward
 
     def plan_spy(step, *args, **kwargs):
         plan = real_plan(step, *args, **kwargs)
@@ -99,7 +99,7 @@ def test_the_runner_runs_the_plan(name, monkeypatch):
     algorithm = type(make_algorithm(__import__("shardcal").load_recipe(name).algorithm))
     for hook in ("before_weight_calibration", "after_weight_calibration"):
         monkeypatch.setattr(algorithm, hook, hooked(getattr(algorithm, hook)))
-    monkeypatch.setattr(runner, "layer_pass_plan", plan_spy)
+    monkeypatch.setattr(layer_calibration, "layer_pass_plan", plan_spy)
     monkeypatch.setattr(LayerStep, "forward", forward_spy)
     model = CausalLM(ModelConfig.from_dict(CONFIG))
     randomize_(model, seed=1)

@@ -4,7 +4,8 @@ import pytest
 
 import shardcal
 from shardcal.algorithms import ALGORITHMS, LayerAlgorithm, make_algorithm, register_algorithm
-from shardcal.calib.recipes import Recipe, load_recipe, parse_recipe, shipped_recipes
+from shardcal.calib.recipe import Recipe
+from shardcal.calib.recipes import load_recipe, parse_recipe, shipped_recipes
 from shardcal.errors import RecipeError
 from shardcal.quant import QuantizerSpec
 from shardcal.runtime.params import integer, number
@@ -167,7 +168,8 @@ def test_register_algorithm_extension_point():
 
 def test_one_registry_defaults_agree():
     """The recipe's defaults are the algorithm's own: a recipe without parameters builds the same object."""
-    from shardcal.algorithms.gptq import DEFAULTS, GPTQ
+    from shardcal.algorithms.gptq import GPTQ
+    from shardcal.algorithms.gptq_solve import DEFAULTS
 
     r = parse_recipe('[weight]\nformat = "int4"\ngranularity = "group"\ngroup_size = 32\n[algorithm]\nname = "gptq"\n')
     assert {k: r.algorithm[k] for k in DEFAULTS} == DEFAULTS

@@ -590,7 +590,7 @@ def test_ctrl_c_says_what_is_lost_without_a_checkpoint_dir_and_where_a_rerun_res
 
     np.save(tmp_path / "ids.npy", np.arange(4 * 16).reshape(4, 16) % 300)
     argv = ["calibrate", tiny_dir, "--recipe", "fp8", "--data", tmp_path / "ids.npy", "--batch-size", 2]
-    calls, real = [], runner._calibrate_layer
+    calls, real = [], runner.calibrate_layer
 
     def ctrl_c_at_the_second_layer(*args, **kwargs):
         calls.append(1)
@@ -598,13 +598,13 @@ def test_ctrl_c_says_what_is_lost_without_a_checkpoint_dir_and_where_a_rerun_res
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "_calibrate_layer", ctrl_c_at_the_second_layer)
+    monkeypatch.setattr(runner, "calibrate_layer", ctrl_c_at_the_second_layer)
     status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "a")
     assert status == 130 and err.strip().splitlines()[-1] == (
         "interrupted at layer 1 of 2: without --checkpoint-dir the 1 calibrated layer(s) are lost; rerun with "
         "--checkpoint-dir DIR to resume from the last committed layer next time"
     )
-    monkeypatch.setattr(runner, "_calibrate_layer", real)
+    monkeypatch.setattr(runner, "calibrate_layer", real)
 
     def ctrl_c(completed_layers: int) -> None:
         raise KeyboardInterrupt

@@ -2,8 +2,8 @@
 
 * the export's units, their owners and the shard files: ``shardcal.export.layout`` (``unit_owner``,
   ``split_into_shards``) — no rank chosen by ``... % world_size`` and no size held to ``max_shard_bytes`` in plan/;
-* a decoder layer's passes: the runner (``shardcal.calib.runner.predicted_pass_plan``, which makes the plan the run
-  executes) — plan/ reads none of the flags and promises the pass plan is made from;
+* a decoder layer's passes: the runner's layer step (``shardcal.calib.layer_calibration.predicted_pass_plan``, which
+  makes the plan the run executes) — plan/ reads none of the flags and promises the pass plan is made from;
 * when a checkpoint directory commits: the runner (``commit_points``) — no ``... % every`` in plan/.
 
 The check reads the source (every module of plan/, function bodies included), and is shown to see each kind of copy.
@@ -22,7 +22,7 @@ PLAN = Path(__file__).resolve().parents[2] / "src" / "shardcal" / "plan"
 ASKED = [
     ("shardcal.export.layout", "unit_owner"),
     ("shardcal.export.layout", "split_into_shards"),
-    ("shardcal.calib.runner", "predicted_pass_plan"),
+    ("shardcal.calib.layer_calibration", "predicted_pass_plan"),
     ("shardcal.calib.runner", "commit_points"),
 ]
 #: Names that are the pass plan's inputs or its maker: the runner's to read, not the planner's.
@@ -88,7 +88,9 @@ def copied_rules(sources: dict[str, str]) -> list[str]:
                     else node.name
                 )
                 if named in PASS_INPUTS:
-                    problems.append(f"{at}: reads {named}, an input of the pass plan (ask shardcal.calib.runner)")
+                    problems.append(
+                        f"{at}: reads {named}, an input of the pass plan (ask shardcal.calib.layer_calibration)"
+                    )
     problems += [f"plan/ does not ask {module}.{name}" for module, name in ASKED if (module, name) not in imported]
     return problems
 
@@ -101,7 +103,8 @@ def test_the_plan_package_asks_the_owners():
 
 ASKING = (
     "from ..export.layout import split_into_shards, unit_owner\n"
-    "from ..calib.runner import commit_points, predicted_pass_plan\n"
+    "from ..calib.runner import commit_points\n"
+    "from ..calib.layer_calibration import predicted_pass_plan\n"
 )
 
 
@@ -114,12 +117,13 @@ ASKING = (
         (ASKING + "def stream(algorithm):\n    return algorithm.reference_stream\n", "reads reference_stream"),
         (ASKING + "from ..calib.passes import LayerFacts\n", "reads LayerFacts"),
         (
-            "from ..export.layout import unit_owner\nfrom ..calib.runner import commit_points, predicted_pass_plan\n",
+            "from ..export.layout import unit_owner\nfrom ..calib.runner import commit_points\n"
+            "from ..calib.layer_calibration import predicted_pass_plan\n",
             "does not ask shardcal.export.layout.split_into_shards",
         ),
         (
             "from ..export.layout import split_into_shards, unit_owner\nfrom ..calib.runner import commit_points\n",
-            "does not ask shardcal.calib.runner.predicted_pass_plan",
+            "does not ask shardcal.calib.layer_calibration.predicted_pass_plan",
         ),
     ],
 )

@@ -547,13 +547,13 @@ def test_a_file_added_during_the_export_stops_the_swap(exported, tmp_path, monke
     model, _ = exported("fp8")
     out = tmp_path / "out"
     export_checkpoint(model, out)
-    real_finish = export_module._finish
+    real_finish = export_module.write_metadata
 
     def finish_then_user_writes(*args, **kwargs):
         real_finish(*args, **kwargs)
         (out / "notes.txt").write_text("written meanwhile")
 
-    monkeypatch.setattr(export_module, "_finish", finish_then_user_writes)
+    monkeypatch.setattr(export_module, "write_metadata", finish_then_user_writes)
     with pytest.raises(ExportError, match="holds 'notes.txt', which shardcal did not write"):
         export_checkpoint(model, out, overwrite=True)
     assert (out / "notes.txt").read_text() == "written meanwhile" and (out / "config.json").is_file()

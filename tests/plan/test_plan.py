@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from test_bad_inputs import snapshot
 from test_gguf_tokenizer import byte_level_tokenizer_json
 
-from shardcal.calib.recipes import Recipe, Rotation, load_recipe, recipe_from_dict, shipped_recipes
+from shardcal.calib.recipe import Recipe, Rotation
+from shardcal.calib.recipes import load_recipe, recipe_from_dict, shipped_recipes
 from shardcal.cli import main as cli
 from shardcal.errors import ConfigError, RecipeError
 from shardcal.layerwise.options import CalibrationOptions

@@ -1,5 +1,5 @@
 """The planner counts the passes the runner runs: it asks the runner for a layer's pass plan
-(``shardcal.calib.runner.predicted_pass_plan``, on the model's skeleton) instead of modelling the step itself.
+(``shardcal.calib.layer_calibration.predicted_pass_plan``, on the model's skeleton) instead of modelling the step itself.
 
 Every shipped recipe's predicted plan is the one ``tests/calib/test_passes.py`` asserts the runner runs (a dense
 layer, default propagation); on an MoE model and under ``propagate = "qdq"`` the prediction is compared with the plans
@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_passes import CONFIG, PLANS
 
-from shardcal.calib import runner
+from shardcal.calib import layer_calibration, runner
 from shardcal.calib.recipes import load_recipe
 from shardcal.layerwise.options import CalibrationOptions
 from shardcal.models import CausalLM, ModelConfig
@@ -46,7 +46,7 @@ def test_the_planned_passes_are_the_runners(tmp_path, name):
 def _runner_plans(raw: dict, recipe: str, propagate: str | None) -> list[str]:
     """The plans a real calibration makes, layer by layer."""
     plans: list[str] = []
-    real = runner.layer_pass_plan
+    real = layer_calibration.layer_pass_plan
 
     def spy(step, *args, **kwargs):
         plan = real(step, *args, **kwargs)
@@ -57,7 +57,7 @@ def _runner_plans(raw: dict, recipe: str, propagate: str | None) -> list[str]:
     randomize_(model, seed=1)
     data = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "layer_pass_plan", spy)
+        patch.setattr(layer_calibration, "layer_pass_plan", spy)
         runner.calibrate(model, data, recipe, batch_size=2, progress=False, propagate=propagate)
     return plans
 

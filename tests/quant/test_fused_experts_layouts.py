@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardcal.errors import ModelLayoutError
-from shardcal.quant.experts import (
+from shardcal.quant.expert_layout import (
     ExpertsLayout,
     bias_slice,
     expert_forward,

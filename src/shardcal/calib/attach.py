@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..errors import RecipeError
-from ..quant.experts import PROJECTIONS, attach_expert_quantizers, fused_experts_shape, iter_projections
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape
+from ..quant.experts import attach_expert_quantizers, iter_projections
 from ..quant.kv_cache import attach_kv_cache_quantizers
 from ..quant.linear import QuantLinear, rotate_inputs
 from ..quant.spec import QuantizerSpec
-from .recipes import VLLM_GROUP_SIZES, Recipe
+from .recipe import VLLM_GROUP_SIZES, Recipe
 
 #: A per-expert projection's full name: ``(experts module).(expert index).(projection)`` — shardcal's own MoE
 #: blocks (``mlp.experts.3.gate_proj``, Mixtral's ``block_sparse_moe.experts.3.w1``) and fused experts, whose

@@ -39,7 +39,7 @@ from ..runtime.distributed import all_reduce_, dp_group, world
 from ..runtime.faults import fault_point
 from ..sharding.fsdp2 import local_rows
 from .attach import quantize_modules
-from .recipes import Recipe
+from .recipe import Recipe
 from .report import LayerReport
 
 MANIFEST = "manifest.json"

@@ -26,7 +26,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command("eval", help="perplexity of a model on held-out text or a data file", arguments=_eval_arguments)
 def _eval(args: argparse.Namespace) -> int:
-    from ..export.export import export_source
+    from ..export.metadata import export_source
     from ..loading.foreign import raw_config, text_field
 
     model_dir = Path(args.model_dir)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..errors import CollectionError
 from ..layerwise.batches import Batch
 from ..quant.observers import make_observer

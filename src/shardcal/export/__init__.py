@@ -5,11 +5,14 @@
 
 Modules: :mod:`.format` (the :class:`~.format.ExportFormat` interface and the registry :func:`~.format.formats`),
 :mod:`.compressed_tensors` (the compressed-tensors format: specs <-> config, formats, tensor layouts, encoding one
-Linear), :mod:`.layout` (which tensor goes where, decided up front), :mod:`.shards` (streaming safetensors files),
+Linear), :mod:`.quant_modules` (which Linears and KV caches are stored quantized, checked), :mod:`.layout` (which
+tensor goes where, decided up front), :mod:`.shards` (streaming safetensors files), :mod:`.destination` (the out
+directory, staging and the final rename), :mod:`.metadata` (index, config.json, tokenizer files, report, manifest),
 :mod:`.export` (the collective export). The format is documented in docs/reference/export-format.md.
 """
 
-from .export import DEFAULT_MAX_SHARD_BYTES, check_destination, export_checkpoint
+from .destination import check_destination
+from .export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from .format import DEFAULT_FORMAT, ExportFormat, formats, get_format
 
 __all__ = [

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 
 #: What a runtime does with an export: computes shardcal's outputs exactly, or to within its own activation
 #: rounding; refuses it loudly; or loads it and computes something else (the one to warn about).

@@ -2,17 +2,17 @@
 
 Collective under torch.distributed: every rank calls it. The flow (see docs/reference/export-format.md):
 
-1. every rank builds the same :class:`~.plan.ExportPlan` from module structure (nothing gathered yet); anything
-   that cannot be exported (uncalibrated quantizers, specs the export format cannot express) fails here, on every
-   rank alike, before any collective;
-2. rank 0 checks the destination and creates a staging directory next to it (same filesystem) and tells the
-   others its name;
+1. every rank builds the same :class:`~.layout.ExportPlan` from module structure (nothing gathered yet); anything
+   that cannot be exported (uncalibrated quantizers, specs the export format cannot express: :mod:`.quant_modules`)
+   fails here, on every rank alike, before any collective;
+2. rank 0 checks the destination and creates a staging directory next to it (same filesystem; :mod:`.destination`)
+   and tells the others its name;
 3. unit by unit (decoder layers, other FSDP units, the root), every rank takes part in the gather and the unit's
    owner encodes and appends its tensors to its own shard files; after each unit one small all-reduce tells every
    rank whether any rank failed, so all of them stop together;
-4. rank 0 writes the index, tokenizer files, report and config.json into the staging directory, then renames it
-   to ``out_dir`` (an existing one, with ``overwrite`` and only when it holds nothing but an earlier export, is
-   renamed away first and deleted after).
+4. rank 0 writes the index, tokenizer files, report and config.json into the staging directory (:mod:`.metadata`),
+   then renames it to ``out_dir`` (an existing one, with ``overwrite`` and only when it holds nothing but an earlier
+   export, is renamed away first and deleted after).
 
 An export that fails or is interrupted leaves no ``out_dir`` (and removes its staging directory).
 """
@@ -20,11 +20,7 @@ An export that fails or is interrupted leaves no ``out_dir`` (and removes its st
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import tempfile
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -33,54 +29,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calib.recipes import Recipe, load_recipe
-from ..calib.report import SQNR_PLOT_NAME
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import ExportError
-from ..quant.experts import bias_slice, weight_slice
+from ..quant.expert_layout import bias_slice, weight_slice
 from ..quant.fused import fused_layer, share_ranges
 from ..quant.quantizer import TensorQuantizer
 from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
 from ..runtime.faults import fault_point
-from ..runtime.fsutil import (
-    check_apart,
-    check_creatable,
-    check_replaceable,
-    read_json_object,
-    umask,
-    write_manifest,
-)
-from ..sharding.fsdp2 import dominant_dtype, fsdp2_root_unsharded, layer_unsharded
+from ..runtime.fsutil import check_apart
+from ..sharding.fsdp2 import fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
+from .destination import prepare_staging, swap_into_place
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .layout import ExportPlan, QuantModule, Unit, build_plan, find_kv_cache, find_quant_modules, scheme_words
-from .shards import RankShardWriter, header_bytes
+from .layout import ExportPlan, Unit, build_plan
+from .metadata import model_config_dict, write_metadata
+from .quant_modules import QuantModule, find_kv_cache, find_quant_modules, scheme_words
+from .shards import RankShardWriter
 
 #: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-REPORT_NAME = "calibration_report.json"
-#: Written last into every export: the files it holds. ``overwrite`` replaces only a directory it describes.
-MANIFEST_NAME = "shardcal_export.json"
-#: Files shardcal may add to a finished export (not in its manifest) that ``overwrite`` may replace as well.
-EXPORT_EXTRAS: tuple[str, ...] = (SQNR_PLOT_NAME,)
-#: Files copied from ``tokenizer_dir`` when present.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-# ----------------------------------------------------------------------------------------------- destination
-
 #: What ``dtype=`` (``--export-dtype``) takes: the floating dtypes unquantized tensors may be stored in.
 EXPORT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -94,82 +62,6 @@ def export_dtype(dtype: str | torch.dtype | None, what: str = "dtype") -> torch.
     if name not in EXPORT_DTYPES:
         raise ExportError(f"{what} {dtype!r}: unquantized tensors are stored as {', '.join(EXPORT_DTYPES)}")
     return EXPORT_DTYPES[name]
-
-
-def export_source(out_dir: str | Path) -> Path | None:
-    """The model directory a shardcal export was made from, as its manifest records it, when that directory still
-    holds a model (a ``config.json``); None otherwise (no export, no source recorded, moved or deleted)."""
-    try:
-        source = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8")).get("source")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(source, str) or not (Path(source) / CONFIG_NAME).is_file():
-        return None
-    return Path(source)
-
-
-def _describe(exc: OSError) -> str:
-    return exc.strerror or str(exc)
-
-
-def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
-    """``out_dir`` may be written: absent, empty, or (with ``overwrite``) an earlier export and nothing else."""
-    check_replaceable(out_dir, MANIFEST_NAME, overwrite=overwrite, flag=flag, error=ExportError, extras=EXPORT_EXTRAS)
-
-
-def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
-    """Raise :class:`ExportError` now if :func:`export_checkpoint` would refuse ``out_dir`` (call it before a long
-    calibration): a directory holding anything but an earlier shardcal export (never replaced, whatever
-    ``overwrite`` says), an earlier export without ``overwrite``, the working directory, a file, or a parent that
-    cannot be created or written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
-    replacing (a command line says ``--overwrite``)."""
-    out_dir = Path(out_dir).absolute()
-    _check_destination(out_dir, overwrite, flag)
-    check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
-
-
-def _prepare(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) -> Path:
-    """Check the destination and create the staging directory beside it (rank 0)."""
-    _check_destination(out_dir, overwrite)
-    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        raise ExportError(f"{tokenizer_dir}: tokenizer directory does not exist")
-    parent = out_dir.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ExportError(f"{parent}: cannot create the parent directory of {out_dir} ({_describe(exc)})") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"{parent}: not writable; cannot export to {out_dir}")
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-        os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes it private; the export gets the usual permissions
-        return staging
-    except OSError as exc:
-        raise ExportError(f"{parent}: cannot create a staging directory for {out_dir} ({_describe(exc)})") from None
-
-
-def _swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
-    """Rename ``staging`` to ``out_dir``; an existing ``out_dir`` is renamed away first and deleted after."""
-    _check_destination(out_dir, overwrite)
-    old = None
-    try:
-        if out_dir.exists():
-            if any(out_dir.iterdir()):
-                old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-                os.rename(out_dir, old)
-            else:
-                out_dir.rmdir()
-        try:
-            os.rename(staging, out_dir)
-        except OSError:
-            if old is not None:
-                os.rename(old, out_dir)
-                old = None
-            raise
-    except OSError as exc:
-        raise ExportError(f"{out_dir}: cannot move the finished export into place ({_describe(exc)})") from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -275,86 +167,6 @@ def _check_scale(key: str, scale: torch.Tensor) -> None:
             f"{key}: {int(bad.sum())} of {values.numel()} scale value(s) are zero, negative, NaN or infinite (e.g. "
             f"{first}); recalibrate (or exclude the module) before exporting"
         )
-
-
-# ----------------------------------------------------------------------------------------------- finishing
-
-
-def model_config_dict(
-    model: nn.Module, config_dir: Path | None = None, dtype: torch.dtype | None = None
-) -> dict[str, Any]:
-    """The model's config.json contents, by duck typing: shardcal's ``config.raw``, anything with ``to_dict()``
-    (transformers' configs), else ``config_dir/config.json``, with its dtype key set to ``dtype`` (None: the model's
-    own). Raises :class:`ExportError` naming what is missing."""
-    config = getattr(model, "config", None)
-    raw = getattr(config, "raw", None)
-    if not isinstance(raw, dict) and callable(getattr(config, "to_dict", None)):
-        raw = config.to_dict()
-    if not isinstance(raw, dict) and config_dir is not None:
-        path = config_dir / CONFIG_NAME
-        if not path.is_file():
-            raise ExportError(f"{path}: missing (config_dir must hold the model's config.json)")
-        raw = read_json_object(path, ExportError)
-    if not isinstance(raw, dict):
-        raise ExportError(
-            f"{type(model).__name__}: no config to write config.json from: give the model a config with to_dict() "
-            "(as transformers' models have) or pass config_dir=<the directory of its config.json>"
-        )
-    try:
-        out = json.loads(json.dumps(raw))  # a deep copy that is certainly JSON-serialisable
-    except (TypeError, ValueError) as exc:
-        raise ExportError(f"{type(model).__name__}: its config is not JSON-serialisable ({exc})") from None
-    if not out.get("architectures"):
-        out["architectures"] = [_original_class(model).__name__]
-    dtype_name = str(dtype or dominant_dtype(model)).removeprefix("torch.")
-    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
-    for k in keys:  # the dtype the unquantized tensors are stored in, so that a reload picks it by default
-        out[k] = dtype_name
-    return out
-
-
-def _original_class(model: nn.Module) -> type:
-    """The model's own class (fully_shard makes ``FSDP<Name>`` subclasses)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def _finish(
-    config: dict[str, Any],
-    plan: ExportPlan,
-    staging: Path,
-    report: Any,
-    tokenizer_dir: Path | None,
-    source: str | None = None,
-) -> None:
-    """Rank 0, all shards written: check them, then index, tokenizer files, report, config.json, the manifest (last)."""
-    for shard in plan.shards:
-        path = staging / shard.file
-        expected = len(header_bytes(shard.entries)) + shard.nbytes
-        if not path.is_file() or path.stat().st_size != expected:
-            found = path.stat().st_size if path.is_file() else "missing"
-            raise ExportError(
-                f"{path}: expected {expected} bytes, found {found} (is {staging.parent} shared by all ranks?)"
-            )
-    try:
-        weight_map = dict(sorted(plan.weight_map.items()))
-        _write_json(staging / INDEX_NAME, {"metadata": {"total_size": plan.total_size}, "weight_map": weight_map})
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (tokenizer_dir / name).is_file():
-                    shutil.copyfile(tokenizer_dir / name, staging / name)
-        if report is not None:
-            report.save_json(staging / REPORT_NAME)
-            os.chmod(staging / REPORT_NAME, 0o666 & ~umask())
-        _write_json(staging / CONFIG_NAME, {**config, plan.export_format.config_key: plan.quantization_config})
-        write_manifest(staging, MANIFEST_NAME, writer="shardcal export", format=plan.export_format.name, source=source)
-    except OSError as exc:
-        raise ExportError(f"{staging}: cannot write the export's metadata ({_describe(exc)})") from None
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -467,7 +279,7 @@ class ExportSession:
         prepared: tuple[str, str] | None = None
         if self.rank == 0:
             try:
-                prepared = ("ok", str(_prepare(self.out_dir, self.overwrite, self.tokenizer_dir)))
+                prepared = ("ok", str(prepare_staging(self.out_dir, self.overwrite, self.tokenizer_dir)))
             except ExportError as exc:
                 prepared = ("error", str(exc))
         prepared = tuple(broadcast_json(prepared))
@@ -523,8 +335,8 @@ class ExportSession:
         outcome: tuple[str, str] | None = None
         if self.rank == 0:
             try:
-                _finish(self.config, self.plan, self.staging, report, self.tokenizer_dir, self.source)
-                _swap_into_place(self.staging, self.out_dir, self.overwrite)
+                write_metadata(self.config, self.plan, self.staging, report, self.tokenizer_dir, self.source)
+                swap_into_place(self.staging, self.out_dir, self.overwrite)
                 self.staging = None
                 outcome = ("ok", "")
             except ExportError as exc:
@@ -575,7 +387,7 @@ def plan_streamed_export(
 ) -> ExportPlan:
     """The export plan of a streamed model (its decoder layers on the meta device) before it is calibrated: a
     meta-device copy of each layer gets what calibration will attach to it (``attach(layer, recipe, prefix)``:
-    :func:`shardcal.calib.recipes.quantize_modules`), and the plan is made from that structure. Every rank alike."""
+    :func:`shardcal.calib.attach.quantize_modules`), and the plan is made from that structure. Every rank alike."""
     import copy
 
     from ..sharding.registry import decoder_layer_prefix, require_decoder_layers

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..calib.calibration_checkpoint import remove_checkpoint
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
 from ..errors import (

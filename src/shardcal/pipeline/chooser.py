@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..calib.recipes import Recipe, load_recipe, shipped_recipes
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe, shipped_recipes
 from ..calib.report import CalibrationReport
 from ..export.consumers import deployment
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
 from ..export.export import export_dtype as dtype_of_export

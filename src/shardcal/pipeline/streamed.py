@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from ..calib.attach import quantize_modules
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..calib.report import CalibrationReport
 from ..calib.runner import calibrate
 from ..export.export import ExportSession, plan_streamed_export

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import UsageError
 from .disk import checkpoint_dir_bytes, export_files
 from .memory import RankPlan, rank_plan

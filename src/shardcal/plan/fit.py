@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calib.recipes import Recipe
+from ..calib.recipe import Recipe
 from ..errors import UsageError
 from ..runtime.hostmem import available_bytes
 from .calibration_plan import CalibrationPlan, plan_prepared

@@ -30,7 +30,7 @@ batch or a weight an operation makes) were measured on the real code and are the
 constants of :mod:`.costs` (the algorithms' own with their memory models, :mod:`shardcal.algorithms.memory`); the
 planner is held to measured peaks by ``benchmarks/plan_accuracy.py`` and ``tests/plan/``. Phases (load, embed, layers,
 export) add up what is alive at the same time; the peak is the largest phase. A decoder layer's steps are the passes
-the runner's own plan for it runs (:func:`shardcal.calib.runner.predicted_pass_plan`). See docs/scaling.md.
+the runner's own plan for it runs (:func:`shardcal.calib.layer_calibration.predicted_pass_plan`). See docs/scaling.md.
 
 This module is the planner's entry point; each concept lives in a module of its own: what is read of the model
 (:mod:`.source`), the recipe's quantizers (:mod:`.quantizers`), the measured constants (:mod:`.costs`), the model
@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..errors import ConfigError, PlanError
 from ..layerwise.options import CalibrationOptions
 from ..loading.foreign import build_transformers_on_meta, choose_impl

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..algorithms.residual import check_residual_layout
 from ..calib.attach import quantize_modules
-from ..calib.recipes import Recipe, compile_pattern
+from ..calib.recipe import Recipe, compile_pattern
 from ..collect.targets import Target, TargetPattern, resolve_targets
 from ..errors import RecipeError
 from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype
@@ -27,7 +27,7 @@ from ..loading.foreign import build_transformers_on_meta
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
-from ..quant.experts import PROJECTIONS, fused_experts_shape
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 
 

@@ -16,9 +16,9 @@ import torch
 
 from ..algorithms import make_algorithm
 from ..algorithms.memory import AlgorithmMemory, LayerPlanContext, MemoryModel, memory_model_of
+from ..calib.layer_calibration import predicted_pass_plan
 from ..calib.passes import PassPlan
-from ..calib.recipes import Recipe
-from ..calib.runner import predicted_pass_plan
+from ..calib.recipe import Recipe
 from ..errors import PlanError
 from ..export.layout import Entry, unit_owner
 from ..loading.build import resolve_dtype
@@ -171,7 +171,8 @@ class PreparedModel:
 
     def pass_plan(self, i: int, propagate: str) -> PassPlan:
         """The passes the runner will run on decoder layer ``i`` (the same for every layer of its kind), as the
-        runner itself plans them (:func:`~shardcal.calib.runner.predicted_pass_plan`) on the layer's skeleton."""
+        runner itself plans them (:func:`~shardcal.calib.layer_calibration.predicted_pass_plan`) on the layer's
+        skeleton."""
         key = (self.kind_of[i], propagate)
         if key not in self._pass_plans:
             layer = self.st.model.get_submodule(self.st.layer_prefix)[i]

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..calib.recipes import Recipe, load_recipe
+from ..calib.recipe import Recipe
+from ..calib.recipes import load_recipe
 from ..calib.runner import calibrate
 from ..layerwise.batches import rank_batch_indices
 from ..loading.build import build_on_meta

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..algorithms.memory import PlannedLinear
-from ..calib.recipes import Recipe, compile_pattern
+from ..calib.recipe import Recipe, compile_pattern
 from ..errors import RecipeError
 from ..quant.granularity import Layout
 from ..quant.spec import QuantizerSpec

@@ -3,8 +3,9 @@ per-expert projections of fused experts), FSDP2 units, and each decoder layer's 
 
 Nothing here is written per family: the same reading serves shardcal's classes and transformers' (``--model-impl``),
 through the registry that finds the decoder layers (:mod:`shardcal.sharding.registry`), the FSDP2 units
-``fsdp2_wrap`` would make (:func:`shardcal.sharding.fsdp2.fsdp2_units`), fused experts as :mod:`shardcal.quant.experts`
-treats them, and the foldable pairs the algorithms find (:mod:`shardcal.algorithms.mappings`).
+``fsdp2_wrap`` would make (:func:`shardcal.sharding.fsdp2.fsdp2_units`), fused experts as
+:mod:`shardcal.quant.expert_layout` reads them, and the foldable pairs the algorithms find
+(:mod:`shardcal.algorithms.mappings`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..algorithms.memory import PlannedSmoothing
 from ..errors import PlanError
 from ..export.layout import stored_buffers
 from ..loading.build import router_weight_names
-from ..quant.experts import PROJECTIONS, fused_experts_shape
+from ..quant.expert_layout import PROJECTIONS, fused_experts_shape
 from ..sharding.fsdp2 import fsdp2_units
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
 

@@ -1,0 +1,88 @@
+"""Where an export goes: its destination checked (an earlier export is replaced only with ``overwrite``, never a
+directory holding anything else), a staging directory beside it, and the finished export moved into place.
+
+An export is written into a staging directory next to ``out_dir`` (same filesystem) and renamed to ``out_dir`` when
+complete; an existing ``out_dir`` that its manifest (:data:`MANIFEST_NAME`) describes is renamed away first and
+deleted after. What is written into the staging directory is :mod:`.export`'s and :mod:`.metadata`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from ..calib.report import SQNR_PLOT_NAME
+from ..errors import ExportError
+from ..runtime.fsutil import check_creatable, check_replaceable, umask
+
+#: Written last into every export: the files it holds. ``overwrite`` replaces only a directory it describes.
+MANIFEST_NAME = "shardcal_export.json"
+#: Files shardcal may add to a finished export (not in its manifest) that ``overwrite`` may replace as well.
+EXPORT_EXTRAS: tuple[str, ...] = (SQNR_PLOT_NAME,)
+
+
+def _describe(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _check_destination(out_dir: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
+    """``out_dir`` may be written: absent, empty, or (with ``overwrite``) an earlier export and nothing else."""
+    check_replaceable(out_dir, MANIFEST_NAME, overwrite=overwrite, flag=flag, error=ExportError, extras=EXPORT_EXTRAS)
+
+
+def check_destination(out_dir: str | Path, overwrite: bool = False, *, flag: str = "overwrite=True") -> None:
+    """Raise :class:`ExportError` now if :func:`~shardcal.export.export.export_checkpoint` would refuse ``out_dir`` (call it before a long
+    calibration): a directory holding anything but an earlier shardcal export (never replaced, whatever
+    ``overwrite`` says), an earlier export without ``overwrite``, the working directory, a file, or a parent that
+    cannot be created or written. Checks only; creates nothing. Not collective. ``flag``: how the message tells the caller to allow
+    replacing (a command line says ``--overwrite``)."""
+    out_dir = Path(out_dir).absolute()
+    _check_destination(out_dir, overwrite, flag)
+    check_creatable(out_dir.parent, ExportError, f"cannot export to {out_dir}")
+
+
+def prepare_staging(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) -> Path:
+    """Check the destination and create the staging directory beside it (rank 0)."""
+    _check_destination(out_dir, overwrite)
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise ExportError(f"{tokenizer_dir}: tokenizer directory does not exist")
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{parent}: cannot create the parent directory of {out_dir} ({_describe(exc)})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{parent}: not writable; cannot export to {out_dir}")
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes it private; the export gets the usual permissions
+        return staging
+    except OSError as exc:
+        raise ExportError(f"{parent}: cannot create a staging directory for {out_dir} ({_describe(exc)})") from None
+
+
+def swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename ``staging`` to ``out_dir``; an existing ``out_dir`` is renamed away first and deleted after."""
+    _check_destination(out_dir, overwrite)
+    old = None
+    try:
+        if out_dir.exists():
+            if any(out_dir.iterdir()):
+                old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(out_dir, old)
+            else:
+                out_dir.rmdir()
+        try:
+            os.rename(staging, out_dir)
+        except OSError:
+            if old is not None:
+                os.rename(old, out_dir)
+                old = None
+            raise
+    except OSError as exc:
+        raise ExportError(f"{out_dir}: cannot move the finished export into place ({_describe(exc)})") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
