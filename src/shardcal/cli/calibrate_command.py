@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import interrupted_as
@@ -207,10 +208,13 @@ def calibrate_summary(result: PipelineResult) -> list[str]:
         lines.append(moe_line)
     lines.append(f"exported -> {result.out_dir}" + (f" (plot: {result.plot.name})" if result.plot else ""))
     if result.checkpoint_removed_bytes:
-        lines.append(
-            f"removed the calibration checkpoint {result.checkpoint_dir} "
-            f"({result.checkpoint_removed_bytes / 1e6:.1f} MB; --keep-checkpoint keeps it)"
+        where = result.checkpoint_dir
+        what = (  # a directory that also holds files shardcal did not write keeps them, and stays
+            f"the calibration checkpoint's files from {where}, which keeps the other files it holds"
+            if Path(where).exists()
+            else f"the calibration checkpoint {where}"
         )
+        lines.append(f"removed {what} ({result.checkpoint_removed_bytes / 1e6:.1f} MB; --keep-checkpoint keeps it)")
     return lines
 
 

