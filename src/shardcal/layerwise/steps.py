@@ -45,7 +45,7 @@ def embed_batches(
     return layer_inputs(model, layers, decoder_layer_prefix(model, layers), batches, device, cache_device)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerStep:
     """One decoder layer, unsharded for the duration of the step, and this rank's cached inputs to it."""
 
@@ -220,8 +220,8 @@ def layer_steps(
         layer = layers[index]
         with held_layer(model, index, layer):
             step = LayerStep(
-                index, f"{prefix}.{index}", layer, inputs, device, cache_device, heads=heads, batch_numbers=numbers,
-                reference_inputs=reference,
+                index=index, name=f"{prefix}.{index}", layer=layer, inputs=inputs, device=device,
+                cache_device=cache_device, heads=heads, batch_numbers=numbers, reference_inputs=reference,
             )  # fmt: skip
             if reference is not None:
                 step.reference_outputs = [step.forward_reference(i).to(cache_device) for i in range(len(inputs))]
