@@ -442,8 +442,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-round-half-up",
         "quant/formats.py",
-        '    q = scaled.round_() if f.kind == "int" else',
-        '    q = scaled.add_(0.5).floor_() if f.kind == "int" else',
+        '        return {"q": (a / scale).clamp_(f.qmin, f.qmax).round_(), "eff": scale}',
+        '        return {"q": (a / scale).clamp_(f.qmin, f.qmax).add_(0.5).floor_(), "eff": scale}',
         "int rounding is half-up, not half-to-even",
     ),
     Mutant(
