@@ -345,11 +345,11 @@ def encode(
     a = lay.arrange(x.float())
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
     kind = FORMATS[spec.format].kind
-    if kind == "fp8" and amin_b is None:  # the codes are the stored values: no round trip through float32
+    if kind == "fp8":  # the float8 codes themselves (no round trip through float32); fp8 is always symmetric
         scale = scale_from_amax(amax_b, spec.format)
-        values = lay.restore(_fp8_codes(a, scale))
-        return {"values": values, "scale": scale.expand(lay.bshape).reshape(lay.amax_shape).contiguous()}
-    r = _quantize_arranged(a, amax_b, spec.format, amin_b)
+        r = {"q": _fp8_codes(a, scale), "eff": scale}
+    else:
+        r = _quantize_arranged(a, amax_b, spec.format, amin_b)
     if kind == "nvfp4":
         codes = e2m1_codes(r["q"].flatten(-2))
         return {
