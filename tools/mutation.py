@@ -41,6 +41,16 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from mutants import CATALOGUE, Mutant  # noqa: E402
 
+#: The tests of a calibration run, layer step and whole-model loop alike (calib/runner.py, calib/layer_calibration.py).
+_CALIBRATION_RUN_TESTS = [
+    "tests/calib/test_runner_options.py",
+    "tests/layerwise/test_qdq_reference.py",
+    "tests/calib/test_fingerprint_options.py",
+    "tests/contracts/test_padding_reference.py",
+    "tests/layerwise/test_moe_reference.py",
+    "tests/calib/test_calibrate.py",
+]
+
 #: Module (path under src/shardcal) -> the tests that guard it, fastest and most telling first.
 TESTS: dict[str, list[str]] = {
     "calib/passes.py": ["tests/calib/test_passes.py", "tests/algorithms/test_algorithms.py"],
@@ -117,22 +127,8 @@ TESTS: dict[str, list[str]] = {
         "tests/contracts/test_padding_reference.py",
         "tests/calib/test_calibrate.py",
     ],
-    "calib/runner.py": [
-        "tests/calib/test_runner_options.py",
-        "tests/layerwise/test_qdq_reference.py",
-        "tests/calib/test_fingerprint_options.py",
-        "tests/contracts/test_padding_reference.py",
-        "tests/layerwise/test_moe_reference.py",
-        "tests/calib/test_calibrate.py",
-    ],
-    "calib/layer_calibration.py": [
-        "tests/calib/test_runner_options.py",
-        "tests/layerwise/test_qdq_reference.py",
-        "tests/calib/test_fingerprint_options.py",
-        "tests/contracts/test_padding_reference.py",
-        "tests/layerwise/test_moe_reference.py",
-        "tests/calib/test_calibrate.py",
-    ],
+    "calib/runner.py": _CALIBRATION_RUN_TESTS,
+    "calib/layer_calibration.py": _CALIBRATION_RUN_TESTS,
     "calib/calibration_checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
     "layerwise/layer_checkpoint.py": [
         "tests/calib/test_fingerprint_options.py",
