@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _injected import ExportInterrupted, fail_export_at
-from safetensors.numpy import load_file
 
-from shardcal.errors import InsufficientMemoryError, RunInterrupted, UsageError
+from shardcal.errors import CalibrationInterrupted, InsufficientMemoryError, RunInterrupted, UsageError
 from shardcal.layerwise.options import CalibrationOptions
 from shardcal.pipeline import calibrate as pipeline_calibrate
 from shardcal.runtime.faults import armed
@@ -42,11 +41,17 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in TIMED}
 
 
-def _tensors(folder: Path) -> dict[str, bytes]:
-    """Every stored tensor's bytes by name, whichever file holds it."""
-    out: dict[str, bytes] = {}
+def _tensors(folder: Path) -> dict[str, tuple[str, bytes]]:
+    """Every stored tensor's dtype and bytes by name, whichever file holds it (float8 too)."""
+    import torch
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, bytes]] = {}
     for shard in sorted(folder.glob("*.safetensors")):
-        out.update({k: v.tobytes() for k, v in load_file(shard).items()})
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                out[k] = (str(t.dtype), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return out
 
 
@@ -171,18 +176,15 @@ residual = "hadamard"
     [
         (FALLBACK, {}, r"\[fallback\]"),
         (RESIDUAL, {}, r"residual stream"),
-        ("fp8", {"options": CalibrationOptions(checkpoint_dir="CKPT")}, "calibration checkpoint"),
         ("fp8", {"model_impl": "transformers"}, "transformers' class"),
     ],
-    ids=["fallback", "residual-rotation", "checkpoint-dir", "transformers-class"],
+    ids=["fallback", "residual-rotation", "transformers-class"],
 )
 def test_what_cannot_stream_is_refused_with_the_reason(model_and_data, tmp_path, recipe, kwargs, reason):
     model_dir, data = model_and_data
     if recipe.startswith("name"):
         (tmp_path / "r.toml").write_text(recipe)
         recipe = str(tmp_path / "r.toml")
-    if "options" in kwargs:
-        kwargs = {"options": CalibrationOptions(checkpoint_dir=str(tmp_path / "ckpt"))}
     if kwargs.get("model_impl") == "transformers":
         pytest.importorskip("transformers")
     with pytest.raises(UsageError, match=rf"stream on: cannot stream this run: .*{reason}"):
@@ -218,9 +220,16 @@ def test_ctrl_c_in_a_streamed_run_leaves_nothing_and_says_so(model_and_data, tmp
     with armed("export.unit", interrupt), pytest.raises(RunInterrupted) as caught:
         _run(model_dir, data, tmp_path / "out", "fp8", "on")
     assert str(caught.value) == (
-        f"interrupted at layer 1 of 2 of a streamed run: {tmp_path / 'out'} was not written (a streamed run keeps "
-        "no calibration checkpoint)"
+        f"interrupted at layer 1 of 2 of a streamed run: {tmp_path / 'out'} was not written and the calibration is "
+        "lost; pass checkpoint_dir to keep it next time"
     )
+    assert _leftovers(tmp_path) == []
+    # with a checkpoint directory: how far it got and what is committed (the command says it: interrupted_message)
+    options = CalibrationOptions(checkpoint_dir=str(tmp_path / "ckpt"))
+    with armed("export.unit", interrupt), pytest.raises(CalibrationInterrupted) as stopped:
+        _run(model_dir, data, tmp_path / "out", "fp8", "on", options=options)
+    assert (stopped.value.done, stopped.value.total, stopped.value.committed) == (1, 2, 0)  # layer 0 not committed
+    assert stopped.value.checkpoint_dir == str(tmp_path / "ckpt")
     assert _leftovers(tmp_path) == []
 
 
@@ -241,6 +250,57 @@ def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(mo
     assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
     layers = _layer_bytes_on_disk(model_dir)
     assert resident.parts["param_shards"] - streamed.parts["param_shards"] == pytest.approx(layers / 2, rel=0.05)
+
+
+def test_plan_of_a_resumable_streamed_run_counts_the_rows_kept_until_the_commit(model_and_data, tmp_path):
+    """With a checkpoint directory and an algorithm that changes weights, a finished layer's rows (this rank's half)
+    stay until the next commit: the streamed layers phase grows by that much per layer between commits; with
+    weights left as they are (observers only) nothing is kept."""
+    from shardcal.plan import planner
+
+    model_dir, _ = model_and_data
+
+    def layers_phase(recipe: str, **options) -> int:
+        settings = planner.PlanSettings(world_size=2, num_samples=6, seq_len=16, streamed=True,
+                                        options=CalibrationOptions(**options))  # fmt: skip
+        plan = planner.plan_source(planner.read_source(model_dir), _recipe(recipe), settings, model_dir)
+        return plan.ranks[0].phases["layers"]
+
+    half_a_layer = _layer_bytes_on_disk(model_dir) / 2 / 2  # two layers in the file, each rank holds half a layer
+    plain = layers_phase("w4a16-gptq")
+    assert layers_phase("w4a16-gptq", checkpoint_dir=str(tmp_path)) - plain == pytest.approx(half_a_layer, rel=0.05)
+    every_2 = layers_phase("w4a16-gptq", checkpoint_dir=str(tmp_path), checkpoint_every=2) - plain
+    assert every_2 == pytest.approx(2 * half_a_layer, rel=0.05)
+    assert layers_phase("fp8", checkpoint_dir=str(tmp_path)) == layers_phase("fp8")
+
+
+def test_planned_checkpoint_dir_of_a_streamed_run_holds_each_layers_weights_once(model_and_data, tmp_path):
+    """A streamed GPTQ run's commits add the new layer's weights beside the earlier ones' instead of rewriting them:
+    the planned size is at least the directory's real size after each commit (its files summed) and less than the
+    resident run's plan, which counts two full copies of the weights at the last commit."""
+    from shardcal.plan import planner
+    from shardcal.runtime.faults import armed
+
+    model_dir, data = model_and_data
+    directory = tmp_path / "ckpt"
+    sizes: list[int] = []
+
+    def measure(completed_layers: int) -> None:
+        sizes.append(sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()))
+
+    options = CalibrationOptions(checkpoint_dir=str(directory), batch_size=2)
+    with armed("calibrate.committed", measure):
+        _run(model_dir, data, tmp_path / "out", "w4a16-gptq", "on", options=options, keep_checkpoint=True)
+    measure(2)  # the last commit (no fault point after it)
+    assert len(sizes) == 2 and sizes[0] < sizes[1], sizes
+    planned = {
+        streamed: planner.plan_source(
+            planner.read_source(model_dir), _recipe("w4a16-gptq"),
+            planner.PlanSettings(num_samples=6, seq_len=16, streamed=streamed, options=options), model_dir,
+        ).disk["checkpoint_dir_bytes"]
+        for streamed in (False, True)
+    }  # fmt: skip
+    assert max(sizes) <= planned[True] < planned[False], (sizes, planned)
 
 
 def test_plan_shows_the_streamed_run_beside_the_resident_one(model_and_data, capsys):
@@ -293,3 +353,65 @@ def test_decoder_layers_with_buffers_are_refused(model_and_data, monkeypatch):
         CheckpointError, match=r"cannot stream decoder layers that hold buffers \(model\.layers\.1\.table\)"
     ):
         streamed.load_streamed(model_and_data[0])
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def _resumable(model_dir: str, data: str, out: str, recipe: str, ckpt: str, stop_after: int | None) -> dict:
+    """A streamed run with a checkpoint directory, stopped once ``stop_after`` layers are committed (None: to the
+    end); whether it stopped, else where it resumed and its SQNRs."""
+    from _injected import CalibrationInterrupted, interrupt_after
+
+    options = CalibrationOptions(checkpoint_dir=ckpt, batch_size=2)
+    try:
+        with interrupt_after(stop_after):
+            result = pipeline_calibrate.calibrate_to_checkpoint(
+                model_dir, out, recipe, data=data, stream="on", options=options, keep_checkpoint=True
+            )
+    except CalibrationInterrupted:
+        return {"stopped": True}
+    return {
+        "stopped": False,
+        "resumed": result.report.resumed_from_layer,
+        "sqnr": [x.sqnr_db for x in result.report.layers],
+    }
+
+
+@pytest.mark.parametrize(
+    ("recipe", "written_on", "resumed_on"),
+    [("w4a16-gptq", 2, 2), ("w8a8-int8-sq", 2, 1), ("fp8", 1, 2)],
+    ids=["gptq-2-then-2", "smoothquant-2-then-1", "observers-1-then-2"],
+)
+def test_a_stopped_streamed_run_resumes_to_the_uninterrupted_export(tmp_path, recipe, written_on, resumed_on):
+    """Stopped after 2 of 4 committed layers (weights changed by GPTQ or SmoothQuant, or only observed), then
+    resumed on the same or another number of ranks: the committed layers are read in again and exported from the
+    checkpoint, the rest calibrated, and every tensor is the uninterrupted run's; nothing of the stopped run's
+    export is left."""
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=3, num_hidden_layers=4)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(4).integers(0, 256, size=(8, 16)))
+    args = (str(model_dir), str(data))
+    (want,) = run_on_ranks(1, _resumable, *args, str(tmp_path / "full" / "out"), recipe, str(tmp_path / "c0"), None)
+    (tmp_path / "run").mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    stopped = run_on_ranks(written_on, _resumable, *args, str(tmp_path / "run" / "out"), recipe, ckpt, 2)
+    assert all(r["stopped"] for r in stopped) and _leftovers(tmp_path / "run") == []
+    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["completed_layers"] == 2
+    got = run_on_ranks(resumed_on, _resumable, *args, str(tmp_path / "run" / "out"), recipe, ckpt, None)[0]
+    assert got["resumed"] == 2 and got["sqnr"] == want["sqnr"]
+    assert _tensors(tmp_path / "run" / "out") == _tensors(tmp_path / "full" / "out")
+
+
+def test_a_streamed_checkpoint_and_a_resident_one_are_not_each_others(model_and_data, tmp_path):
+    """A checkpoint of a resident run is refused by a streamed one, naming how the layers are held, and the other
+    way round."""
+    from shardcal.errors import CalibrationCheckpointError
+
+    model_dir, data = model_and_data
+    for first, second in (("off", "on"), ("on", "off")):
+        ckpt = tmp_path / f"ckpt-{first}"
+        options = CalibrationOptions(checkpoint_dir=str(ckpt))
+        _run(model_dir, data, tmp_path / f"a-{first}", "fp8", first, options=options, keep_checkpoint=True)
+        with pytest.raises(CalibrationCheckpointError, match="different way of holding the decoder layers"):
+            _run(model_dir, data, tmp_path / f"b-{first}", "fp8", second, options=options)

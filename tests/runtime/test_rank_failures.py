@@ -167,7 +167,7 @@ def _free_port() -> int:
 SLOW = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=16)
 
 
-def _cli(model_dir: Path, out: Path, ckpt: Path | None, data: Path) -> list[str]:
+def _cli(model_dir: Path, out: Path, ckpt: Path | None, data: Path, *extra: str) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -185,7 +185,7 @@ def _cli(model_dir: Path, out: Path, ckpt: Path | None, data: Path) -> list[str]
         "--nproc-per-node",
         "2",
     ]
-    return cmd + (["--checkpoint-dir", str(ckpt)] if ckpt else [])
+    return cmd + (["--checkpoint-dir", str(ckpt)] if ckpt else []) + list(extra)
 
 
 def _children(pid: int) -> list[int]:
@@ -283,6 +283,38 @@ def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
     assert want.keys() == got.keys()
     for key in want:
         assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+
+
+def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
+    """``--stream on`` with a checkpoint: a rank SIGKILLed mid-run leaves no export and no staging directory (the
+    rank left removes it); the rerun announces where it resumes, reads the committed layers in again, exports them
+    from the checkpoint and ends with the resident run's export, tensor for tensor."""
+    import numpy as np
+
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", **SLOW)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, size=(8, 64)))
+    env = _clean_env()
+    ref = subprocess.run(
+        _cli(model_dir, tmp_path / "ref", None, data), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    cmd = _cli(model_dir, out, ckpt, data, "--stream", "on")
+    proc, err, acted = _run_until(cmd, ckpt, 5, _kill_a_rank, env)
+    assert acted is not None, "the run ended before it could be killed"
+    assert proc.returncode == 2 and "killed by signal 9" in err, err[-2000:]
+    assert not out.exists()
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    report = json.loads((out / "calibration_report.json").read_text())
+    assert report["resumed_from_layer"] >= acted
+    assert f"resuming after layer {report['resumed_from_layer']} of 16 from {ckpt}" in resumed.stderr
+    want, got = _tensors(tmp_path / "ref"), _tensors(out)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
 
 
 def _default_sigint() -> None:

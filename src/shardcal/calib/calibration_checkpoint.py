@@ -35,9 +35,10 @@ from ..layerwise.options import CalibrationOptions
 from ..quant.experts import expert_projections, iter_projections
 from ..quant.quantizer import QuantMode
 from ..quant.session import iter_quantizers
-from ..runtime.distributed import all_reduce_, dp_group, world
+from ..runtime.distributed import all_reduce_, dp_group, row_range, world
 from ..runtime.faults import fault_point
 from ..sharding.fsdp2 import local_rows
+from ..sharding.residency import residency_of
 from .attach import quantize_modules
 from .recipe import Recipe
 from .report import LayerReport
@@ -78,7 +79,9 @@ class CalibrationCheckpoint(LayerCheckpoint):
     OWN_FILE = _OWN_FILE
     FIELDS = ("num_layers", "report", "batches", "weights", "quantizers")
     LABELS = {
+        "layers": "way of holding the decoder layers (streamed from disk, or resident)",
         "model": "model (config or parameter shapes)",
+        "model_files": "model files (the decoder layers' names, sizes and modification times)",
         "model_weights": "model weights",
         "recipe": "recipe",
         "data": "data or batching",
@@ -94,6 +97,8 @@ class CalibrationCheckpoint(LayerCheckpoint):
     def __init__(self, directory: str | Path, fingerprint: dict[str, Any], rank: int, world_size: int):
         super().__init__(directory, fingerprint)
         self.rank, self.world_size = rank, world_size
+        #: The committed weights' pieces (parameter -> [file, first row, end row]), kept by commits that add to them.
+        self.weight_pieces: dict[str, list[list[Any]]] = {}
 
     # ------------------------------------------------------------------ reading
     def check_fields(self, path: Path, manifest: dict[str, Any]) -> None:
@@ -142,6 +147,7 @@ class CalibrationCheckpoint(LayerCheckpoint):
                 if streams is not None:
                     streams.append(read_tensor(path, f"reference{b}", self.error))
         quant = read_tensors(self.verified(manifest, manifest["quantizers"]), self.error)
+        self.weight_pieces = {pname: [list(p) for p in pieces] for pname, pieces in manifest["weights"].items()}
         weights = {}
         for pname, pieces in manifest["weights"].items():
             weights[pname] = [(str(self.verified(manifest, f)), a, b) for f, a, b in pieces]
@@ -165,28 +171,40 @@ class CalibrationCheckpoint(LayerCheckpoint):
         report: list[dict[str, Any]],
         weights: dict[str, tuple[int, torch.Tensor]] | None = None,
         reference: dict[int, torch.Tensor] | None = None,
+        *,
+        adds_weights: bool = False,
     ) -> None:
         """Write this rank's part, then (rank 0, after everyone) the manifest. Collective.
 
         ``activations``: this rank's global batch index -> hidden states; ``weights``: parameter name -> (first
         global row, this rank's rows), or None when weights did not change; ``reference``: the same batches' hidden
-        states in the full-precision stream (a run with a reference stream), stored beside them.
+        states in the full-precision stream (a run with a reference stream), stored beside them. ``adds_weights``:
+        ``weights`` holds only the layers finished since the last commit (a streamed run, whose earlier layers are
+        no longer in memory), and the committed pieces and their files stay in the checkpoint beside them; else
+        ``weights`` holds every finished layer and replaces them.
         """
+        carried = self.weight_pieces if adds_weights else {}
 
         def manifest_of(parts: list[dict[str, Any]]) -> dict[str, Any]:
+            merged = _merge_parts(parts)
+            kept = {f for pieces in carried.values() for f, _, _ in pieces}
+            merged["files"] = {**{f: self.committed[f] for f in sorted(kept)}, **merged["files"]}
+            for pname, pieces in carried.items():
+                merged["weights"][pname] = sorted([*pieces, *merged["weights"].get(pname, [])], key=lambda p: p[1])
             return {
                 "format_version": FORMAT_VERSION,
                 "fingerprint": self.fingerprint,
                 "completed_layers": completed_layers,
                 "num_layers": num_layers,
                 "report": report,
-                **_merge_parts(parts),
+                **merged,
             }
 
-        self.commit_parts(
+        manifest = self.commit_parts(
             lambda part: self._write_part(part, completed_layers, activations, quantizer_state, weights, reference),
             manifest_of,
         )
+        self.weight_pieces = manifest["weights"]
 
     def _write_part(
         self,
@@ -296,7 +314,10 @@ def run_fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], opti
     """What a checkpoint must match to be resumed: model (config, shapes, a weight checksum), recipe, data, options.
 
     Nothing here depends on the world size: the weight checksum sums the raw bits of every element as 64-bit
-    integers (exact and order-free, wrapping), so any split of the rows over ranks gives the same number. Collective.
+    integers (exact and order-free, wrapping), so any split of the rows over ranks gives the same number. A streamed
+    model's decoder layers are on disk: its checksum covers the rest, and its layers are known by their files'
+    names, sizes and modification times (reading every weight would double the run's reads). A streamed run and a
+    resident one never resume each other's checkpoints (``layers``). Collective.
     """
     config = getattr(model, "config", None)
     raw = getattr(config, "raw", None)
@@ -306,14 +327,18 @@ def run_fingerprint(model: nn.Module, recipe: Recipe, batches: list[Batch], opti
     shapes = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     checksum = torch.zeros(1, dtype=torch.int64)
     for i, (_, p) in enumerate(model.named_parameters()):
-        rows = _own_rows(p)
+        rows = _own_rows(p) if p.device.type != "meta" else None  # a streamed model's layers: on disk (below)
         if rows is not None:
             checksum += _bit_sum(rows[1]) * (i + 1)
     all_reduce_(checksum, "sum", dp_group())
     digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    residency = residency_of(model)
+    streamed = {"model_files": digest(residency.source_identity())} if residency.streamed else {}
     return {
+        "layers": "streamed" if residency.streamed else "resident",
         "model": digest({"config": {k: v for k, v in raw.items() if k != "architectures"}, "params": shapes}),
         "model_weights": str(int(checksum)),
+        **streamed,
         "recipe": digest(recipe.to_dict()),
         "data": data_fingerprint(batches),
         "options": digest(options),
@@ -347,6 +372,19 @@ def local_weight_pieces(model: nn.Module, layer_names: Sequence[str]) -> dict[st
             rows = _own_rows(p)
             if rows is not None and rows[1].shape[0] > 0:
                 out[n] = (rows[0], rows[1].detach().cpu().clone())
+    return out
+
+
+def held_weight_pieces(layer: nn.Module, layer_name: str) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's share (:func:`row_range`) of the rows of every parameter of a layer held whole on every rank (a
+    streamed run's, at the end of its step), keyed by name: ``(first global row, rows)``; the ranks' shares together
+    are the whole layer."""
+    rank, size = world()
+    out = {}
+    for n, p in layer.named_parameters(prefix=layer_name):
+        start, stop = row_range(p.shape[0], rank, size) if p.dim() else (0, 0)
+        if stop > start:
+            out[n] = (start, p.detach()[start:stop].cpu().clone())
     return out
 
 

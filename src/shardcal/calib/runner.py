@@ -34,9 +34,11 @@ from ..runtime.distributed import dp_group, world
 from ..runtime.faults import fault_point
 from ..runtime.health import rank_guard, report_phase
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
+from ..sharding.residency import held_layer, residency_of
 from .calibration_checkpoint import (
     CalibrationCheckpoint,
     ResumeState,
+    held_weight_pieces,
     local_weight_pieces,
     quantizer_state,
     restore_quantizers,
@@ -137,6 +139,14 @@ def _calibrate(
         num_tokens=sum(b.num_tokens for b in batches),
     )
     start, initial = _resume(model, recipe, names, resume, report, local_batches, checkpoint, options)
+    residency = residency_of(model)
+    # a streamed run's finished layers leave memory at the end of their step: their changed weights (this rank's
+    # share of the rows) are kept from then until the next commit writes them
+    pending: dict[str, tuple[int, torch.Tensor]] | None = None
+    unhook = None
+    if checkpoint is not None and keep_weights and residency.streamed:
+        pending = {}
+        unhook = residency.on_release(lambda index, layer: pending.update(held_weight_pieces(layer, names[index])))
     reference = None
     if initial is not None and resume is not None and resume.reference is not None:
         reference = [r.to(x.hidden_states.device) for r, x in zip(resume.reference, initial)]
@@ -167,7 +177,7 @@ def _calibrate(
             if checkpoint is not None and step.index in commits:
                 acts = {mine[j]: x.hidden_states for j, x in enumerate(step.inputs)}
                 refs = None if step.reference_inputs is None else dict(zip(mine, step.reference_inputs))
-                _commit(checkpoint, model, names, step.index, acts, report, keep_weights, refs)
+                _commit(checkpoint, model, names, step.index, acts, report, keep_weights, refs, pending)
                 committed = step.index
                 fault_point("calibrate.committed", completed_layers=step.index)
             entry = calibrate_layer(
@@ -183,8 +193,10 @@ def _calibrate(
     finally:
         if bar is not None:  # closed before any message, so that an error starts on a line of its own
             bar.close()
+        if unhook is not None:
+            unhook()
     if checkpoint is not None and len(layers) in commits:
-        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights)
+        _commit(checkpoint, model, names, len(layers), {}, report, keep_weights, None, pending)
     report.seconds = time.perf_counter() - t0
     if options.report_path is not None and rank == 0:
         report.save_json(options.report_path)
@@ -244,10 +256,28 @@ def _resume(
         return 0, None
     done = resume.completed_layers
     report.layers = [LayerReport(**entry) for entry in resume.report]
-    restore_quantizers(model, recipe, names[:done], resume.quantizer_state, set(report.fallback_layers))
-    restore_weights(model, resume.weights)
+    fallback = set(report.fallback_layers)
+    if residency_of(model).streamed:
+        _replay_streamed(model, recipe, names, resume, fallback)
+    else:
+        restore_quantizers(model, recipe, names[:done], resume.quantizer_state, fallback)
+        restore_weights(model, resume.weights)
     report.resumed_from_layer = done
     return resume_point(model, local_batches, resume, len(names), checkpoint, options.offload_activations)
+
+
+def _replay_streamed(
+    model: nn.Module, recipe: Recipe, names: list[str], resume: ResumeState, fallback: set[str]
+) -> None:
+    """A resumed streamed run's committed layers: each read in again, its quantizers and changed weights put back
+    from the checkpoint, and released, which exports it (the residency's release hooks), without calibrating it
+    again. Collective."""
+    layers = require_decoder_layers(model)
+    for i in range(resume.completed_layers):
+        report_phase(f"resume: export {names[i]}")
+        with held_layer(model, i, layers[i]):
+            restore_quantizers(model, recipe, [names[i]], resume.quantizer_state, fallback)
+            restore_weights(model, {n: p for n, p in resume.weights.items() if n.startswith(f"{names[i]}.")})
 
 
 def _commit(
@@ -259,13 +289,23 @@ def _commit(
     report: CalibrationReport,
     keep_weights: bool,
     reference: dict[int, torch.Tensor] | None = None,
+    pending: dict[str, tuple[int, torch.Tensor]] | None = None,
 ) -> None:
+    """Commit the first ``done`` layers. ``pending``: a streamed run's changed weights of the layers finished since
+    the last commit (the earlier ones stay committed); None: the weights are read from the model (resident)."""
+    if pending is not None:
+        weights: dict[str, tuple[int, torch.Tensor]] | None = dict(pending)
+    else:
+        weights = local_weight_pieces(model, names[:done]) if keep_weights else None
     checkpoint.commit(
         done,
         len(names),
         acts,
         quantizer_state(model, names[:done]),
         [dict(entry.__dict__) for entry in report.layers[:done]],
-        weights=local_weight_pieces(model, names[:done]) if keep_weights else None,
+        weights=weights,
         reference=reference,
+        adds_weights=pending is not None,
     )
+    if pending is not None:
+        pending.clear()

@@ -55,8 +55,16 @@ class StreamedLayers(ResidentLayers):
         self._hooks: list[Callable[[int, nn.Module], None]] = []
         self._next: tuple[int, threading.Thread, dict[str, torch.Tensor]] | None = None
 
-    def on_release(self, hook: Callable[[int, nn.Module], None]) -> None:
+    def on_release(self, hook: Callable[[int, nn.Module], None]) -> Callable[[], None]:
+        """Run ``hook(index, layer)`` on every held layer just before its release; returns what unregisters it."""
         self._hooks.append(hook)
+        return lambda: self._hooks.remove(hook)
+
+    def source_identity(self) -> list[tuple[str, int, int]]:
+        """``(file name, size, modification time in ns)`` of every checkpoint file the decoder layers are read from:
+        what a resumed streamed run checks its model by, instead of reading every weight for a checksum."""
+        files = sorted({self.reader.file_of(k) for source in self.sources.values() for k in source.keys()})
+        return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
 
     def _names(self, index: int, layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
         """``(full name, owning module, attribute, parameter)`` of the layer's parameters."""

@@ -149,7 +149,9 @@ def calibrate_to_checkpoint(
         if not streamed:
             model = _load(model_dir, inputs, shard_root, cpu_offload)
     if streamed:
-        lost = f"{out_dir} was not written (a streamed run keeps no calibration checkpoint)"
+        flag = input_name(input_names, "checkpoint_dir")
+        lost = f"{out_dir} was not written" + ("" if options.checkpoint_dir is not None else
+                                               f" and the calibration is lost; pass {flag} to keep it next time")  # fmt: skip
         try:
             with interrupted_as(f"interrupted during a streamed run: {lost}"):
                 report = calibrate_streamed(
@@ -157,6 +159,8 @@ def calibrate_to_checkpoint(
                     export_format=inputs.export_format, export_dtype=inputs.export_dtype,
                 )  # fmt: skip
         except CalibrationInterrupted as exc:
+            if exc.checkpoint_dir is not None:  # what is committed, and where the rerun resumes
+                raise
             raise RunInterrupted(f"interrupted at layer {exc.done} of {exc.total} of a streamed run: {lost}") from None
         seconds = time.perf_counter() - start
     else:

@@ -40,8 +40,6 @@ def streaming_refusal(recipe: Recipe, options: CalibrationOptions, impl: str) ->
             f"recipe {recipe.name!r} has a [fallback], which decides after each layer's step how it is stored; a "
             "streamed export is laid out before the run"
         )
-    if options.checkpoint_dir is not None:
-        return "a streamed run does not write a calibration checkpoint (resuming one is not built yet)"
     return None
 
 

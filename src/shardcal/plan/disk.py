@@ -87,8 +87,8 @@ def export_files(
 
 
 def checkpoint_dir_bytes(m: PlannedRun) -> int:
-    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after), their
-    metadata included (:data:`~.costs.CHECKPOINT_ENTRY_BYTES`, :data:`~.costs.CHECKPOINT_RANK_BYTES`)."""
+    """The most a ``--checkpoint-dir`` holds: a commit's files beside the previous commit's (deleted after; a
+    streamed run's weights files stay, each commit adding the layers since the last), their metadata included (:data:`~.costs.CHECKPOINT_ENTRY_BYTES`, :data:`~.costs.CHECKPOINT_RANK_BYTES`)."""
     world, layers = m.s.world_size, m.st.num_layers
     seq, hidden, e = m.s.seq_len, m.st.hidden_size, m.e
     acts = sum(m.rows[b] * seq * hidden * e for b in range(len(m.rows)))
@@ -109,5 +109,7 @@ def checkpoint_dir_bytes(m: PlannedRun) -> int:
             + CHECKPOINT_RANK_BYTES * world
         )
 
-    sizes = [files(k) for k in commits]
-    return max([sizes[0]] + [a + b for a, b in itertools.pairwise(sizes)])
+    def kept(k: int) -> int:  # a streamed run's commits add the new layers' weights beside the earlier ones' files
+        return weights_upto[k] if m.changes_weights and m.s.streamed else 0
+
+    return max([files(commits[0])] + [files(a) + files(b) - kept(a) for a, b in itertools.pairwise(commits)])

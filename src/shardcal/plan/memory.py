@@ -155,6 +155,8 @@ def layer_steps(m: PlannedRun, i: int, rank: int, data: RankData, shards_dev: in
     base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
     if m.s.streamed:  # the next layer's rows, read while this one computes; this layer's tensors, encoded at its end
         base += m.own_rows[unit] + (m.encoded[unit] if m.owner(i, unit) == rank else 0)
+        if m.changes_weights and m.s.options.checkpoint_dir is not None:  # the finished layers' rows, until committed
+            base += m.s.options.checkpoint_every * m.own_rows[unit]
     algo = m.algorithm_state(i, rank, data.rows)
     fwd, fwd_q = m.forward(i, data.biggest, False), m.forward(i, data.biggest, True)
     inputs = data.hidden_cache + data.rotary
