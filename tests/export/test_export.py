@@ -483,6 +483,34 @@ def test_export_refuses_unusable_scales(tmp_path, recipe, module, quantizer, bad
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_killed_exports_staging_directory_goes_and_nothing_else(exported, tmp_path):
+    """Staging directories beside ``out``: the one whose owner record names a process of this host that is gone is
+    removed (with a warning naming it); one of a live process, of another host, without a record (the user's), or
+    with a record naming no real process stays. The finished export holds no owner record."""
+    import socket
+    import subprocess
+    import sys
+
+    model, _ = exported("w8a8-int8")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    records = {"dead": {"host": host, "pid": gone.pid}, "live": {"host": host, "pid": os.getpid()},
+               "elsewhere": {"host": host + "-not", "pid": gone.pid}, "users": None, "odd": {"host": host, "pid": 0}}  # fmt: skip
+    for name, record in records.items():
+        folder = tmp_path / f".out.tmp-{name}"
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+        if record is not None:
+            (folder / ".shardcal-staging.json").write_text(json.dumps(record))
+    with pytest.warns(UserWarning, match=r"\.out\.tmp-dead: removed the staging directory an export to .*out left"):
+        export_checkpoint(model, tmp_path / "out")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".out.tmp-elsewhere", ".out.tmp-live", ".out.tmp-odd", ".out.tmp-users", "out"]
+    assert not (tmp_path / "out" / ".shardcal-staging.json").exists()
+    assert ".shardcal-staging.json" not in json.loads((tmp_path / "out" / "shardcal_export.json").read_text())["files"]
+
+
 def test_destination_errors_and_overwrite(exported, tmp_path):
     model, _ = exported("fp8")
     out = tmp_path / "out"

@@ -287,8 +287,9 @@ def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
 
 def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
     """``--stream on`` with a checkpoint: a rank SIGKILLed mid-run leaves no export and no staging directory (the
-    rank left removes it); the rerun announces where it resumes, reads the committed layers in again, exports them
-    from the checkpoint and ends with the resident run's export, tensor for tensor."""
+    rank left removes it); then the whole job SIGKILLed leaves its staging directory, which the rerun removes. The
+    rerun announces where it resumes, reads the committed layers in again, exports them from the checkpoint and
+    ends with the resident run's export, tensor for tensor."""
     import numpy as np
 
     model_dir = make_tiny_checkpoint(tmp_path, "llama", **SLOW)
@@ -305,6 +306,11 @@ def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
     assert acted is not None, "the run ended before it could be killed"
     assert proc.returncode == 2 and "killed by signal 9" in err, err[-2000:]
     assert not out.exists()
+    # then the whole job at once (a preemption): nobody is left to remove the staging directory; the rerun does
+    kill_all = lambda proc: os.killpg(proc.pid, signal.SIGKILL)
+    proc, err, acted = _run_until(cmd, ckpt, acted + 3, kill_all, env, start_new_session=True)
+    assert acted is not None, "the run ended before it could be killed"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")] != []
     resumed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     report = json.loads((out / "calibration_report.json").read_text())
@@ -315,6 +321,7 @@ def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
     for key in want:
         assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
+    assert "removed the staging directory an export to" in resumed.stderr
 
 
 def _default_sigint() -> None:

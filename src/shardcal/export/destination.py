@@ -8,10 +8,14 @@ deleted after. What is written into the staging directory is :mod:`.export`'s an
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
+import socket
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 
 from ..calib.report import SQNR_PLOT_NAME
@@ -22,6 +26,10 @@ from ..runtime.fsutil import check_creatable, check_replaceable, umask
 MANIFEST_NAME = "shardcal_export.json"
 #: Files shardcal may add to a finished export (not in its manifest) that ``overwrite`` may replace as well.
 EXPORT_EXTRAS: tuple[str, ...] = (SQNR_PLOT_NAME,)
+#: In a staging directory until its export is complete: the host and process writing it. A later export to the same
+#: destination removes a staging directory whose process is gone from this host (a killed run's: a streamed run's
+#: holds most of the model), and nothing else.
+STAGING_OWNER = ".shardcal-staging.json"
 
 
 def _describe(exc: OSError) -> str:
@@ -56,12 +64,55 @@ def prepare_staging(out_dir: Path, overwrite: bool, tokenizer_dir: Path | None) 
         raise ExportError(f"{parent}: cannot create the parent directory of {out_dir} ({_describe(exc)})") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"{parent}: not writable; cannot export to {out_dir}")
+    _remove_dead_stagings(out_dir)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(out_dir), dir=parent))
         os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes it private; the export gets the usual permissions
+        (staging / STAGING_OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         return staging
     except OSError as exc:
         raise ExportError(f"{parent}: cannot create a staging directory for {out_dir} ({_describe(exc)})") from None
+
+
+def _staging_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.tmp-"
+
+
+def unmark_staging(staging: Path) -> None:
+    """The export in ``staging`` is complete: drop the owner record before the manifest lists the files."""
+    (staging / STAGING_OWNER).unlink(missing_ok=True)
+
+
+def _remove_dead_stagings(out_dir: Path) -> None:
+    """Remove the staging directories of ``out_dir`` that an export on this host left when its process died without
+    cleaning up (SIGKILL, a preemption), each with a warning; a directory without shardcal's owner record, another
+    host's, or a live process's is left alone."""
+    for candidate in sorted(out_dir.parent.glob(glob.escape(_staging_prefix(out_dir)) + "*")):
+        if candidate.is_symlink() or not candidate.is_dir():
+            continue
+        try:
+            owner = json.loads((candidate / STAGING_OWNER).read_text(encoding="utf-8")[:4096])
+        except (OSError, ValueError):
+            continue
+        pid = owner.get("pid") if isinstance(owner, dict) else None
+        if not isinstance(pid, int) or pid <= 0 or owner.get("host") != socket.gethostname() or _alive(pid):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        warnings.warn(
+            f"{candidate}: removed the staging directory an export to {out_dir} left when its process ({pid}) "
+            "was killed",
+            stacklevel=2,
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists under another user
+        return True
+    return True
 
 
 def swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:

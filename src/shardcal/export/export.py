@@ -40,7 +40,7 @@ from ..runtime.faults import fault_point
 from ..runtime.fsutil import check_apart
 from ..sharding.fsdp2 import fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
-from .destination import prepare_staging, swap_into_place
+from .destination import prepare_staging, swap_into_place, unmark_staging
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
 from .layout import ExportPlan, Unit, build_plan
 from .metadata import model_config_dict, write_metadata
@@ -335,6 +335,7 @@ class ExportSession:
         outcome: tuple[str, str] | None = None
         if self.rank == 0:
             try:
+                unmark_staging(self.staging)
                 write_metadata(self.config, self.plan, self.staging, report, self.tokenizer_dir, self.source)
                 swap_into_place(self.staging, self.out_dir, self.overwrite)
                 self.staging = None
