@@ -77,3 +77,41 @@ def test_routers_that_are_not_linear_are_ignored(tmp_path):
     out = export_checkpoint(model, tmp_path / "out", recipe=recipe)
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"]
+
+
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _written_with(key: str) -> str:
+    """``model.layers.0.self_attn.k_proj.weight_scale`` -> ``model.layers.0.self_attn.qkv``."""
+    parent, _, leaf = key.rsplit(".", 1)[0].rpartition(".")
+    return f"{parent}.{_FUSED.get(leaf, leaf)}"
+
+
+def test_a_decoder_layer_is_written_by_every_rank_in_balanced_shares():
+    """At 2 ranks each decoder layer's tensors are spread over both ranks (so that they encode at the same time),
+    each module's tensors on one rank, q/k/v and gate/up (which vLLM fuses) together, and the two ranks' bytes of a
+    layer differ by at most its largest such group; every tensor is written exactly once. Bytes from the entries'
+    shapes and dtypes, summed here."""
+    import math
+
+    from shardcal.calib.recipes import load_recipe
+    from shardcal.export.format import get_format
+    from shardcal.export.layout import build_plan
+
+    model = CausalLM(ModelConfig.from_dict(dict(TINY_CONFIGS["llama"], num_hidden_layers=3)))
+    randomize_(model, seed=3)
+    calibrate(model, IDS, "w8a8-int8", batch_size=2, progress=False)
+    plan = build_plan(model, load_recipe("w8a8-int8"), 2, 10**9, get_format("compressed-tensors"), None)
+    stored = [e.key for s in plan.shards for e in s.entries]
+    assert sorted(stored) == sorted(e.key for u in plan.units for e in u.entries) and len(set(stored)) == len(stored)
+    for unit in (u for u in plan.units if u.kind == "layer"):
+        ranks: dict[str, set[int]] = {}
+        sizes: dict[str, int] = {}
+        for j, e in enumerate(unit.entries):
+            group = _written_with(e.key)
+            ranks.setdefault(group, set()).add(unit.owner_of(j))
+            sizes[group] = sizes.get(group, 0) + math.prod(e.shape) * e.dtype.itemsize
+        assert all(len(r) == 1 for r in ranks.values()), ranks
+        per_rank = [sum(sizes[g] for g, r in ranks.items() if rank in r) for rank in (0, 1)]
+        assert min(per_rank) > 0 and abs(per_rank[0] - per_rank[1]) <= max(sizes.values()), (unit.name, per_rank)

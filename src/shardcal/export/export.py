@@ -35,14 +35,14 @@ from ..errors import ExportError
 from ..quant.expert_layout import bias_slice, weight_slice
 from ..quant.fused import fused_layer, share_ranges
 from ..quant.quantizer import TensorQuantizer
-from ..runtime.distributed import broadcast_json, broadcast_string, ranks_with_flag, world
+from ..runtime.distributed import all_gather_strings, broadcast_json, ranks_with_flag, world
 from ..runtime.faults import fault_point
 from ..runtime.fsutil import check_apart
 from ..sharding.fsdp2 import fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
 from .destination import prepare_staging, swap_into_place, unmark_staging
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .layout import ExportPlan, Unit, build_plan
+from .layout import Entry, ExportPlan, Unit, build_plan
 from .metadata import model_config_dict, write_metadata
 from .quant_modules import QuantModule, find_kv_cache, find_quant_modules, scheme_words
 from .shards import RankShardWriter
@@ -121,10 +121,11 @@ def _export_weight_quantizer(plan: ExportPlan, name: str, made: dict[str, Tensor
     return made[name]
 
 
-def _write_unit(model: nn.Module, plan: ExportPlan, unit: Unit, writer: RankShardWriter) -> None:
+def _write_unit(model: nn.Module, plan: ExportPlan, entries: list[Entry], writer: RankShardWriter) -> None:
+    """Write ``entries`` of one gathered unit (this rank's)."""
     encoded: dict[str, dict[str, torch.Tensor]] = {}
     made: dict[str, TensorQuantizer] = {}  # weight quantizers calibrated at export, this unit's
-    for entry in unit.entries:
+    for entry in entries:
         if entry.source[0] in ("param", "buffer"):
             get = model.get_parameter if entry.source[0] == "param" else model.get_buffer
             tensor = _plain(get(entry.source[1]), entry.key)
@@ -310,20 +311,24 @@ class ExportSession:
         self._write(unit, replace(self.plan, quant_modules=found, kv_cache=kv_cache))
 
     def _write(self, unit: Unit, plan: ExportPlan) -> None:
-        """Write one gathered unit: its owner encodes and writes, every rank learns whether that failed, and why."""
+        """Write one gathered unit: each rank encodes and writes its entries of it (a decoder layer's are spread
+        over the ranks, any other unit's are its owner's), and every rank learns whether any of that failed, and
+        why."""
         error: BaseException | None = None
-        if unit.owner == self.rank:
+        mine = unit.writes(self.rank)
+        if mine:
             try:
                 fault_point("export.unit", unit=unit.index, unit_name=unit.name)
                 with torch.no_grad():
-                    _write_unit(self.model, plan, unit, self.writer)
+                    _write_unit(self.model, plan, mine, self.writer)
             except Exception as exc:
                 error = exc
-        why = broadcast_string(_in_a_line(error) if error is not None else "", unit.owner)
+        whys = all_gather_strings(_in_a_line(error) if error is not None else "")
         if error is not None:
             raise error
-        if why:
-            raise ExportError(f"export to {self.out_dir} failed on rank {unit.owner} writing {unit.name}: {why}")
+        failed = next((r for r, why in enumerate(whys) if why), None)
+        if failed is not None:
+            raise ExportError(f"export to {self.out_dir} failed on rank {failed} writing {unit.name}: {whys[failed]}")
         self.written.add(unit.index)
 
     def finish(self, report: Any = None) -> Path:

@@ -7,8 +7,9 @@ straight into its own files, one gathered unit at a time, and nothing is renamed
 
 Units, in the order every rank gathers them (gathering is collective):
 
-1. each decoder layer ``i`` (one ``layer_unsharded`` gather; nested FSDP units inside it gathered with it), written
-   by rank ``i % world_size``;
+1. each decoder layer ``i`` (one ``layer_unsharded`` gather; nested FSDP units inside it gathered with it), its
+   modules spread over the ranks so that each encodes and writes about as many bytes (:func:`spread_layer`: the
+   members of a layer vLLM fuses stay together);
 2. other FSDP2 units outside the decoder stack (an untied ``lm_head``, a vision tower), continuing the round robin;
 3. the root: every remaining parameter (embeddings, final norm, a tied or unwrapped ``lm_head``), gathered with
    ``fsdp2_root_unsharded`` and written by rank 0.
@@ -30,6 +31,7 @@ from torch import nn
 from ..calib.recipe import Recipe
 from ..errors import ExportError
 from ..quant.expert_layout import PROJECTIONS, ExpertsLayout, fused_experts_layout
+from ..quant.fused import fused_layer
 from ..quant.kv_cache import KVCacheQuantizer
 from ..sharding.fsdp2 import persistent_buffers
 from ..sharding.registry import LayerActivationCollector, decoder_layer_prefix
@@ -59,7 +61,8 @@ class Entry:
 @dataclass
 class Unit:
     """What one gather makes available: ``modules`` to unshard (empty for the root, which uses
-    ``fsdp2_root_unsharded``) and the entries written from it by ``owner``."""
+    ``fsdp2_root_unsharded``) and the entries written from it: ``entries[j]`` by ``owners[j]`` (a decoder layer's,
+    spread over the ranks by :func:`spread_layer`), else by ``owner``."""
 
     index: int
     name: str
@@ -67,6 +70,15 @@ class Unit:
     module: nn.Module | None
     owner: int
     entries: list[Entry] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+
+    def owner_of(self, j: int) -> int:
+        """The rank that writes ``entries[j]``."""
+        return self.owners[j] if self.owners else self.owner
+
+    def writes(self, rank: int) -> list[Entry]:
+        """The entries ``rank`` writes, in order."""
+        return [e for j, e in enumerate(self.entries) if self.owner_of(j) == rank]
 
 
 @dataclass
@@ -268,6 +280,8 @@ def build_plan(
         unit = next((u for u in units if u.name == owner), units[-1])
         unit.entries += kv_cache_entries(name)
 
+    for unit in units:
+        spread_layer(unit, world_size)
     shards = split_into_shards(units, world_size, max_shard_bytes)
     config = build_quantization_config(model, quant, kv_cache, fmt)
     return ExportPlan(
@@ -282,6 +296,35 @@ def unit_owner(index: int, kind: str, world_size: int) -> int:
     return 0 if kind == "root" else index % world_size
 
 
+def _group_of(entry: Entry) -> str:
+    """What an entry is written with: a quantized module's tensors, or the members of a layer vLLM fuses (their
+    ranges are shared when they are quantized at export), go together; any other tensor goes with its module."""
+    kind, name = entry.source[0], entry.source[1]
+    module = name if kind in ("quant", "expert", "expert_bias", "kv") else name.rpartition(".")[0]
+    if kind in ("expert", "expert_bias"):
+        return f"{module}#{entry.source[2]}"
+    return fused_layer(module) or module
+
+
+def spread_layer(unit: Unit, world_size: int) -> None:
+    """Set ``unit.owners`` for a decoder layer: its groups of entries (:func:`_group_of`) given, largest first, each
+    to the rank with the fewest bytes so far (ties to the first in an order that starts at rank ``index %
+    world_size``, so that small layers alternate). The same on every rank: it depends on the plan alone."""
+    if unit.kind != "layer" or world_size == 1:
+        return
+    sizes: dict[str, int] = {}
+    for e in unit.entries:
+        sizes[_group_of(e)] = sizes.get(_group_of(e), 0) + e.nbytes
+    load = [0] * world_size
+    order = [(unit.index + k) % world_size for k in range(world_size)]
+    rank_of: dict[str, int] = {}
+    for group in sorted(sizes, key=lambda g: -sizes[g]):  # stable: equal sizes keep their order
+        rank = min(order, key=lambda r: load[r])
+        rank_of[group] = rank
+        load[rank] += sizes[group]
+    unit.owners = [rank_of[_group_of(e)] for e in unit.entries]
+
+
 def split_into_shards(units: list[Unit], world_size: int, max_shard_bytes: int) -> list[Shard]:
     """The shard files of ``units`` (in the order every rank gathers them): each rank's own units' entries, in
     order, cut into files of at most ``max_shard_bytes`` (a larger tensor alone in its file), numbered rank by rank."""
@@ -290,9 +333,7 @@ def split_into_shards(units: list[Unit], world_size: int, max_shard_bytes: int) 
         current: list[Entry] = []
         size = 0
         for unit in units:
-            if unit.owner != r:
-                continue
-            for e in unit.entries:
+            for e in unit.writes(r):
                 if current and size + e.nbytes > max_shard_bytes:
                     per_rank[r].append(current)
                     current, size = [], 0

@@ -154,7 +154,7 @@ def layer_steps(m: PlannedRun, i: int, rank: int, data: RankData, shards_dev: in
     plan, unit = m.passes(i), m.layer_names[i]
     base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
     if m.s.streamed:  # the next layer's rows, read while this one computes; this layer's tensors, encoded at its end
-        base += m.own_rows[unit] + (m.encoded[unit] if m.owner(i, unit) == rank else 0)
+        base += m.own_rows[unit] + m.encoded[unit]  # every rank encodes its share of the layer's modules
         if m.changes_weights and m.s.options.checkpoint_dir is not None:  # the finished layers' rows, until committed
             base += m.s.options.checkpoint_every * m.own_rows[unit]
     algo = m.algorithm_state(i, rank, data.rows)
@@ -206,7 +206,7 @@ def export_peak(m: PlannedRun, rank: int, shards: Both) -> tuple[Both, int]:
     for index, unit in enumerate(m.export_units):
         if m.s.streamed and unit in m.own_rows:  # written at the end of its step (layer_steps)
             continue
-        owned = m.owner(index, unit) == rank
+        owned = m.owner(index, unit) == rank or unit in m.own_rows  # a decoder layer's modules: spread over the ranks
         enc = m.encoded[unit] if owned else 0
         gather = m.gather_peak(unit) if unit != "<root>" or m.s.shard_root else 0
         gathered = max(gathered, gather, m.gathered[unit] + enc)
