@@ -249,22 +249,35 @@ def _kill_a_rank(proc: subprocess.Popen) -> None:
     os.kill(max(ranks), signal.SIGKILL)  # a real signal to one rank, mid-run
 
 
-def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
-    """A 2-rank run SIGKILLed at several random layers in a row, resumed each time, ends with the export of an
-    uninterrupted run, tensor for tensor (2 kills here; 4 under ``make soak``)."""
-    import random
-
+def _uninterrupted(tmp_path: Path, sequences: int) -> tuple[Path, Path, dict[str, str]]:
+    """The SLOW model, ``sequences`` random sequences of 64 tokens and a clean environment, and the export of an
+    uninterrupted resident run of them in ``tmp_path / "ref"``: ``(model_dir, data, env)``."""
     import numpy as np
 
     model_dir = make_tiny_checkpoint(tmp_path, "llama", **SLOW)
     data = tmp_path / "ids.npy"
-    np.save(data, np.random.default_rng(0).integers(0, 256, size=(16, 64)))
+    np.save(data, np.random.default_rng(0).integers(0, 256, size=(sequences, 64)))
     env = _clean_env()
     ref = subprocess.run(
         _cli(model_dir, tmp_path / "ref", None, data), capture_output=True, text=True, env=env, timeout=300
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
+    return model_dir, data, env
 
+
+def _assert_same_tensors(want_dir: Path, got_dir: Path) -> None:
+    want, got = _tensors(want_dir), _tensors(got_dir)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+
+
+def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
+    """A 2-rank run SIGKILLed at several random layers in a row, resumed each time, ends with the export of an
+    uninterrupted run, tensor for tensor (2 kills here; 4 under ``make soak``)."""
+    import random
+
+    model_dir, data, env = _uninterrupted(tmp_path, 16)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     rng = random.Random(0)
     killed = []
@@ -279,10 +292,7 @@ def test_repeated_sigkills_then_resume_equal_the_uninterrupted_export(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     report = json.loads((out / "calibration_report.json").read_text())
     assert report["resumed_from_layer"] >= killed[-1]
-    want, got = _tensors(tmp_path / "ref"), _tensors(out)
-    assert want.keys() == got.keys()
-    for key in want:
-        assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+    _assert_same_tensors(tmp_path / "ref", out)
 
 
 def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
@@ -290,16 +300,7 @@ def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
     rank left removes it); then the whole job SIGKILLed leaves its staging directory, which the rerun removes. The
     rerun announces where it resumes, reads the committed layers in again, exports them from the checkpoint and
     ends with the resident run's export, tensor for tensor."""
-    import numpy as np
-
-    model_dir = make_tiny_checkpoint(tmp_path, "llama", **SLOW)
-    data = tmp_path / "ids.npy"
-    np.save(data, np.random.default_rng(0).integers(0, 256, size=(8, 64)))
-    env = _clean_env()
-    ref = subprocess.run(
-        _cli(model_dir, tmp_path / "ref", None, data), capture_output=True, text=True, env=env, timeout=300
-    )
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    model_dir, data, env = _uninterrupted(tmp_path, 8)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     cmd = _cli(model_dir, out, ckpt, data, "--stream", "on")
     proc, err, acted = _run_until(cmd, ckpt, 5, _kill_a_rank, env)
@@ -316,10 +317,7 @@ def test_a_streamed_run_sigkilled_resumes_to_the_resident_export(tmp_path):
     report = json.loads((out / "calibration_report.json").read_text())
     assert report["resumed_from_layer"] >= acted
     assert f"resuming after layer {report['resumed_from_layer']} of 16 from {ckpt}" in resumed.stderr
-    want, got = _tensors(tmp_path / "ref"), _tensors(out)
-    assert want.keys() == got.keys()
-    for key in want:
-        assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), key
+    _assert_same_tensors(tmp_path / "ref", out)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
     assert "removed the staging directory an export to" in resumed.stderr
 

@@ -152,7 +152,7 @@ def _streamed_plan(source, recipe, settings, impl: str, model_dir: str):
 
     from ..pipeline.streamed import streaming_refusal
 
-    why_not = streaming_refusal(recipe, settings.options, impl)
+    why_not = streaming_refusal(recipe, impl)
     if why_not is not None:
         return None, why_not
     return planning.plan_source(source, recipe, dataclasses.replace(settings, streamed=True), model_dir), None

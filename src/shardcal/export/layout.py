@@ -280,8 +280,6 @@ def build_plan(
         unit = next((u for u in units if u.name == owner), units[-1])
         unit.entries += kv_cache_entries(name)
 
-    for unit in units:
-        spread_layer(unit, world_size)
     shards = split_into_shards(units, world_size, max_shard_bytes)
     config = build_quantization_config(model, quant, kv_cache, fmt)
     return ExportPlan(
@@ -312,9 +310,10 @@ def spread_layer(unit: Unit, world_size: int) -> None:
     world_size``, so that small layers alternate). The same on every rank: it depends on the plan alone."""
     if unit.kind != "layer" or world_size == 1:
         return
+    groups = [_group_of(e) for e in unit.entries]
     sizes: dict[str, int] = {}
-    for e in unit.entries:
-        sizes[_group_of(e)] = sizes.get(_group_of(e), 0) + e.nbytes
+    for group, e in zip(groups, unit.entries):
+        sizes[group] = sizes.get(group, 0) + e.nbytes
     load = [0] * world_size
     order = [(unit.index + k) % world_size for k in range(world_size)]
     rank_of: dict[str, int] = {}
@@ -322,12 +321,16 @@ def spread_layer(unit: Unit, world_size: int) -> None:
         rank = min(order, key=lambda r: load[r])
         rank_of[group] = rank
         load[rank] += sizes[group]
-    unit.owners = [rank_of[_group_of(e)] for e in unit.entries]
+    unit.owners = [rank_of[group] for group in groups]
 
 
 def split_into_shards(units: list[Unit], world_size: int, max_shard_bytes: int) -> list[Shard]:
-    """The shard files of ``units`` (in the order every rank gathers them): each rank's own units' entries, in
-    order, cut into files of at most ``max_shard_bytes`` (a larger tensor alone in its file), numbered rank by rank."""
+    """The shard files of ``units`` (in the order every rank gathers them): each rank's own entries, in order, cut
+    into files of at most ``max_shard_bytes`` (a larger tensor alone in its file), numbered rank by rank. Sets who
+    writes each decoder layer's entries first (:func:`spread_layer`), so that the export and the planner, which both
+    call this, agree."""
+    for unit in units:
+        spread_layer(unit, world_size)
     per_rank: list[list[list[Entry]]] = [[] for _ in range(world_size)]
     for r in range(world_size):
         current: list[Entry] = []

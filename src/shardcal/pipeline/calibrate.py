@@ -218,7 +218,7 @@ def _streaming_decision(
     """Whether this run streams (``stream``: auto / on / off), and every rank's predicted peak growth (MiB) of the
     run chosen (None unchecked). ``auto`` streams when the planner refuses the resident run and the run can stream;
     a run that cannot stream keeps the planner's refusal (collective)."""
-    refusal = streaming_refusal(inputs.recipe, options, inputs.impl)
+    refusal = streaming_refusal(inputs.recipe, inputs.impl)
     if stream == "on" and refusal is not None:
         raise UsageError(f"{input_name(input_names, 'stream')} on: cannot stream this run: {refusal}")
     if stream == "on":

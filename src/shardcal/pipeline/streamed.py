@@ -26,8 +26,8 @@ from ..sharding.residency import residency_of
 STREAM_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
-def streaming_refusal(recipe: Recipe, options: CalibrationOptions, impl: str) -> str | None:
-    """Why a run with ``recipe``, ``options`` and model implementation ``impl`` cannot stream (None: it can)."""
+def streaming_refusal(recipe: Recipe, impl: str) -> str | None:
+    """Why a run with ``recipe`` and model implementation ``impl`` cannot stream (None: it can)."""
     if impl != "shardcal":
         return "a model loaded with transformers' class is loaded whole; streaming needs shardcal's own model class"
     if recipe.rotates_residual:

@@ -10,7 +10,7 @@ import torch
 from ..calib.runner import commit_points
 from ..export.export import DEFAULT_MAX_SHARD_BYTES
 from ..export.format import ExportFormat, get_format, module_sizes
-from ..export.layout import Entry, Unit, kv_cache_entries, split_into_shards, spread_layer
+from ..export.layout import Entry, Unit, kv_cache_entries, split_into_shards
 from ..export.shards import header_bytes
 from ..quant.kv_cache import kv_cache_attentions
 from .costs import CHECKPOINT_ENTRY_BYTES, CHECKPOINT_RANK_BYTES
@@ -82,8 +82,6 @@ def export_files(
         )
         for index, unit in enumerate(m.export_units)
     ]
-    for unit in units:
-        spread_layer(unit, m.s.world_size)
     shards = split_into_shards(units, m.s.world_size, max_shard_bytes)
     return [(shard.file, len(header_bytes(shard.entries)) + shard.nbytes) for shard in shards]
 
