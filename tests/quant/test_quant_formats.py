@@ -6,7 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcal.quant import QuantizerSpec, decode, encode, fake_quantize, pack_int4_to_int32, unpack_int4_from_int32
+from shardcal.quant import (
+    QuantizerSpec,
+    decode,
+    encode,
+    fake_quantize,
+    formats,
+    pack_int4_to_int32,
+    unpack_int4_from_int32,
+)
 from shardcal.quant.formats import (
     e2m1_codes,
     e2m1_values,
@@ -29,6 +37,15 @@ def t(*values):
 
 
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(autouse=True, params=["whole", "by-rows"])
+def chunking(request, monkeypatch):
+    """Every test here runs twice: tensors quantized whole, and (a chunk of 100 elements) a few rows at a time, the
+    last chunk ragged: how a large CPU weight is quantized. Both must meet the same independent references."""
+    if request.param == "by-rows":
+        monkeypatch.setattr(formats, "CPU_CHUNK_ELEMENTS", 100)
+
 
 # ------------------------------------------------------------------------------------------ hand-computed
 

@@ -25,6 +25,7 @@ compressed-tensors does, so nothing divides by zero; an all-zero tensor stays al
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -255,12 +256,7 @@ def _quantize_arranged(
     is the dequantized tensor; an asymmetric result also has ``zp`` (the stored codes are ``q + zp``:
     ``clamp(round(x / s), qmin - zp, qmax - zp) + zp`` equals ``clamp(round(x / s) + zp, qmin, qmax)`` exactly,
     small integers in float32, with two full-size operations fewer)."""
-    f = FORMATS[fmt]
-    if amin_b is not None:
-        scale, zp = asymmetric_qparams(amax_b, amin_b, fmt)
-        q = (a / scale).round_().clamp_(f.qmin - zp, f.qmax - zp)
-        return {"q": q, "eff": scale, "zp": zp}
-    if f.kind == "nvfp4":
+    if FORMATS[fmt].kind == "nvfp4" and amin_b is None:
         gs = nvfp4_global_scale(amax_b)
         xb = _nvfp4_blocks(a)
         q = torch.abs(xb)  # |x| for the block amax, then the scaled values, rounded in place: one full-size buffer
@@ -271,15 +267,28 @@ def _quantize_arranged(
         else:
             round_e2m1_(torch.div(xb, eff, out=q).clamp_(-E2M1_MAX, E2M1_MAX))
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
-    scale = scale_from_amax(amax_b, fmt)
-    if f.kind == "int":
-        return {"q": (a / scale).clamp_(f.qmin, f.qmax).round_(), "eff": scale}
-    return {"q": fp8_e4m3_to_float32(_fp8_codes(a, scale)), "eff": scale}
+    q, scale, zp = _scaled(a, amax_b, fmt, amin_b)
+    if FORMATS[fmt].kind == "fp8":
+        q = fp8_e4m3_to_float32(q.to(torch.float8_e4m3fn))
+    return {"q": q, "eff": scale} if zp is None else {"q": q, "eff": scale, "zp": zp}
 
 
-def _fp8_codes(a: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``a / scale`` rounded to float8_e4m3fn (ties to even, saturating at +-448)."""
-    return (a / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+def _scaled(
+    a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q, scale, zero point or None)`` of an int / fp8 format: ``q = a / scale`` (a new tensor, or ``out``, which
+    may be ``a`` itself), then rounded and clamped in place (fp8: clamped to +-448, ready for the cast, which rounds
+    to nearest even)."""
+    f = FORMATS[fmt]
+    scale, zp = qparams(amax_b, amin_b, fmt)
+    q = a / scale if out is None else torch.div(a, scale, out=out)
+    if zp is not None:
+        q.round_().clamp_(f.qmin - zp, f.qmax - zp)
+    elif f.kind == "int":
+        q.clamp_(f.qmin, f.qmax).round_()
+    else:
+        q.clamp_(-E4M3_MAX, E4M3_MAX)
+    return q, scale, zp
 
 
 def qdq_arranged(a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,6 +316,62 @@ def _broadcast_range(
     return amax_b, lay.broadcast(amin.to(device=x.device, dtype=torch.float32))
 
 
+#: A large CPU tensor is quantized this many elements (whole rows) at a time, in buffers allocated once per tensor:
+#: a chunk stays in the CPU's cache where whole-tensor passes stream every step through memory, and no block is
+#: mapped and faulted in anew per step (see ``runtime.hostmem``). The same operations per element: the same bits.
+CPU_CHUNK_ELEMENTS = 1 << 16
+
+
+def _by_rows(x: torch.Tensor, amax_b: torch.Tensor, amin_b: torch.Tensor | None) -> bool:
+    """Whether ``x`` is quantized in chunks of rows: a large CPU tensor outside autograd."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, amax_b, amin_b))
+    return x.device.type == "cpu" and x.dim() >= 2 and x.numel() >= 2 * CPU_CHUNK_ELEMENTS and not grad
+
+
+def _row_chunks(
+    x: torch.Tensor, lay: Layout, amax_b: torch.Tensor, amin_b: torch.Tensor | None
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``(rows, a, amax, amin)`` per chunk of ``x``'s leading dim: ``a`` is the chunk in float32, arranged, in a
+    buffer every chunk reuses (its results may be computed in it); a range with one value per leading index is
+    sliced with the chunk, one that broadcasts over that dim is shared."""
+    arranged_dims = x.dim() + (1 if lay.group_size is not None else 0)
+
+    def rows_of(r: torch.Tensor | None, s: slice) -> torch.Tensor | None:
+        return r[s] if r is not None and r.dim() == arranged_dims and r.shape[0] != 1 else r
+
+    step = max(1, CPU_CHUNK_ELEMENTS // (x.numel() // x.shape[0]))
+    buffer = torch.empty((min(step, x.shape[0]),) + tuple(x.shape[1:]), dtype=torch.float32)
+    for i in range(0, x.shape[0], step):
+        s = slice(i, min(i + step, x.shape[0]))
+        a = buffer[: s.stop - s.start]
+        a.copy_(x[s])
+        yield s, lay.arrange(a), rows_of(amax_b, s), rows_of(amin_b, s)
+
+
+def _fake_quantize_by_rows(
+    x: torch.Tensor, lay: Layout, amax_b: torch.Tensor, amin_b: torch.Tensor | None, fmt: str
+) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype)
+    kind = FORMATS[fmt].kind
+    codes = index = None
+    for rows, a, amax_c, amin_c in _row_chunks(x, lay, amax_b, amin_b):
+        if kind == "nvfp4":
+            out[rows] = lay.restore(qdq_arranged(a, amax_c, fmt, amin_c))
+            continue
+        _, scale, _ = _scaled(a, amax_c, fmt, amin_c, out=a)
+        if kind == "fp8":  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
+            if codes is None or codes.shape != a.shape:
+                codes, index = (
+                    torch.empty(a.shape, dtype=torch.float8_e4m3fn),
+                    torch.empty(a.numel(), dtype=torch.int32),
+                )
+            codes.copy_(a)
+            index[: a.numel()].copy_(codes.view(torch.uint8).reshape(-1))
+            torch.index_select(_e4m3_table(), 0, index[: a.numel()], out=a.view(-1))
+        out[rows] = lay.restore(a.mul_(scale))  # cast to x's dtype as .to() casts
+    return out
+
+
 def fake_quantize(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -320,9 +385,10 @@ def fake_quantize(
     ``layout`` defaults to ``Layout(spec, x.shape)`` (right for a weight; a quantizer passes its own).
     """
     lay = _layout(spec, x, layout)
-    a = lay.arrange(x.float())
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
-    return lay.restore(qdq_arranged(a, amax_b, spec.format, amin_b)).to(x.dtype)
+    if _by_rows(x, amax_b, amin_b):
+        return _fake_quantize_by_rows(x, lay, amax_b, amin_b, spec.format)
+    return lay.restore(qdq_arranged(lay.arrange(x.float()), amax_b, spec.format, amin_b)).to(x.dtype)
 
 
 def encode(
@@ -342,28 +408,37 @@ def encode(
       ``[..., in/16]`` (block scales), ``global_scale`` float32 ``[1]`` (``448 * 6 / amax``)
     """
     lay = _layout(spec, x, layout)
-    a = lay.arrange(x.float())
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
     kind = FORMATS[spec.format].kind
-    if kind == "fp8":  # the float8 codes themselves (no round trip through float32); fp8 is always symmetric
-        scale = scale_from_amax(amax_b, spec.format)
-        r = {"q": _fp8_codes(a, scale), "eff": scale}
-    else:
-        r = _quantize_arranged(a, amax_b, spec.format, amin_b)
+    by_rows = _by_rows(x, amax_b, amin_b)
     if kind == "nvfp4":
-        codes = e2m1_codes(r["q"].flatten(-2))
-        return {
-            "packed": pack_fp4_to_uint8(codes),
-            "scale": r["block_scale"].squeeze(-1).to(torch.float8_e4m3fn),
-            "global_scale": r["global_scale"].reshape(1),
-        }
-    q = lay.restore(r["q"] + r["zp"] if "zp" in r else r["q"])
-    values = q.to(torch.int8) if kind == "int" else q.to(torch.float8_e4m3fn)
-    scale = r["eff"].expand(lay.bshape).reshape(lay.amax_shape).contiguous()
-    if "zp" in r:
-        zero_point = r["zp"].expand(lay.bshape).reshape(lay.amax_shape).to(torch.int8).contiguous()
-        return {"values": values, "scale": scale, "zero_point": zero_point}
-    return {"values": values, "scale": scale}
+        if not by_rows:
+            return _encode_nvfp4(lay.arrange(x.float()), amax_b)
+        parts = [_encode_nvfp4(a, amax_c) for _, a, amax_c, _ in _row_chunks(x, lay, amax_b, amin_b)]
+        joined = {k: torch.cat([p[k] for p in parts]) for k in ("packed", "scale")}
+        return {**joined, "global_scale": parts[0]["global_scale"]}  # one per tensor: every chunk's is the same
+    values = torch.empty(x.shape, dtype=torch.int8 if kind == "int" else torch.float8_e4m3fn, device=x.device)
+    if by_rows:
+        chunks = _row_chunks(x, lay, amax_b, amin_b)
+    else:  # computed in place: in a copy, whatever x's dtype
+        chunks = iter([(..., lay.arrange(x.to(torch.float32, copy=True)), amax_b, amin_b)])
+    for rows, a, amax_c, amin_c in chunks:
+        _, _, zp = _scaled(a, amax_c, spec.format, amin_c, out=a)
+        values[rows] = lay.restore(a if zp is None else a.add_(zp))  # cast to the codes' dtype as .to() casts
+    scale, zero_point = qparams(amax_b, amin_b, spec.format)
+    enc = {"values": values, "scale": scale.expand(lay.bshape).reshape(lay.amax_shape).contiguous()}
+    if zero_point is not None:
+        enc["zero_point"] = zero_point.expand(lay.bshape).reshape(lay.amax_shape).to(torch.int8).contiguous()
+    return enc
+
+
+def _encode_nvfp4(a: torch.Tensor, amax_b: torch.Tensor) -> dict[str, torch.Tensor]:
+    r = _quantize_arranged(a, amax_b, "nvfp4")
+    return {
+        "packed": pack_fp4_to_uint8(e2m1_codes(r["q"].flatten(-2))),
+        "scale": r["block_scale"].squeeze(-1).to(torch.float8_e4m3fn),
+        "global_scale": r["global_scale"].reshape(1),
+    }
 
 
 def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
