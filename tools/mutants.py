@@ -127,6 +127,21 @@ CATALOGUE: list[Mutant] = [
         tests=("tests/pipeline/test_streamed.py",),
     ),
     Mutant(
+        "stream-whole-read-takes-rows",
+        "loading/streamed.py",
+        "            if whole or not p.dim():\n                rows = source.full(self.reader)\n",
+        "            if not p.dim():\n                rows = source.full(self.reader)\n",
+        "a rank of a CPU streamed run reads only its rows of a layer it then holds as if whole",
+    ),
+    Mutant(
+        "stream-plan-reads-rows-when-whole",
+        "plan/prepared.py",
+        "        self.whole_layer_reads = s.streamed and reads_layers_whole(s.device, world)\n",
+        "        self.whole_layer_reads = False\n",
+        "the plan of a CPU streamed run counts each rank reading its rows of the layers, not all of them",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
         "stream-resume-skips-weights",
         "calib/runner.py",
         '            restore_weights(model, {n: p for n, p in resume.weights.items() if n.startswith(f"{names[i]}.")})\n',
@@ -849,8 +864,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "plan-read-load-dtype",
         "plan/prepared.py",
-        "            _count(self.read_groups, (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))\n",
-        "            _count(self.read_groups, (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded))\n",
+        "            _count(self.read_groups[p.unit in layers], (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))\n",
+        "            _count(self.read_groups[p.unit in layers], (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded))\n",
         "the planned bytes read are counted in the load dtype, not the file's",
     ),
     Mutant(

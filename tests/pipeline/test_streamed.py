@@ -79,36 +79,42 @@ def test_streamed_moe_export_is_the_resident_export(tmp_path):
     assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
 
 
-def _on_rank(model_dir: str, data: str, out: str, stream: str) -> dict[str, int]:
-    from shardcal.loading.streamed import StreamedLayers
+def _on_rank(model_dir: str, data: str, out: str, stream: str, gathered: bool = False) -> dict[str, int]:
+    """Run on one rank; ``gathered``: each rank reads its rows and the ranks gather them, as on GPUs."""
+    from shardcal.loading import streamed
 
     seen: dict[str, int] = {}
-    original = StreamedLayers.close
+    original, whole = streamed.StreamedLayers.close, streamed.reads_layers_whole
 
     def counting(self) -> None:  # what this rank read of the decoder layers in the whole run
         original(self)
         seen["bytes_read"] = self.bytes_read
 
-    StreamedLayers.close = counting
+    streamed.StreamedLayers.close = counting
+    if gathered:
+        streamed.reads_layers_whole = lambda device_type, world_size: False
     try:
         _run(Path(model_dir), Path(data), Path(out), "w4a16-gptq", stream)
     finally:
-        StreamedLayers.close = original
+        streamed.StreamedLayers.close, streamed.reads_layers_whole = original, whole
     return seen
 
 
 def test_two_ranks_stream_the_resident_export_and_one_ranks_tensors(model_and_data, tmp_path):
-    """2 ranks streamed: the 2-rank resident export's files, the 1-rank export's tensors; each rank reads its own
-    rows of the layers (about half of them), counted against the files' headers."""
+    """2 ranks streamed: the 2-rank resident export's files, the 1-rank export's tensors, whether each rank reads
+    every layer whole (CPU) or its own rows of it and the ranks gather them (GPUs); what each rank read is counted
+    against the files' headers: the layers, or half of them."""
     model_dir, data = model_and_data
     run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "resident2"), "off")
-    reads = run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "streamed2"), "on")
+    whole = run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "streamed2"), "on")
+    rows = run_on_ranks(2, _on_rank, str(model_dir), str(data), str(tmp_path / "gathered2"), "on", True)
     assert "bytes_read" not in run_on_ranks(1, _on_rank, str(model_dir), str(data), str(tmp_path / "r1"), "off")[0]
     _run(model_dir, data, tmp_path / "one", "w4a16-gptq", "on")
-    assert _files(tmp_path / "streamed2") == _files(tmp_path / "resident2")
+    assert _files(tmp_path / "streamed2") == _files(tmp_path / "gathered2") == _files(tmp_path / "resident2")
     assert _tensors(tmp_path / "streamed2") == _tensors(tmp_path / "one")
-    counted = [r["bytes_read"] for r in reads]  # the tiny model's tensors split evenly: each rank reads half
-    assert counted[0] == counted[1] and sum(counted) == _layer_bytes_on_disk(model_dir)
+    layers = _layer_bytes_on_disk(model_dir)
+    assert [r["bytes_read"] for r in whole] == [layers, layers]
+    assert [r["bytes_read"] for r in rows] == [layers // 2, layers // 2]  # the tiny model's tensors split evenly
 
 
 def _layer_bytes_on_disk(model_dir: Path) -> int:
@@ -234,7 +240,8 @@ def test_ctrl_c_in_a_streamed_run_leaves_nothing_and_says_so(model_and_data, tmp
 
 
 def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(model_and_data):
-    """The streamed plan: the same bytes read, no checkpoint page kept, less held between steps."""
+    """The streamed plan: the decoder layers read whole (on CPU; the other half of them more than the resident
+    rank reads), no checkpoint page kept, less held between steps."""
     from shardcal.plan import planner
 
     model_dir, _ = model_and_data
@@ -246,9 +253,9 @@ def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(mo
         for streamed in (False, True)
     }  # fmt: skip
     resident, streamed = plans[False], plans[True]
-    assert streamed.bytes_read == resident.bytes_read > 0
-    assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
     layers = _layer_bytes_on_disk(model_dir)
+    assert streamed.bytes_read == resident.bytes_read + layers // 2 and resident.bytes_read > 0
+    assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
     assert resident.parts["param_shards"] - streamed.parts["param_shards"] == pytest.approx(layers / 2, rel=0.05)
 
 

@@ -2,10 +2,11 @@
 
 Everything outside the decoder stack (embeddings, final norm, LM head, towers) is loaded as :func:`load_pretrained`
 loads it — FSDP2-sharded, each rank reading its own rows. The decoder layers' parameters stay on the meta device.
-When a step holds layer ``i`` (:mod:`shardcal.sharding.residency`), each rank reads its own rows of the layer's
-tensors with plain reads (:class:`~shardcal.models.reads.ReadingReader`: no memory map, so no file page stays in
-the process), the ranks gather them, and every rank holds the whole layer, as a resident run's gather gives it;
-while the step computes, a thread reads this rank's rows of layer ``i + 1``. When the step is done the hooks
+When a step holds layer ``i`` (:mod:`shardcal.sharding.residency`), every rank holds the whole layer, as a resident
+run's gather gives it. The layer's tensors are read with plain reads (:class:`~shardcal.models.reads.ReadingReader`:
+no memory map, so no file page stays in the process): on a GPU each rank reads its own rows and the ranks gather
+them (NCCL), on CPU each rank reads the whole layer (:func:`reads_layers_whole`). While the step computes, a thread
+reads what this rank reads of layer ``i + 1``. When the step is done the hooks
 registered with :meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to
 the meta device: at most the layer in its step, the next layer's rows and the activations are in memory.
 """
@@ -30,6 +31,14 @@ from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, decoder_layers_replaced
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .sources import Source
+
+
+def reads_layers_whole(device_type: str, world_size: int) -> bool:
+    """Whether each rank of a streamed run reads every decoder layer whole instead of its rows and an all-gather:
+    with several ranks on CPU. There the ranks of a host read the same file pages (the second from the page cache,
+    one copy), where gloo's all-gather copies the layer through loopback sockets on every rank; on a GPU the gather
+    (NCCL) is the cheap way, and each rank copies only its rows from the host."""
+    return device_type == "cpu" and world_size > 1
 
 
 class StreamedLayers(ResidentLayers):
@@ -75,14 +84,18 @@ class StreamedLayers(ResidentLayers):
                     out.append((f"{module_name}.{attr}", module, attr, p))
         return out
 
-    def _read_own_rows(self, names: list[tuple[str, nn.Module, str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-        """This rank's rows of each parameter (its :func:`row_range`), cast to the parameter's dtype."""
+    def _read_share(self, names: list[tuple[str, nn.Module, str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+        """What this rank reads of each parameter, cast to the parameter's dtype: all of it (:func:`reads_layers_whole`)
+        or its rows (its :func:`row_range`)."""
         rank, size = world()
+        whole = reads_layers_whole(self.device.type, size)
         out = {}
         for name, _, _, p in names:
-            start, stop = row_range(p.shape[0], rank, size) if p.dim() else (0, 0)
             source = self.sources[name]
-            rows = source.rows(self.reader, start, stop) if p.dim() else source.full(self.reader)
+            if whole or not p.dim():
+                rows = source.full(self.reader)
+            else:
+                rows = source.rows(self.reader, *row_range(p.shape[0], rank, size))
             self.bytes_read += rows.numel() * rows.element_size()
             rows = rows.to(p.dtype)
             out[name] = rows.pin_memory() if self.device.type == "cuda" else rows  # copied to the GPU asynchronously
@@ -91,31 +104,32 @@ class StreamedLayers(ResidentLayers):
     def _start_prefetch(self, index: int, layer: nn.Module) -> None:
         names = self._names(index, layer)
         box: dict[str, torch.Tensor] = {}
-        thread = threading.Thread(target=lambda: box.update(self._read_own_rows(names)), daemon=True)
+        thread = threading.Thread(target=lambda: box.update(self._read_share(names)), daemon=True)
         thread.start()
         self._next = (index, thread, box)
 
-    def _own_rows(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's rows of layer ``index``: prefetched, or read now."""
+    def _share(self, index: int, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """What this rank reads of layer ``index``: prefetched, or read now."""
         if self._next is not None and self._next[0] == index:
             _, thread, box = self._next
             self._next = None
             thread.join()
             if len(box) == len(self._names(index, layer)):
                 return box
-        return self._read_own_rows(self._names(index, layer))
+        return self._read_share(self._names(index, layer))
 
     @contextlib.contextmanager
     def held(self, index: int, layer: nn.Module) -> Iterator[nn.Module]:
         names = self._names(index, layer)
-        own = self._own_rows(index, layer)
+        own = self._share(index, layer)
+        whole = reads_layers_whole(self.device.type, world()[1])
         with torch.no_grad():
             for name, module, attr, p in names:
-                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                if p.dim():
-                    all_gather_rows_(full, own.pop(name).to(self.device, non_blocking=True))
+                if whole or not p.dim():
+                    full = own.pop(name).to(self.device)  # read whole: held as read
                 else:
-                    full.copy_(own.pop(name))
+                    full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    all_gather_rows_(full, own.pop(name).to(self.device, non_blocking=True))
                 module._parameters[attr] = nn.Parameter(full, requires_grad=p.requires_grad)
         if self.prefetch and index + 1 < len(self.layers):
             self._start_prefetch(index + 1, self.layers[index + 1])

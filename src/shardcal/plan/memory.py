@@ -153,8 +153,8 @@ def layer_steps(m: PlannedRun, i: int, rank: int, data: RankData, shards_dev: in
     steps), the algorithm's solve, the weights' scales, and the SQNR's sums; beside ``shards_dev``."""
     plan, unit = m.passes(i), m.layer_names[i]
     base = shards_dev + m.quantizer_upto[i] + m.gathered[unit]
-    if m.s.streamed:  # the next layer's rows, read while this one computes; this layer's tensors, encoded at its end
-        base += m.own_rows[unit] + m.encoded[unit]  # every rank encodes its share of the layer's modules
+    if m.s.streamed:  # the next layer's read, made while this one computes; this layer's tensors, encoded at its end
+        base += m.layer_reads[unit] + m.encoded[unit]  # every rank encodes its share of the layer's modules
         if m.changes_weights and m.s.options.checkpoint_dir is not None:  # the finished layers' rows, until committed
             base += m.s.options.checkpoint_every * m.own_rows[unit]
     algo = m.algorithm_state(i, rank, data.rows)

@@ -22,6 +22,7 @@ from ..calib.recipe import Recipe
 from ..errors import PlanError
 from ..export.layout import Entry, unit_owner
 from ..loading.build import resolve_dtype
+from ..loading.streamed import reads_layers_whole
 from .costs import (
     FORWARD_ATTN_HIDDEN,
     FORWARD_ATTN_QUERY,
@@ -137,10 +138,11 @@ class PreparedModel:
     def _group_params(self) -> None:
         """Parameters of the same rows, row size, dtypes and sharding shard alike: counted once per kind, as read
         (file dtype) and per unit as held (memory dtype)."""
-        self.read_groups: Groups = {}
+        self.read_groups: dict[bool, Groups] = {True: {}, False: {}}  # by: in a decoder layer
         self.unit_groups: dict[str, Groups] = {}
+        layers = set(self.layer_names)
         for p in self.held:
-            _count(self.read_groups, (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))
+            _count(self.read_groups[p.unit in layers], (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))
             _count(self.unit_groups.setdefault(p.unit, {}), (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded))
 
     def _count_quantizers(self) -> None:
@@ -210,6 +212,13 @@ class PlannedRun:
         # what stays on a rank between steps: every unit's shard, or (streamed) those outside the decoder layers
         streamed = set(prepared.layer_names) if s.streamed else set()
         self.own_rows = {u: _grouped(units.get(u, {}), world, False) for u in prepared.layer_names}
+        #: A streamed run reads each decoder layer whole on every rank, or each rank its rows (the reader decides).
+        self.whole_layer_reads = s.streamed and reads_layers_whole(s.device, world)
+        # what a streamed rank reads of a layer: read ahead while the previous one computes, then held as read
+        self.layer_reads = {
+            u: _grouped(units.get(u, {}), 1, False) if self.whole_layer_reads else self.own_rows[u]
+            for u in prepared.layer_names
+        }
         self.shards = sum(_grouped(g, world, False) for u, g in units.items() if u not in streamed)
         self._cache: dict[tuple[Any, ...], Any] = {}
 
@@ -224,11 +233,12 @@ class PlannedRun:
     def read(self, rank: int) -> int:
         """The bytes ``rank`` reads from the checkpoint."""
         world, total = self.s.world_size, 0
-        for (rows, row_numel, itemsize, sharded), count in self.read_groups.items():
-            if sharded:
-                chunk = -(-rows // world)
-                rows = max(0, min((rank + 1) * chunk, rows) - rank * chunk)
-            total += count * rows * row_numel * itemsize
+        for in_layer, groups in self.read_groups.items():
+            for (rows, row_numel, itemsize, sharded), count in groups.items():
+                if sharded and not (in_layer and self.whole_layer_reads):
+                    chunk = -(-rows // world)
+                    rows = max(0, min((rank + 1) * chunk, rows) - rank * chunk)
+                total += count * rows * row_numel * itemsize
         return total
 
     def forward(self, i: int, rows: int, quantized: bool) -> int:
@@ -293,8 +303,10 @@ class PlannedRun:
 
     def gather_peak(self, unit: str) -> int:
         """What gathering ``unit`` holds at its peak: the unit twice while the all-gather runs (N >= 2), and its
-        shard's copy on the device with ``--cpu-offload`` on a GPU."""
+        shard's copy on the device with ``--cpu-offload`` on a GPU; a streamed layer read whole, the layer as read."""
         g, world = self.gathered[unit], self.s.world_size
+        if self.whole_layer_reads and unit in self.layer_reads:
+            return self.layer_reads[unit]  # held as read: no gather
         extra = g // world if self.s.cpu_offload and self.s.device != "cpu" else 0
         return (2 * g if world > 1 else g) + extra
 
