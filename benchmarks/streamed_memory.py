@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             "pages dropped after.",
             f"The plain command measures each layer's SQNR on the data's first 1024 tokens: here all {tokens}, so "
             "every layer runs a second time, quantized, after its weights are fake-quantized. "
-            "--sqnr-tokens 0 leaves that out: what streaming itself costs beside one forward (reading, gathering, "
-            "encoding and writing each layer).",
+            "--sqnr-tokens 0 leaves that out: what streaming itself costs beside one forward (every rank reading each "
+            "layer, encoding and writing its share of it).",
             f"Machine: {machine()}.",
         ],
     }  # fmt: skip
