@@ -142,6 +142,14 @@ CATALOGUE: list[Mutant] = [
         tests=("tests/pipeline/test_streamed.py",),
     ),
     Mutant(
+        "stream-plan-next-layer-rows-when-whole",
+        "plan/memory.py",
+        "        base += m.layer_reads[unit] + m.encoded[unit]  # every rank encodes its share of the layer's modules\n",
+        "        base += m.own_rows[unit] + m.encoded[unit]\n",
+        "the plan of a CPU streamed run holds this rank's rows of the next layer, where the run reads all of it",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
         "stream-resume-skips-weights",
         "calib/runner.py",
         '            restore_weights(model, {n: p for n, p in resume.weights.items() if n.startswith(f"{names[i]}.")})\n',

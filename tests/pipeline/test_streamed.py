@@ -9,6 +9,7 @@ import json
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -257,6 +258,25 @@ def test_plan_of_a_streamed_run_holds_no_layer_shards_and_no_checkpoint_pages(mo
     assert streamed.bytes_read == resident.bytes_read + layers // 2 and resident.bytes_read > 0
     assert streamed.parts["checkpoint_pages"] == 0 < resident.parts["checkpoint_pages"]
     assert resident.parts["param_shards"] - streamed.parts["param_shards"] == pytest.approx(layers / 2, rel=0.05)
+
+
+def test_plan_of_a_streamed_run_reading_rows_reads_and_holds_half_a_layer_less(model_and_data, monkeypatch):
+    """Where each rank reads its rows and the ranks gather them (GPUs; forced here on CPU), the plan reads half of
+    the layers fewer and, during the layers, holds half a layer less: the next layer's rows, not all of it."""
+    from shardcal.plan import planner, prepared
+
+    model_dir, _ = model_and_data
+
+    def rank0() -> Any:
+        settings = planner.PlanSettings(world_size=2, num_samples=6, seq_len=16, streamed=True)
+        return planner.plan_source(planner.read_source(model_dir), _recipe("fp8"), settings, model_dir).ranks[0]
+
+    whole = rank0()
+    monkeypatch.setattr(prepared, "reads_layers_whole", lambda device_type, world_size: False)
+    rows = rank0()
+    layers = _layer_bytes_on_disk(model_dir)  # two layers
+    assert whole.bytes_read - rows.bytes_read == layers // 2
+    assert whole.phases["layers"] - rows.phases["layers"] == layers // 4
 
 
 def test_plan_of_a_resumable_streamed_run_counts_the_rows_kept_until_the_commit(model_and_data, tmp_path):
