@@ -8,7 +8,7 @@ no memory map, so no file page stays in the process): on a GPU each rank reads i
 them (NCCL), on CPU each rank reads the whole layer (:func:`reads_layers_whole`). While the step computes, a thread
 reads what this rank reads of layer ``i + 1``. When the step is done the hooks
 registered with :meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to
-the meta device: at most the layer in its step, the next layer's rows and the activations are in memory.
+the meta device: at most the layer in its step, the next layer's read and the activations are in memory.
 """
 
 from __future__ import annotations
@@ -121,15 +121,15 @@ class StreamedLayers(ResidentLayers):
     @contextlib.contextmanager
     def held(self, index: int, layer: nn.Module) -> Iterator[nn.Module]:
         names = self._names(index, layer)
-        own = self._share(index, layer)
+        read = self._share(index, layer)
         whole = reads_layers_whole(self.device.type, world()[1])
         with torch.no_grad():
             for name, module, attr, p in names:
                 if whole or not p.dim():
-                    full = own.pop(name).to(self.device)  # read whole: held as read
+                    full = read.pop(name).to(self.device)  # read whole: held as read
                 else:
                     full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                    all_gather_rows_(full, own.pop(name).to(self.device, non_blocking=True))
+                    all_gather_rows_(full, read.pop(name).to(self.device, non_blocking=True))
                 module._parameters[attr] = nn.Parameter(full, requires_grad=p.requires_grad)
         if self.prefetch and index + 1 < len(self.layers):
             self._start_prefetch(index + 1, self.layers[index + 1])
