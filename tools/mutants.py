@@ -574,8 +574,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-rows-fp8-values-reordered",
         "quant/formats.py",
-        "            torch.index_select(_e4m3_table(), 0, index[: a.numel()], out=a.view(-1))\n",
-        "            torch.index_select(_e4m3_table(), 0, index[: a.numel()].flip(0), out=a.view(-1))\n",
+        "            torch.index_select(_e4m3_table(), 0, chunk_index, out=a.view(-1))\n",
+        "            torch.index_select(_e4m3_table(), 0, chunk_index.flip(0), out=a.view(-1))\n",
         "a large CPU fp8 weight quantized by rows: its codes' values are read back in the wrong order",
     ),
     Mutant(

@@ -376,6 +376,21 @@ def test_asymmetric_int_matches_compressed_tensors_fake_quantize():
     assert torch.equal(fake_quantize(w, hi, spec, amin=lo), ct_fq(w, enc["scale"], enc["zero_point"], args))
 
 
+def test_a_ragged_last_chunk_of_rows_is_quantized_like_the_others():
+    """13 rows of 48: by rows (the fixture's 100 elements) that is chunks of 2 rows and a last one of 1. FP8 per
+    channel against its documented formula, asymmetric int4 per group against the plain loop."""
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(13, 48, generator=g) * 2).to(torch.bfloat16)
+    fp8 = QuantizerSpec("fp8_e4m3", "channel", axis=0)
+    amax = w.float().abs().amax(dim=1, keepdim=True) * 0.9
+    codes = (w.float() / (amax / 448)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(fake_quantize(w, amax, fp8), (codes.float() * (amax / 448)).to(torch.bfloat16))
+    assert torch.equal(encode(w, amax, fp8)["values"].view(torch.uint8), codes.view(torch.uint8))
+    asym = QuantizerSpec("int4", "group", group_size=16, symmetric=False)
+    hi, lo = Layout(asym, w.shape).range_of(w.float())
+    assert torch.equal(fake_quantize(w.float(), hi, asym, amin=lo), _asymmetric_reference(w.float(), 16, -8, 7))
+
+
 def test_asymmetric_quantizer_needs_its_amin():
     spec = QuantizerSpec("int4", "group", group_size=16, symmetric=False)
     with pytest.raises(ValueError, match="needs its amin"):

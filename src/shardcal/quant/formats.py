@@ -360,14 +360,13 @@ def _fake_quantize_by_rows(
             continue
         _, scale, _ = _scaled(a, amax_c, fmt, amin_c, out=a)
         if kind == "fp8":  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
-            if codes is None or codes.shape != a.shape:
-                codes, index = (
-                    torch.empty(a.shape, dtype=torch.float8_e4m3fn),
-                    torch.empty(a.numel(), dtype=torch.int32),
-                )
-            codes.copy_(a)
-            index[: a.numel()].copy_(codes.view(torch.uint8).reshape(-1))
-            torch.index_select(_e4m3_table(), 0, index[: a.numel()], out=a.view(-1))
+            if codes is None:  # sized by the first chunk, the largest
+                codes = torch.empty(a.shape, dtype=torch.float8_e4m3fn)
+                index = torch.empty(a.numel(), dtype=torch.int32)
+            chunk_codes, chunk_index = codes[: len(a)], index[: a.numel()]
+            chunk_codes.copy_(a)
+            chunk_index.copy_(chunk_codes.view(torch.uint8).reshape(-1))
+            torch.index_select(_e4m3_table(), 0, chunk_index, out=a.view(-1))
         out[rows] = lay.restore(a.mul_(scale))  # cast to x's dtype as .to() casts
     return out
 
