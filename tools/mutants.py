@@ -129,7 +129,7 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "stream-whole-read-takes-rows",
         "loading/streamed.py",
-        "            if whole or not p.dim():\n                rows = source.full(self.reader)\n",
+        "            if self.reads_whole or not p.dim():\n                rows = source.full(self.reader)\n",
         "            if not p.dim():\n                rows = source.full(self.reader)\n",
         "a rank of a CPU streamed run reads only its rows of a layer it then holds as if whole",
     ),

@@ -44,7 +44,8 @@ def reads_layers_whole(device_type: str, world_size: int) -> bool:
 class StreamedLayers(ResidentLayers):
     """The decoder layers of a streamed model: read in for their step, released after it (see the module docstring).
 
-    ``bytes_read``: what this rank read of the layers so far; ``on_release(hook)``: ``hook(index, layer)`` runs on a
+    ``bytes_read``: what this rank read of the layers so far; ``reads_whole``: each rank reads every layer whole
+    (:func:`reads_layers_whole`, decided once); ``on_release(hook)``: ``hook(index, layer)`` runs on a
     held layer just before its parameters are released (every rank, in registration order)."""
 
     streamed = True
@@ -61,6 +62,7 @@ class StreamedLayers(ResidentLayers):
         self.layers = require_decoder_layers(model)
         self.prefix = decoder_layer_prefix(model, self.layers)
         self.bytes_read = 0
+        self.reads_whole = reads_layers_whole(device.type, world()[1])  # else its rows, then the all-gather
         self._hooks: list[Callable[[int, nn.Module], None]] = []
         self._next: tuple[int, threading.Thread, dict[str, torch.Tensor]] | None = None
 
@@ -88,11 +90,10 @@ class StreamedLayers(ResidentLayers):
         """What this rank reads of each parameter, cast to the parameter's dtype: all of it (:func:`reads_layers_whole`)
         or its rows (its :func:`row_range`)."""
         rank, size = world()
-        whole = reads_layers_whole(self.device.type, size)
         out = {}
         for name, _, _, p in names:
             source = self.sources[name]
-            if whole or not p.dim():
+            if self.reads_whole or not p.dim():
                 rows = source.full(self.reader)
             else:
                 rows = source.rows(self.reader, *row_range(p.shape[0], rank, size))
@@ -122,10 +123,9 @@ class StreamedLayers(ResidentLayers):
     def held(self, index: int, layer: nn.Module) -> Iterator[nn.Module]:
         names = self._names(index, layer)
         read = self._share(index, layer)
-        whole = reads_layers_whole(self.device.type, world()[1])
         with torch.no_grad():
             for name, module, attr, p in names:
-                if whole or not p.dim():
+                if self.reads_whole or not p.dim():
                     full = read.pop(name).to(self.device)  # read whole: held as read
                 else:
                     full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
