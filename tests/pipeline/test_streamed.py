@@ -1,7 +1,8 @@
 """A streamed run (``stream="on"``, ``--stream``): the decoder layers read in for their step and exported at its end
 give the resident run's export byte for byte (every file but the timed report), on one rank and on two; it streams by
-itself when the resident run does not fit the memory; what cannot stream is refused with the reason; a failure or
-Ctrl-C leaves nothing; each rank reads only its own rows (counted from the files' headers, outside the reader)."""
+itself when the resident run does not fit the memory; a recipe whose layers may fall back lays them out as they are
+written, to the same files; what cannot stream is refused with the reason; a failure or Ctrl-C leaves nothing; each
+rank reads the layers whole or only its own rows (counted from the files' headers, outside the reader)."""
 
 from __future__ import annotations
 
@@ -160,15 +161,6 @@ def _recipe(name: str):
     return load_recipe(name)
 
 
-FALLBACK = """name = "fb"
-[weight]
-format = "int4"
-granularity = "group"
-group_size = 32
-[fallback]
-min_layer_sqnr_db = 60
-full_precision = true
-"""
 RESIDUAL = """name = "res"
 [weight]
 format = "int8"
@@ -181,11 +173,10 @@ residual = "hadamard"
 @pytest.mark.parametrize(
     ("recipe", "kwargs", "reason"),
     [
-        (FALLBACK, {}, r"\[fallback\]"),
         (RESIDUAL, {}, r"residual stream"),
         ("fp8", {"model_impl": "transformers"}, "transformers' class"),
     ],
-    ids=["fallback", "residual-rotation", "transformers-class"],
+    ids=["residual-rotation", "transformers-class"],
 )
 def test_what_cannot_stream_is_refused_with_the_reason(model_and_data, tmp_path, recipe, kwargs, reason):
     model_dir, data = model_and_data
@@ -342,8 +333,8 @@ def test_plan_shows_the_streamed_run_beside_the_resident_one(model_and_data, cap
     )
     assert cli.main(["plan", str(model_dir), "--recipe", "fp8", "--host-memory", "1MB"]) == 0
     assert "does not fit either" in capsys.readouterr().out.splitlines()[-1]
-    (model_dir.parent / "fb.toml").write_text(FALLBACK)
-    assert cli.main(["plan", str(model_dir), "--recipe", str(model_dir.parent / "fb.toml")]) == 0
+    (model_dir.parent / "res.toml").write_text(RESIDUAL)
+    assert cli.main(["plan", str(model_dir), "--recipe", str(model_dir.parent / "res.toml")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("streamed (--stream on): cannot stream this run: recipe")
 
 
@@ -442,3 +433,153 @@ def test_a_streamed_checkpoint_and_a_resident_one_are_not_each_others(model_and_
         _run(model_dir, data, tmp_path / f"a-{first}", "fp8", first, options=options, keep_checkpoint=True)
         with pytest.raises(CalibrationCheckpointError, match="different way of holding the decoder layers"):
             _run(model_dir, data, tmp_path / f"b-{first}", "fp8", second, options=options)
+
+
+# ---------------------------------------------------------------------------- [fallback]
+
+W8A8 = 'name = "w8a8"\n[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
+FALLBACKS = {
+    "full-precision": "[fallback]\nmin_layer_sqnr_db = {floor}\nfull_precision = true\n",
+    "int8-weight-only": '[fallback]\nmin_layer_sqnr_db = {floor}\n[fallback.weight]\nformat = "int8"\n'
+    'granularity = "channel"\n',
+}
+
+
+@pytest.fixture(scope="module")
+def sensitive_layer(tmp_path_factory) -> tuple[Path, Path, float]:
+    """A 3-layer checkpoint whose layer 1 has outlier channels (per-tensor int8 inputs wreck it), its data, and a
+    floor between layer 1's SQNR under plain W8A8 and the others' (a resident run measures them)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("fallback")
+    model_dir = make_tiny_checkpoint(root, "llama", seed=5, num_hidden_layers=3)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    weights["model.layers.1.input_layernorm.weight"][:2] *= 60.0
+    weights["model.layers.1.post_attention_layernorm.weight"][3:5] *= 60.0
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    np.save(root / "ids.npy", np.random.default_rng(1).integers(0, 256, size=(6, 16)))
+    (root / "w8a8.toml").write_text(W8A8)
+    sqnr = _run(model_dir, root / "ids.npy", root / "plain", str(root / "w8a8.toml"), "off")
+    assert sqnr[1] + 6 < min(sqnr[0], sqnr[2]), sqnr
+    return model_dir, root / "ids.npy", (sqnr[1] + min(sqnr[0], sqnr[2])) / 2
+
+
+def _fallback_recipe(folder: Path, kind: str, floor: float) -> str:
+    (folder / f"{kind}.toml").write_text(W8A8 + FALLBACKS[kind].format(floor=floor))
+    return str(folder / f"{kind}.toml")
+
+
+def _with_shard_size(max_shard_bytes: int | None):
+    """Every export's shard files cut at ``max_shard_bytes`` (None: the default), for a block."""
+    import contextlib
+
+    from shardcal.export import export
+
+    functions = (export.export_checkpoint, export.ExportSession.__init__, export.plan_streamed_export)
+    stack = contextlib.ExitStack()
+    if max_shard_bytes is not None:
+        for f in functions:
+            saved = dict(f.__kwdefaults__)
+            f.__kwdefaults__["max_shard_bytes"] = max_shard_bytes
+            stack.callback(f.__kwdefaults__.update, saved)
+    return stack
+
+
+def _fallback_on_ranks(model_dir: str, data: str, out: str, recipe: str, stream: str, max_shard_bytes: int | None):
+    with _with_shard_size(max_shard_bytes):
+        result = pipeline_calibrate.calibrate_to_checkpoint(model_dir, out, recipe, data=data, stream=stream)
+    return result.report.fallback_layers
+
+
+@pytest.mark.parametrize(
+    ("kind", "max_shard_bytes"), [("full-precision", None), ("int8-weight-only", 20_000)],
+    ids=["full-precision", "int8-weight-only-in-small-files"],
+)  # fmt: skip
+def test_a_streamed_run_whose_layer_falls_back_exports_the_resident_files(sensitive_layer, tmp_path, kind,
+                                                                          max_shard_bytes):  # fmt: skip
+    """Layer 1 falls back (to full precision, or to int8 weight-only) after its step: the streamed export lays it
+    out then, and writes the resident run's files byte for byte — in one file, or in files of at most 20 KB whose
+    cuts move with layer 1's tensors."""
+    model_dir, data, floor = sensitive_layer
+    recipe = _fallback_recipe(tmp_path, kind, floor)
+    args = (str(model_dir), str(data))
+    resident = _fallback_on_ranks(*args, str(tmp_path / "resident"), recipe, "off", max_shard_bytes)
+    streamed = _fallback_on_ranks(*args, str(tmp_path / "streamed"), recipe, "on", max_shard_bytes)
+    assert resident == streamed == ["model.layers.1"]
+    files = _files(tmp_path / "streamed")
+    assert files == _files(tmp_path / "resident")
+    shard_files = [f for f in files if f.endswith(".safetensors")]
+    assert len(shard_files) == 1 if max_shard_bytes is None else len(shard_files) > 5
+    assert not [p for p in (tmp_path / "streamed").iterdir() if p.name.startswith(".")]
+
+
+def test_two_ranks_streaming_a_layer_that_falls_back_export_the_resident_files(sensitive_layer, tmp_path):
+    """2 ranks, small files: each rank lays out and seals its own files as the layers come; the 2-rank resident
+    run's files, and the 1-rank run's tensors."""
+    model_dir, data, floor = sensitive_layer
+    recipe = _fallback_recipe(tmp_path, "int8-weight-only", floor)
+    args = (str(model_dir), str(data))
+    resident = run_on_ranks(2, _fallback_on_ranks, *args, str(tmp_path / "resident"), recipe, "off", 20_000)
+    streamed = run_on_ranks(2, _fallback_on_ranks, *args, str(tmp_path / "streamed"), recipe, "on", 20_000)
+    assert resident == streamed == [["model.layers.1"]] * 2
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+    _fallback_on_ranks(*args, str(tmp_path / "one"), recipe, "on", None)
+    assert _tensors(tmp_path / "streamed") == _tensors(tmp_path / "one")
+
+
+def test_a_layer_laid_out_unlike_the_calibrated_model_fails_the_export(sensitive_layer, tmp_path, monkeypatch):
+    """The export checks the files it laid out layer by layer against the plan made from the calibrated model at the
+    end: a layer laid out without its last tensor fails the export, naming why, and leaves nothing."""
+    from shardcal.errors import ExportError
+    from shardcal.export import export
+
+    model_dir, data, floor = sensitive_layer
+    recipe = _fallback_recipe(tmp_path, "full-precision", floor)
+    laid_out = export.laid_out_layer
+
+    def short(*args, **kwargs):
+        unit = laid_out(*args, **kwargs)
+        unit.entries, unit.owners = unit.entries[:-1], unit.owners[:-1]
+        return unit
+
+    monkeypatch.setattr(export, "laid_out_layer", short)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ExportError, match="do not hold the tensors of the calibrated model's layout"):
+        _fallback_on_ranks(str(model_dir), str(data), str(tmp_path / "run" / "out"), recipe, "on", None)
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_a_stopped_streamed_run_resumes_its_fallback_layer(sensitive_layer, tmp_path):
+    """Stopped on 2 ranks after layers 0 and 1 are committed (layer 1 fell back), resumed on 1: layer 1 is read in
+    again with its fallback quantizers and written as it fell back; every tensor is the uninterrupted run's."""
+    model_dir, data, floor = sensitive_layer
+    recipe = _fallback_recipe(tmp_path, "full-precision", floor)
+    args = (str(model_dir), str(data))
+    (want,) = run_on_ranks(1, _resumable, *args, str(tmp_path / "full" / "out"), recipe, str(tmp_path / "c0"), None)
+    (tmp_path / "run").mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    stopped = run_on_ranks(2, _resumable, *args, str(tmp_path / "run" / "out"), recipe, ckpt, 2)
+    assert all(r["stopped"] for r in stopped) and _leftovers(tmp_path / "run") == []
+    got = run_on_ranks(1, _resumable, *args, str(tmp_path / "run" / "out"), recipe, ckpt, None)[0]
+    assert got["resumed"] == 2 and got["sqnr"] == want["sqnr"] and want["sqnr"][1] == float("inf")
+    assert _tensors(tmp_path / "run" / "out") == _tensors(tmp_path / "full" / "out")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_plan_of_a_fallback_recipe_holds_one_more_copy_of_the_layer(sensitive_layer, tmp_path, streamed):
+    """A [fallback] keeps a copy of the layer as it came through its step (to put back when it falls back): the
+    planned layers phase is the plain recipe's and one layer more (its bytes from the file's header)."""
+    from shardcal.calib.recipes import load_recipe
+    from shardcal.plan import planner
+
+    model_dir, _, floor = sensitive_layer
+
+    def layers_phase(recipe: str) -> int:
+        settings = planner.PlanSettings(num_samples=6, seq_len=16, streamed=streamed)
+        plan = planner.plan_source(planner.read_source(model_dir), load_recipe(recipe), settings, model_dir)
+        return plan.ranks[0].phases["layers"]
+
+    (tmp_path / "w8a8.toml").write_text(W8A8)
+    one_layer = _layer_bytes_on_disk(model_dir) // 3
+    with_copy = layers_phase(_fallback_recipe(tmp_path, "full-precision", floor))
+    assert with_copy - layers_phase(str(tmp_path / "w8a8.toml")) == one_layer

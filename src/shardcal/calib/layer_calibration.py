@@ -129,6 +129,12 @@ def _layer_sqnr(step: LayerStep, fp_outputs: Any, local_sqnr: dict[int, int], gr
     return math.inf if noise == 0.0 else 10.0 * math.log10(signal / noise)
 
 
+def layer_copies_held(recipe: Recipe) -> int:
+    """How many more copies of a held layer's parameters its step keeps with ``recipe``: one with a ``[fallback]``
+    (the layer as it came, put back when it falls back), else none. The planner asks."""
+    return 1 if recipe.fallback is not None else 0
+
+
 def calibrate_layer(
     step: LayerStep,
     recipe: Recipe,
@@ -147,7 +153,7 @@ def calibrate_layer(
         entry, plan = _calibrate_layer_once(step, recipe, *args)
         _next_inputs(step, plan)
         return entry
-    saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # one more copy of this layer
+    saved = {n: p.detach().clone() for n, p in step.layer.named_parameters()}  # layer_copies_held: one
     entry, plan = _calibrate_layer_once(step, recipe, *args)
     if entry.sqnr_db is None or entry.sqnr_db >= recipe.min_layer_sqnr_db:  # the SQNR is merged: every rank agrees
         _next_inputs(step, plan)

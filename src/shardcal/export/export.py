@@ -42,10 +42,10 @@ from ..sharding.fsdp2 import fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
 from .destination import prepare_staging, swap_into_place, unmark_staging
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
-from .layout import Entry, ExportPlan, Unit, build_plan
+from .layout import Entry, ExportPlan, Unit, build_plan, laid_out_layer
 from .metadata import model_config_dict, write_metadata
 from .quant_modules import QuantModule, find_kv_cache, find_quant_modules, scheme_words
-from .shards import RankShardWriter
+from .shards import RankShardWriter, RunningShardWriter
 
 #: Largest shard file (bytes of tensor data), as transformers' default ``max_shard_size="5GB"``.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -234,7 +234,11 @@ class ExportSession:
     its step still holds it (:meth:`write_held_layer`) — then :meth:`finish` writes the metadata and moves the
     directory into place; :meth:`abort` (after any failure) removes the staging directory. The arguments are
     :func:`export_checkpoint`'s; ``planned``: the plan, when the caller made it (a streamed run plans from the
-    model's structure before calibrating: :func:`plan_streamed_export`)."""
+    model's structure before calibrating: :func:`plan_streamed_export`). ``layers_laid_out_when_written``: the
+    decoder layers may be calibrated into other modules than ``planned`` says (a streamed run whose recipe has a
+    ``[fallback]``): each is laid out when it is written (:func:`~.layout.laid_out_layer`), its shard files sealed
+    as they fill (:class:`~.shards.RunningShardWriter`), and :meth:`finish` makes the plan again from the calibrated
+    model, which the files must match."""
 
     def __init__(
         self,
@@ -250,27 +254,32 @@ class ExportSession:
         dtype: str | torch.dtype | None = None,
         source: str | Path | None = None,
         planned: ExportPlan | None = None,
+        layers_laid_out_when_written: bool = False,
     ):
         self.model = model
         self.out_dir = Path(out_dir).absolute()
         self.tokenizer_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else None
         self.recipe = load_recipe(recipe) if recipe is not None and not isinstance(recipe, Recipe) else recipe
         self.overwrite = overwrite
-        self.rank, world_size = world()
-        stored_dtype = export_dtype(dtype)
+        self.rank, self.world_size = world()
+        self.max_shard_bytes, self.stored_dtype = max_shard_bytes, export_dtype(dtype)
+        self.layers_laid_out_when_written = layers_laid_out_when_written
         check_apart(
             self.out_dir, "out_dir", {"tokenizer_dir": self.tokenizer_dir, "config_dir": config_dir}, ExportError
         )
-        self.plan = planned or build_plan(model, self.recipe, world_size, max_shard_bytes, get_format(format),
-                                          stored_dtype)  # fmt: skip
-        self.config = model_config_dict(model, Path(config_dir) if config_dir is not None else None, stored_dtype)
+        self.plan = planned or build_plan(model, self.recipe, self.world_size, max_shard_bytes, get_format(format),
+                                          self.stored_dtype)  # fmt: skip
+        self.config = model_config_dict(model, Path(config_dir) if config_dir is not None else None, self.stored_dtype)
         self.source = str(Path(source).absolute()) if source is not None else None
         self.written: set[int] = set()  # unit indices
         self.staging: Path | None = None
-        self.writer: RankShardWriter | None = None
+        self.writer: RankShardWriter | RunningShardWriter | None = None
         try:
             self._prepare_staging()
-            self.writer = RankShardWriter(self.staging, [s for s in self.plan.shards if s.rank == self.rank])
+            if layers_laid_out_when_written:
+                self.writer = RunningShardWriter(self.staging, self.rank, max_shard_bytes)
+            else:
+                self.writer = RankShardWriter(self.staging, [s for s in self.plan.shards if s.rank == self.rank])
         except BaseException:
             self.abort()
             raise
@@ -303,11 +312,16 @@ class ExportSession:
 
     def write_held_layer(self, index: int, layer: nn.Module) -> None:
         """Decoder layer ``index``, held whole on every rank by its step (collective; the owner writes). Its quantized
-        modules must be the ones the plan was made for (:func:`plan_streamed_export`), else :class:`ExportError`."""
+        modules must be the ones the plan was made for (:func:`plan_streamed_export`), else :class:`ExportError` —
+        unless the layers are laid out when written."""
         unit = next(u for u in self.plan.units if u.kind == "layer" and u.name.endswith(f".{index}"))
         found = find_quant_modules(layer, self.recipe, self.plan.export_format, prefix=unit.name)
         kv_cache = find_kv_cache(layer, self.recipe, self.plan.export_format, prefix=unit.name)
-        _check_as_planned(self.plan, unit, found, kv_cache)
+        if self.layers_laid_out_when_written:
+            fmt, dtype = self.plan.export_format, self.stored_dtype
+            unit = laid_out_layer(unit, layer, found, kv_cache, self.world_size, fmt, dtype)
+        else:
+            _check_as_planned(self.plan, unit, found, kv_cache)
         self._write(unit, replace(self.plan, quant_modules=found, kv_cache=kv_cache))
 
     def _write(self, unit: Unit, plan: ExportPlan) -> None:
@@ -323,19 +337,43 @@ class ExportSession:
                     _write_unit(self.model, plan, mine, self.writer)
             except Exception as exc:
                 error = exc
+        self._agree(error, f"writing {unit.name}")
+        self.written.add(unit.index)
+
+    def _agree(self, error: BaseException | None, doing: str) -> None:
+        """Every rank learns whether any failed ``doing`` something (collective), and why: raise then."""
         whys = all_gather_strings(_in_a_line(error) if error is not None else "")
         if error is not None:
             raise error
         failed = next((r for r, why in enumerate(whys) if why), None)
         if failed is not None:
-            raise ExportError(f"export to {self.out_dir} failed on rank {failed} writing {unit.name}: {whys[failed]}")
-        self.written.add(unit.index)
+            raise ExportError(f"export to {self.out_dir} failed on rank {failed} {doing}: {whys[failed]}")
+
+    def _name_files_as_laid_out(self) -> None:
+        """Layers laid out when written: the plan made again from the calibrated model (the layout a resident
+        export of it has); this rank's sealed files must hold its shards' tensors, in order, and take their names
+        (collective)."""
+        error: BaseException | None = None
+        try:
+            final = build_plan(self.model, self.recipe, self.world_size, self.max_shard_bytes,
+                               self.plan.export_format, self.stored_dtype, structure_only=True)  # fmt: skip
+            mine = [s for s in final.shards if s.rank == self.rank]
+            written = [[(e.key, e.dtype, e.shape) for e in entries] for entries in self.writer.seal()]
+            if written != [[(e.key, e.dtype, e.shape) for e in s.entries] for s in mine]:
+                raise ExportError(f"rank {self.rank}'s files do not hold the tensors of the calibrated model's layout")
+            self.writer.rename([s.file for s in mine])
+            self.plan = final
+        except Exception as exc:
+            error = exc
+        self._agree(error, "naming its shard files")
 
     def finish(self, report: Any = None) -> Path:
         """All units written: rank 0 writes the metadata and moves the export into place (collective); returns
         ``out_dir``. Warns when the export rotates inputs online."""
         if not self.writer.done:
             raise RuntimeError("export plan: this rank's shards are incomplete")
+        if self.layers_laid_out_when_written:
+            self._name_files_as_laid_out()
         self.writer.close()
         outcome: tuple[str, str] | None = None
         if self.rank == 0:

@@ -288,6 +288,33 @@ def build_plan(
     )  # fmt: skip
 
 
+def laid_out_layer(
+    unit: Unit,
+    layer: nn.Module,
+    quant: dict[str, QuantModule],
+    kv_cache: dict[str, KVCacheQuantizer],
+    world_size: int,
+    export_format: ExportFormat,
+    dtype: torch.dtype | None = None,
+) -> Unit:
+    """Decoder layer ``unit`` laid out from ``layer`` as calibrated, with its quantized modules ``quant`` and KV-cache
+    quantizers ``kv_cache`` (full names): the entries, and the ranks that write them, that :func:`build_plan` gives
+    that layer of the calibrated model. A streamed run whose layers may fall back lays out each layer so, when it is
+    written (:class:`~.shards.RunningShardWriter`)."""
+    params: dict[str, torch.Tensor] = dict(layer.named_parameters(prefix=unit.name))
+    params.update({f"{unit.name}.{n}": b for n, b in stored_buffers(layer).items()})
+    fused = {
+        n: layout
+        for n, m in layer.named_modules(prefix=unit.name)
+        if (layout := fused_experts_layout(m, n, strict=False)) is not None
+    }
+    entries = _entries_for(list(params), params, quant, fused, export_format, dtype)
+    entries += [e for name in kv_cache for e in kv_cache_entries(name)]
+    laid_out = Unit(unit.index, unit.name, unit.kind, unit.module, unit.owner, entries)
+    spread_layer(laid_out, world_size)
+    return laid_out
+
+
 def unit_owner(index: int, kind: str, world_size: int) -> int:
     """The rank that writes unit ``index`` of the export (``kind``: ``"layer"``, ``"module"`` or ``"root"``): rank 0
     the root, the others round robin (``index % world_size``)."""

@@ -4,7 +4,8 @@
 loaded by :func:`shardcal.loading.streamed.load_streamed` (everything but the decoder layers, sharded), the export is
 planned from the model's structure and the recipe before anything is calibrated (:func:`~shardcal.export.export.
 plan_streamed_export`), and every decoder layer is written into the export while its step still holds it — so a rank
-never holds more than the layer in its step, the next layer's rows and the activations. :func:`streaming_refusal`
+never holds more than the layer in its step, the next layer's read and the activations. A recipe with a
+``[fallback]`` decides after a layer's step how it is stored: its layers are laid out as they are written. :func:`streaming_refusal`
 says which runs cannot stream, and why.
 """
 
@@ -35,11 +36,6 @@ def streaming_refusal(recipe: Recipe, impl: str) -> str | None:
             f"recipe {recipe.name!r} rotates the residual stream ([rotation] residual), folded into every layer's "
             "weights before the first step: that needs the whole model at once"
         )
-    if recipe.fallback is not None:
-        return (
-            f"recipe {recipe.name!r} has a [fallback], which decides after each layer's step how it is stored; a "
-            "streamed export is laid out before the run"
-        )
     return None
 
 
@@ -66,7 +62,7 @@ def calibrate_streamed(
         plan = plan_streamed_export(model, recipe, _attach, format=export_format, dtype=export_dtype)
         session = ExportSession(
             model, out_dir, recipe, overwrite=overwrite, tokenizer_dir=model_dir, format=export_format,
-            dtype=export_dtype, source=model_dir, planned=plan,
+            dtype=export_dtype, source=model_dir, planned=plan, layers_laid_out_when_written=recipe.fallback is not None,
         )  # fmt: skip
         try:
             residency.on_release(session.write_held_layer)

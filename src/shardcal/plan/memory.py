@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..algorithms.residual import PROBE_TOKENS
+from ..calib.layer_calibration import layer_copies_held
 from ..calib.passes import (
     ALGORITHM,
     OBSERVE,
@@ -173,6 +174,7 @@ def layer_steps(m: PlannedRun, i: int, rank: int, data: RankData, shards_dev: in
         PROPAGATE: (fwd_q, two),
     }
     steps = {"gather": data.split(base + m.gather_peak(unit) - m.gathered[unit], inputs)}
+    base += layer_copies_held(m.recipe) * m.gathered[unit]  # a [fallback]'s copy of the layer, taken once gathered
     for kind, (held, cache) in passes.items():
         if plan.count(kind):
             steps[kind] = data.split(base + held, cache)
