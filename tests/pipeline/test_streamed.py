@@ -62,10 +62,35 @@ def _run(model_dir: Path, data: Path, out: Path, recipe: str, stream: str, **kwa
     return [layer.sqnr_db for layer in result.report.layers]
 
 
-@pytest.mark.parametrize("recipe", ["fp8-dynamic-kv", "w8a8-int8-sq", "w4a16-gptq-rot", "nvfp4-sq-gptq", "w4a16-awq"])
+AUTOROUND = """name = "autoround"
+[weight]
+format = "int4"
+granularity = "group"
+group_size = 32
+[algorithm]
+name = "autoround"
+iters = 4
+"""
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "fp8-dynamic-kv",
+        "w8a8-int8-sq",
+        "w4a16-gptq-rot",
+        "nvfp4-sq-gptq",
+        "w4a16-awq",
+        pytest.param(AUTOROUND, id="autoround"),
+    ],
+)
 def test_streamed_export_is_the_resident_export(model_and_data, tmp_path, recipe):
-    """Observers, SmoothQuant, GPTQ, AWQ, online rotations, the KV cache: the same files, the same SQNRs."""
+    """Observers, SmoothQuant, GPTQ, AWQ, AutoRound, online rotations, the KV cache: the same files, the same
+    SQNRs."""
     model_dir, data = model_and_data
+    if recipe == AUTOROUND:
+        (tmp_path / "autoround.toml").write_text(recipe)
+        recipe = str(tmp_path / "autoround.toml")
     resident = _run(model_dir, data, tmp_path / "resident", recipe, "off")
     streamed = _run(model_dir, data, tmp_path / "streamed", recipe, "on")
     assert streamed == resident
