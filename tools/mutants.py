@@ -206,6 +206,22 @@ CATALOGUE: list[Mutant] = [
         tests=("tests/pipeline/test_streamed.py",),
     ),
     Mutant(
+        "leave-at-exit-without-barrier",
+        "runtime/distributed.py",
+        "        if wait:\n            barrier()\n",
+        "        pass\n",
+        "a rank leaving its torchrun group at exit does not wait for the others before destroying it",
+        tests=("tests/runtime/test_distributed_plumbing.py",),
+    ),
+    Mutant(
+        "leave-at-exit-waits-after-exception",
+        "runtime/distributed.py",
+        '        leave_together(wait=getattr(sys, "last_value", None) is None)\n',
+        "        leave_together(wait=True)\n",
+        "a rank that raised waits at exit for peers that may never come",
+        tests=("tests/runtime/test_distributed_plumbing.py",),
+    ),
+    Mutant(
         "stream-resume-skips-weights",
         "calib/runner.py",
         '            restore_weights(model, {n: p for n, p in resume.weights.items() if n.startswith(f"{names[i]}.")})\n',

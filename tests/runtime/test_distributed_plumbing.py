@@ -167,3 +167,58 @@ def test_a_one_process_group_leaves_the_environment_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "(0, 1) (0, 1) []"
+
+
+_LEAVING = """
+import atexit, os, sys, time
+import torch.distributed as dist
+
+rank, out, raising, sleeping = int(os.environ["RANK"]), sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+def record():  # registered first, so it runs last: after shardcal's handler
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{dist.is_initialized()} {time.time()}")
+
+
+atexit.register(record)
+from shardcal.runtime.distributed import init_distributed
+
+init_distributed()
+with open(f"{out}.{rank}.joined", "w") as f:
+    f.write(str(time.time()))
+if rank == sleeping:  # registered after shardcal's handler, so it runs before it: this rank comes late
+    atexit.register(time.sleep, 3)
+if rank == raising:
+    raise RuntimeError("failed on purpose")
+"""
+
+
+@pytest.mark.parametrize(("raising", "sleeping"), [(-1, 1), (1, 0)], ids=["clean-exit", "a-rank-raised"])
+def test_a_group_formed_under_torchrun_is_left_together_at_exit(tmp_path, raising, sleeping):
+    """Under torchrun, the group shardcal formed is destroyed at exit, before the interpreter's teardown (which
+    aborts a rank whose gloo threads still run): after a barrier on a clean exit (rank 0 waits for rank 1, 3 s
+    late), with none after an uncaught exception (rank 1 raised and leaves while rank 0 is still 3 s away; torchrun
+    then stops rank 0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "job.py").write_text(_LEAVING)
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"SHARDCAL_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    argv = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(tmp_path / "job.py"), str(tmp_path / "left")]
+    done = subprocess.run([*argv, str(raising), str(sleeping)], capture_output=True, text=True, timeout=300, env=env)
+    assert (done.returncode != 0) == (raising >= 0), done.stderr[-3000:]
+    assert "failed on purpose" in done.stderr or raising < 0
+    assert "SIGABRT" not in done.stderr and "terminate called" not in done.stderr, done.stderr[-3000:]
+    joined = [float((tmp_path / f"left.{r}.joined").read_text()) for r in (0, 1)]
+    if raising < 0:
+        left = [(tmp_path / f"left.{r}").read_text().split() for r in (0, 1)]
+        assert [initialized for initialized, _ in left] == ["False", "False"]  # destroyed before the teardown
+        assert float(left[0][1]) >= joined[1] + 3  # rank 0 waited at the barrier for rank 1
+    else:
+        initialized, at = (tmp_path / "left.1").read_text().split()
+        assert initialized == "False" and float(at) < joined[0] + 2  # rank 1 did not wait for rank 0

@@ -111,13 +111,12 @@ def run_ranks(
         check(args)  # here, before any rank starts
         launch(job, args.nproc_per_node, payload)
     else:
-        from ..runtime.distributed import barrier, destroy_distributed, is_initialized
+        from ..runtime.distributed import is_initialized, leave_together
 
         joined_here = under_torchrun and not is_initialized()  # a caller's own group stays the caller's
         job(payload)
-        if joined_here:  # leave the group together: a rank tearing gloo down while another still talks aborts
-            barrier()
-            destroy_distributed()
+        if joined_here:
+            leave_together()
     return 0
 
 

@@ -15,9 +15,12 @@ Every function works without a process group (one process): collectives are then
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,7 +89,32 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     else:  # one process: its own store on a port it binds itself; the environment stays as it was
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=collective_timeout())
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=collective_timeout())
+    atexit.register(leave_at_exit, dist.group.WORLD)
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_at_exit(formed: Any) -> None:
+    """At the exit of a process whose default group shardcal formed (``formed``): leave it together — a barrier,
+    then destroy it — before the interpreter's teardown, which destroys gloo's threads while they run, or while a
+    peer still talks to them, and ends a finished rank with SIGABRT. After an uncaught exception (``sys.last_value``)
+    nothing waits for the peers, which may never come; the group is destroyed all the same. A group left already
+    (the CLI leaves together itself), or another than ``formed``, is left alone."""
+    if not is_initialized() or dist.group.WORLD is not formed:
+        return
+    with contextlib.suppress(Exception):  # a peer gone: nothing to wait for
+        leave_together(wait=getattr(sys, "last_value", None) is None)
+
+
+def leave_together(wait: bool = True) -> None:
+    """Leave the default group (no-op without one): with ``wait``, once every rank gets here (a rank tearing gloo
+    down while another still talks to it aborts)."""
+    if not is_initialized():
+        return
+    try:
+        if wait:
+            barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def destroy_distributed() -> None:
