@@ -360,7 +360,10 @@ class ExportSession:
             mine = [s for s in final.shards if s.rank == self.rank]
             written = [[(e.key, e.dtype, e.shape) for e in entries] for entries in self.writer.seal()]
             if written != [[(e.key, e.dtype, e.shape) for e in s.entries] for s in mine]:
-                raise ExportError(f"rank {self.rank}'s files do not hold the tensors of the calibrated model's layout")
+                raise ExportError(
+                    f"rank {self.rank}'s shard files, laid out layer by layer, do not hold the tensors of the calibrated "
+                    "model's layout (a shardcal bug: please report it)"
+                )
             self.writer.rename([s.file for s in mine])
             self.plan = final
         except Exception as exc:
