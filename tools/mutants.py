@@ -208,7 +208,7 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "leave-at-exit-without-barrier",
         "runtime/distributed.py",
-        "        if wait:\n            barrier()\n",
+        "        if wait:\n            barrier()  # a no-op without a group of several ranks\n",
         "        pass\n",
         "a rank leaving its torchrun group at exit does not wait for the others before destroying it",
         tests=("tests/runtime/test_distributed_plumbing.py",),

@@ -164,7 +164,8 @@ class RunningShardWriter:
         _check_planned(entry, tensor)
         if self._fd is not None and self._size + entry.nbytes > self.max_shard_bytes:
             self._seal_open_file()
-        path = self._part(len(self.files) - (self._fd is not None), "data")
+        k = len(self.files) if self._fd is None else len(self.files) - 1  # the next file, or the open one
+        path = self._part(k, "data")
         try:
             if self._fd is None:  # the next file begins
                 self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)

@@ -5,8 +5,8 @@ loaded by :func:`shardcal.loading.streamed.load_streamed` (everything but the de
 planned from the model's structure and the recipe before anything is calibrated (:func:`~shardcal.export.export.
 plan_streamed_export`), and every decoder layer is written into the export while its step still holds it — so a rank
 never holds more than the layer in its step, the next layer's read and the activations. A recipe with a
-``[fallback]`` decides after a layer's step how it is stored: its layers are laid out as they are written. :func:`streaming_refusal`
-says which runs cannot stream, and why.
+``[fallback]`` decides after a layer's step how it is stored: its layers are laid out as they are written.
+:func:`streaming_refusal` says which runs cannot stream, and why.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def calibrate_streamed(
         plan = plan_streamed_export(model, recipe, _attach, format=export_format, dtype=export_dtype)
         session = ExportSession(
             model, out_dir, recipe, overwrite=overwrite, tokenizer_dir=model_dir, format=export_format,
-            dtype=export_dtype, source=model_dir, planned=plan, layers_laid_out_when_written=recipe.fallback is not None,
+            dtype=export_dtype, source=model_dir, planned=plan,
+            layers_laid_out_when_written=recipe.fallback is not None,
         )  # fmt: skip
         try:
             residency.on_release(session.write_held_layer)

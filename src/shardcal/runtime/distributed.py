@@ -106,15 +106,13 @@ def leave_at_exit(formed: Any) -> None:
 
 
 def leave_together(wait: bool = True) -> None:
-    """Leave the default group (no-op without one): with ``wait``, once every rank gets here (a rank tearing gloo
-    down while another still talks to it aborts)."""
-    if not is_initialized():
-        return
+    """:func:`destroy_distributed`, with ``wait`` once every rank gets here (a rank tearing gloo down while another
+    still talks to it aborts)."""
     try:
         if wait:
-            barrier()
+            barrier()  # a no-op without a group of several ranks
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def destroy_distributed() -> None:
