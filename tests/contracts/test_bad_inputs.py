@@ -1094,6 +1094,36 @@ def _(env: Env):
 
 
 @case(
+    "out-export-edited",
+    "--out an earlier export whose config.json the user edited (same size), with --overwrite",
+    ExportError,
+    "'config.json' was changed after shardcal wrote it (its content differs from what was written)",
+)
+def _(env: Env):
+    import hashlib
+
+    env.out.mkdir()
+    (env.out / "config.json").write_text("{}")
+    digest = hashlib.sha256(b"{}").hexdigest()
+    manifest = {"files": {"config.json": 2}, "sha256": {"config.json": digest}}
+    (env.out / "shardcal_export.json").write_text(json.dumps(manifest))
+    (env.out / "config.json").write_text("[]")
+    return env.calibrate("--overwrite"), str(env.out)
+
+
+@case(
+    "out-only-a-plot",
+    "--out a directory holding only a file named like shardcal's SQNR plot (no manifest), with --overwrite",
+    ExportError,
+    "holds 'calibration_sqnr.png', which shardcal did not write",
+)
+def _(env: Env):
+    env.out.mkdir()
+    (env.out / "calibration_sqnr.png").write_bytes(b"a user's picture")
+    return env.calibrate("--overwrite"), str(env.out)
+
+
+@case(
     "out-earlier-export",
     "--out an earlier export, without --overwrite",
     ExportError,

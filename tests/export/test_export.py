@@ -588,6 +588,61 @@ def test_a_file_added_during_the_export_stops_the_swap(exported, tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_directory_holding_only_a_plot_is_not_an_earlier_export(exported, tmp_path):
+    """A file named like the plot shardcal adds beside an export, alone and with no manifest, is the user's."""
+    model, _ = exported("fp8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "calibration_sqnr.png").write_bytes(b"a user's picture")
+    with pytest.raises(ExportError, match="holds 'calibration_sqnr.png', which shardcal did not write"):
+        export_checkpoint(model, out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["calibration_sqnr.png"]
+    assert (out / "calibration_sqnr.png").read_bytes() == b"a user's picture"
+
+
+@pytest.mark.parametrize("edit", ["same-size", "longer"])
+def test_an_earlier_export_a_user_edited_is_not_replaced(exported, tmp_path, edit):
+    """config.json of an earlier export edited (a value changed at the same length, or a key added): ``overwrite``
+    refuses, naming the file, and the edit stays."""
+    model, _ = exported("fp8")
+    out = tmp_path / "out"
+    export_checkpoint(model, out)
+    text = (out / "config.json").read_text()
+    edited = text.replace('"hidden_act": "silu"', '"hidden_act": "gelu"') if edit == "same-size" else text + " "
+    assert edited != text and (len(edited) == len(text)) == (edit == "same-size")
+    (out / "config.json").write_text(edited)
+    with pytest.raises(ExportError, match=r"out: 'config.json' was changed after shardcal wrote it"):
+        export_checkpoint(model, out, overwrite=True)
+    with pytest.raises(ExportError, match=r"'config.json' was changed after shardcal wrote it"):
+        check_destination(out, overwrite=True)
+    assert (out / "config.json").read_text() == edited
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_failed_final_rename_keeps_the_earlier_export(exported, tmp_path, monkeypatch):
+    """The finished export cannot be renamed into place (a full disk): the earlier export is where it was, byte for
+    byte, the error names the destination, and no staging or old copy is left."""
+    import errno
+    import os
+
+    model, _ = exported("fp8")
+    out = tmp_path / "out"
+    export_checkpoint(model, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".out.tmp-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(ExportError, match=rf"^{out}: cannot move the finished export into place \(No space left"):
+        export_checkpoint(model, out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_interrupted_export_leaves_nothing(exported, tmp_path):
     model, _ = exported("w8a8-int8")
     with pytest.raises(ExportInterrupted), fail_export_at(1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -523,6 +524,99 @@ def test_import_refuses_a_non_empty_out_dir_and_cache_reimports_when_stale(tmp_p
     with open(out / "model.safetensors", "ab") as handle:  # a damaged file is noticed
         handle.write(b"\0")
     assert not is_valid_import(out, gguf_file)
+
+
+def test_a_file_appearing_during_the_import_stops_it(tmp_path, monkeypatch):
+    """The destination is checked again just before the import replaces it: a user's file that appeared meanwhile
+    stops it (with ``overwrite``), and so does an earlier import that appeared in an absent destination without it;
+    nothing is deleted, no temporary directory is left."""
+    pytest.importorskip("gguf")
+    from shardcal.io.gguf import import_gguf, importer
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="F32")
+    earlier = import_gguf(gguf_file, tmp_path / "earlier", dtype="float32")
+    out = tmp_path / "out"
+    import_gguf(gguf_file, out, dtype="float32")
+    real = importer.hf_weights
+    meanwhile: list = []
+
+    def read_then_someone_writes(*args, **kwargs):
+        weights = real(*args, **kwargs)
+        meanwhile.pop()()
+        return weights
+
+    monkeypatch.setattr(importer, "hf_weights", read_then_someone_writes)
+    meanwhile.append(lambda: (out / "notes.txt").write_text("written meanwhile"))
+    with pytest.raises(ExportError, match="holds 'notes.txt', which shardcal did not write"):
+        import_gguf(gguf_file, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "written meanwhile" and (out / "config.json").is_file()
+    fresh = tmp_path / "fresh"
+    meanwhile.append(lambda: shutil.copytree(earlier, fresh))
+    with pytest.raises(ExportError, match=r"fresh: holds an earlier shardcal output \(pass --overwrite to replace"):
+        import_gguf(gguf_file, fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "fresh", "out", "tiny.gguf"]
+
+
+def test_a_failed_final_rename_keeps_the_earlier_import(tmp_path, monkeypatch):
+    """``import-gguf --overwrite`` whose last rename fails (a full disk): the earlier import is back in ``OUT``, byte
+    for byte and still valid, a shardcal error names ``OUT`` (the command's one line), nothing is left beside it."""
+    import errno
+    import os
+
+    pytest.importorskip("gguf")
+    from shardcal.cli import main as cli
+    from shardcal.io.gguf import import_gguf, is_valid_import
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="F32")
+    out = import_gguf(gguf_file, tmp_path / "out", dtype="float32")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".out.tmp-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(ExportError, match=rf"^{out}: cannot move the finished import into place \(No space left"):
+        import_gguf(gguf_file, out, overwrite=True, dtype="float32")
+    assert cli.main(["import-gguf", str(gguf_file), str(out), "--overwrite", "--dtype", "float32"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and is_valid_import(out, gguf_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
+
+
+def test_an_import_is_valid_only_in_the_dtype_its_manifest_names(tmp_path):
+    """A bf16 import is no float32 one; a manifest that lost its dtype is an import of no dtype."""
+    pytest.importorskip("gguf")
+    from shardcal.io.gguf import import_gguf, is_valid_import
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="F32")
+    out = import_gguf(gguf_file, tmp_path / "out")
+    assert json.loads((out / "shardcal_import.json").read_text())["dtype"] == "bfloat16"
+    assert is_valid_import(out, gguf_file, "bfloat16") and not is_valid_import(out, gguf_file, "float32")
+    manifest = json.loads((out / "shardcal_import.json").read_text())
+    del manifest["dtype"]
+    (out / "shardcal_import.json").write_text(json.dumps(manifest))
+    assert not any(is_valid_import(out, gguf_file, dtype) for dtype in ("bfloat16", "float16", "float32"))
+
+
+def test_an_edited_import_is_not_replaced_but_the_cache_repairs_itself(tmp_path):
+    """An earlier import whose config.json a user edited at the same length: ``overwrite`` refuses, naming the file;
+    it is no valid import, and the cache (its own directory) imports it again."""
+    pytest.importorskip("gguf")
+    from shardcal.io.gguf import import_gguf, import_gguf_cached, is_valid_import
+
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict(), quant="F32")
+    out = import_gguf(gguf_file, tmp_path / "out", dtype="float32")
+    text = (out / "config.json").read_text()
+    edited = text.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 2e-05')
+    assert edited != text and len(edited) == len(text)
+    (out / "config.json").write_text(edited)
+    with pytest.raises(ExportError, match=r"out: 'config.json' was changed after shardcal wrote it"):
+        import_gguf(gguf_file, out, overwrite=True, dtype="float32")
+    assert (out / "config.json").read_text() == edited and not is_valid_import(out, gguf_file)
+    import_gguf_cached(gguf_file, out)
+    assert (out / "config.json").read_text() == text and is_valid_import(out, gguf_file)
 
 
 # ---------------------------------------------------------------------------------------------- the embedded model

@@ -39,8 +39,31 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, root / "ids.npy"
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in TIMED}
+def _without_seconds(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_seconds(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_seconds(v) for v in value]
+    return value
+
+
+def _files(folder: Path) -> dict[str, tuple[int, Any]]:
+    """Every file of an export with its permissions, and its bytes — but for the timed ones: the report without its
+    times, the manifest without the report's size and digest, the plot (matplotlib's bytes) only as there."""
+    out: dict[str, tuple[int, Any]] = {}
+    for path in sorted(folder.iterdir()):
+        if path.name == TIMED[0]:
+            content: Any = _without_seconds(json.loads(path.read_text()))
+        elif path.name == TIMED[2]:
+            content = json.loads(path.read_text())
+            content = {k: {n: v for n, v in sub.items() if n != TIMED[0]} if isinstance(sub, dict) else sub
+                       for k, sub in content.items()}  # fmt: skip
+        elif path.name == TIMED[1]:
+            content = "a plot"
+        else:
+            content = path.read_bytes()
+        out[path.name] = (path.stat().st_mode & 0o777, content)
+    return out
 
 
 def _tensors(folder: Path) -> dict[str, tuple[str, bytes]]:
@@ -176,8 +199,25 @@ def test_auto_streams_when_the_resident_run_does_not_fit(model_and_data, tmp_pat
         _run(model_dir, data, tmp_path / "auto", "fp8", "auto")
     assert _files(tmp_path / "auto") == _files(tmp_path / "resident")
     monkeypatch.setattr(planner, "local_budget", lambda device: planner.Budget(None, need[True] // 2))
-    with pytest.raises(InsufficientMemoryError):  # neither fits: the resident refusal, unchanged
+    with pytest.raises(InsufficientMemoryError) as neither:  # neither fits: the resident refusal, unchanged
         _run(model_dir, data, tmp_path / "neither", "fp8", "auto")
+    assert "streaming cannot help" not in str(neither.value) and not (tmp_path / "neither").exists()
+
+
+def test_auto_keeps_the_refusal_of_a_run_that_cannot_stream(model_and_data, tmp_path, monkeypatch):
+    """The resident run does not fit, and the run cannot stream (the residual rotation): auto refuses before loading
+    with the planner's message and the reason streaming cannot help — it does not try to stream."""
+    from shardcal.plan import planner
+
+    model_dir, data = model_and_data
+    (tmp_path / "res.toml").write_text(RESIDUAL)
+    ids_shape = tuple(np.load(data).shape)
+    settings = planner.PlanSettings(num_samples=ids_shape[0], seq_len=ids_shape[1], streamed=True)
+    streamed_need = planner.plan_source(planner.read_source(model_dir), _recipe("fp8"), settings, model_dir)
+    monkeypatch.setattr(planner, "local_budget", lambda device: planner.Budget(None, streamed_need.ranks[0].required))
+    with pytest.raises(InsufficientMemoryError, match=r"; streaming cannot help: recipe 'res' rotates the residual"):
+        _run(model_dir, data, tmp_path / "out", str(tmp_path / "res.toml"), "auto")
+    assert not (tmp_path / "out").exists()
 
 
 def _recipe(name: str):
@@ -460,6 +500,37 @@ def test_a_streamed_checkpoint_and_a_resident_one_are_not_each_others(model_and_
             _run(model_dir, data, tmp_path / f"b-{first}", "fp8", second, options=options)
 
 
+def test_a_streamed_checkpoint_is_not_resumed_after_a_model_file_is_rewritten(tmp_path):
+    """Stopped after 2 of 4 layers; then model.safetensors is written again with other decoder-layer weights of the
+    same shapes (the same size, a later modification time, as any rewrite has): the resume is refused, naming the
+    model files, and nothing is exported."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from shardcal.errors import CalibrationCheckpointError
+
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=3, num_hidden_layers=4)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(4).integers(0, 256, size=(8, 16)))
+    (tmp_path / "run").mkdir()
+    args = (str(model_dir), str(data), str(tmp_path / "run" / "out"), "fp8", str(tmp_path / "ckpt"))
+    assert _resumable(*args, 2)["stopped"]
+    path = model_dir / "model.safetensors"
+    size, stamp = path.stat().st_size, path.stat().st_mtime_ns
+    weights = load_file(str(path))
+    weights["model.layers.3.mlp.down_proj.weight"] *= 2
+    save_file(weights, str(path), metadata={"format": "pt"})
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))  # a rewrite a second later (coarse clocks: not the same tick)
+    assert path.stat().st_size == size
+    with pytest.raises(
+        CalibrationCheckpointError,
+        match=r"checkpoint is from a different set of model files \(the decoder layers. names, sizes and modification",
+    ):
+        _resumable(*args, None)
+    assert _leftovers(tmp_path / "run") == []
+
+
 # ---------------------------------------------------------------------------- [fallback]
 
 W8A8 = 'name = "w8a8"\n[weight]\nformat = "int8"\ngranularity = "channel"\n[input]\nformat = "int8"\n'
@@ -538,6 +609,48 @@ def test_a_streamed_run_whose_layer_falls_back_exports_the_resident_files(sensit
     assert not [p for p in (tmp_path / "streamed").iterdir() if p.name.startswith(".")]
 
 
+FALLBACK_WITH = {
+    "kv-cache": ({}, '[kv_cache]\nformat = "fp8_e4m3"\n'),
+    "export-dtype": ({"export_dtype": "bfloat16"}, ""),
+}
+
+
+@pytest.mark.parametrize("combined", list(FALLBACK_WITH))
+def test_a_streamed_fallback_with_a_kv_cache_or_an_export_dtype_is_the_resident_export(
+    sensitive_layer, tmp_path, combined
+):
+    """A [fallback] recipe with a [kv_cache] (the fallen-back layer keeps its KV-cache scales), or exported in bf16:
+    streamed in files of at most 20 KB, the resident run's files, permissions, report and manifest; the run's
+    umask is honoured by every file and the directory."""
+    import os
+
+    model_dir, data, floor = sensitive_layer
+    kwargs, extra = FALLBACK_WITH[combined]
+    (tmp_path / "r.toml").write_text(W8A8 + extra + FALLBACKS["int8-weight-only"].format(floor=floor))
+    recipe = str(tmp_path / "r.toml")
+    old = os.umask(0o027)
+    try:
+        with _with_shard_size(20_000):
+            results = {
+                stream: pipeline_calibrate.calibrate_to_checkpoint(
+                    model_dir, tmp_path / stream, recipe, data=data, stream=stream, **kwargs
+                )
+                for stream in ("off", "on")
+            }
+    finally:
+        os.umask(old)
+    assert [r.report.fallback_layers for r in results.values()] == [["model.layers.1"]] * 2
+    files = _files(tmp_path / "on")
+    assert files == _files(tmp_path / "off") and len([f for f in files if f.endswith(".safetensors")]) > 5
+    assert {mode for mode, _ in files.values()} == {0o640} and (tmp_path / "on").stat().st_mode & 0o777 == 0o750
+    if combined == "kv-cache":
+        scales = [k for k in _tensors(tmp_path / "on") if k.endswith((".k_scale", ".v_scale"))]
+        assert {k.split(".")[2] for k in scales} == {"0", "1", "2"}
+    else:
+        stored = {dtype for key, (dtype, _) in _tensors(tmp_path / "on").items() if key.endswith("norm.weight")}
+        assert stored == {"torch.bfloat16"}
+
+
 def test_two_ranks_streaming_a_layer_that_falls_back_export_the_resident_files(sensitive_layer, tmp_path):
     """2 ranks, small files: each rank lays out and seals its own files as the layers come; the 2-rank resident
     run's files, and the 1-rank run's tensors."""
@@ -590,17 +703,19 @@ def test_a_stopped_streamed_run_resumes_its_fallback_layer(sensitive_layer, tmp_
     assert _tensors(tmp_path / "run" / "out") == _tensors(tmp_path / "full" / "out")
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
-def test_plan_of_a_fallback_recipe_holds_one_more_copy_of_the_layer(sensitive_layer, tmp_path, streamed):
+def test_plan_of_a_fallback_recipe_holds_one_more_copy_of_the_layer(sensitive_layer, tmp_path, streamed, world_size):
     """A [fallback] keeps a copy of the layer as it came through its step (to put back when it falls back): the
-    planned layers phase is the plain recipe's and one layer more (its bytes from the file's header)."""
+    planned layers phase is the plain recipe's and one whole layer more (its bytes from the file's header), on every
+    rank of one or two (the copy is of the gathered layer, not of a rank's rows)."""
     from shardcal.calib.recipes import load_recipe
     from shardcal.plan import planner
 
     model_dir, _, floor = sensitive_layer
 
     def layers_phase(recipe: str) -> int:
-        settings = planner.PlanSettings(num_samples=6, seq_len=16, streamed=streamed)
+        settings = planner.PlanSettings(world_size=world_size, num_samples=6, seq_len=16, streamed=streamed)
         plan = planner.plan_source(planner.read_source(model_dir), load_recipe(recipe), settings, model_dir)
         return plan.ranks[0].phases["layers"]
 
@@ -608,3 +723,34 @@ def test_plan_of_a_fallback_recipe_holds_one_more_copy_of_the_layer(sensitive_la
     one_layer = _layer_bytes_on_disk(model_dir) // 3
     with_copy = layers_phase(_fallback_recipe(tmp_path, "full-precision", floor))
     assert with_copy - layers_phase(str(tmp_path / "w8a8.toml")) == one_layer
+
+
+def test_plan_of_a_streamed_run_holds_a_layers_largest_encoding_during_the_layers(model_and_data, monkeypatch):
+    """A streamed layer is encoded for export at the end of its step: its largest Linear's encoding (the weight's
+    element count from the file's header, times the bytes per element encoding takes) is held in the layers phase of
+    a streamed run, and not in a resident run's (whose export encodes later). Made large here, it is the only
+    difference."""
+    from shardcal.plan import planner, quantizers
+
+    model_dir, _ = model_and_data
+    raw = (model_dir / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    largest = max(
+        int(np.prod(entry["shape"]))
+        for key, entry in header.items()
+        if key.startswith("model.layers.") and key.endswith("proj.weight")
+    )
+
+    def layers_phase(streamed: bool) -> int:
+        settings = planner.PlanSettings(world_size=2, num_samples=6, seq_len=16, streamed=streamed)
+        return (
+            planner.plan_source(planner.read_source(model_dir), _recipe("fp8"), settings, model_dir)
+            .ranks[0]
+            .phases["layers"]
+        )
+
+    before = {streamed: layers_phase(streamed) for streamed in (False, True)}
+    monkeypatch.setitem(quantizers.ENCODE_BYTES, "fp8", quantizers.ENCODE_BYTES["fp8"] + 1000)
+    after = {streamed: layers_phase(streamed) for streamed in (False, True)}
+    assert after[False] == before[False]
+    assert after[True] - before[True] == 1000 * largest

@@ -121,6 +121,17 @@ def test_unshared_ranges_names_the_groups_vllm_would_compute_otherwise():
     assert unshared_ranges({**quantizers, "l.self_attn.v_proj": None}, "weight") == []  # two members left, equal
 
 
+def test_unshared_ranges_sees_ranges_one_ulp_apart():
+    """vLLM computes a fused layer with one global scale: q/k/v ranges that differ in the last bit (far inside
+    ``allclose``'s tolerance) are not one range, and are named."""
+    one = torch.tensor(1.0)
+    next_up = torch.nextafter(one, torch.tensor(2.0))
+    assert next_up != one and torch.allclose(next_up, one)
+    quantizers = {f"l.self_attn.{p}_proj": _quantizer(FP8_TENSOR, 1.0) for p in "qkv"}
+    quantizers["l.self_attn.k_proj"].set_amax(next_up.reshape(1))
+    assert unshared_ranges(quantizers, "weight") == [["l.self_attn.q_proj", "l.self_attn.k_proj", "l.self_attn.v_proj"]]
+
+
 def test_mixed_schemes_are_groups_whose_members_differ():
     a, b = ("int8", "channel"), ("int4", "group")
     schemes = {

@@ -222,3 +222,52 @@ def test_a_group_formed_under_torchrun_is_left_together_at_exit(tmp_path, raisin
     else:
         initialized, at = (tmp_path / "left.1").read_text().split()
         assert initialized == "False" and float(at) < joined[0] + 2  # rank 1 did not wait for rank 0
+
+
+def test_leave_together_destroys_the_group_when_the_barrier_raises(monkeypatch):
+    """A barrier that fails (a peer gone) still leaves the group destroyed, not to the interpreter's teardown, and
+    the failure comes through."""
+    import torch.distributed as dist
+
+    from _dist import restored_process_group
+
+    with restored_process_group():
+        distributed.init_distributed()
+        assert dist.is_initialized()
+
+        def barrier(*args, **kwargs):
+            raise RuntimeError("peer gone")
+
+        monkeypatch.setattr(distributed, "barrier", barrier)
+        with pytest.raises(RuntimeError, match="peer gone"):
+            distributed.leave_together()
+        assert not dist.is_initialized()
+
+
+def _cli_in_the_callers_group(model_dir: str, data: str, out: str) -> list[float]:
+    """On a rank of a group the caller (the test pool) formed, under torchrun's variables: the calibrate command,
+    then a collective on the caller's group, which must still be there."""
+    import torch.distributed as dist
+
+    from shardcal.cli.main import main
+
+    group = dist.group.WORLD
+    status = main(["calibrate", model_dir, "--recipe", "fp8", "--out", out, "--data", data, "--num-samples", "4"])
+    assert status == 0 and dist.is_initialized() and dist.group.WORLD is group
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return [value.item()]
+
+
+def test_a_command_run_inside_the_callers_group_leaves_it_usable(tmp_path):
+    """A command run inside a process group its caller formed (torchrun's variables set) leaves that group alone:
+    it is the caller's to use after and to destroy."""
+    import numpy as np
+
+    from _dist import run_on_ranks
+    from _tiny_models import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=1)
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, size=(4, 16)))
+    got = run_on_ranks(2, _cli_in_the_callers_group, str(model_dir), str(tmp_path / "ids.npy"), str(tmp_path / "out"))
+    assert got == [[3.0], [3.0]] and (tmp_path / "out" / "config.json").is_file()

@@ -81,7 +81,7 @@ class CalibrationCheckpoint(LayerCheckpoint):
     LABELS = {
         "layers": "way of holding the decoder layers (streamed from disk, or resident)",
         "model": "model (config or parameter shapes)",
-        "model_files": "model files (the decoder layers' names, sizes and modification times)",
+        "model_files": "set of model files (the decoder layers' names, sizes and modification times)",
         "model_weights": "model weights",
         "recipe": "recipe",
         "data": "data or batching",

@@ -82,8 +82,8 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace OUT_DIR when it holds an earlier shardcal export (a directory holding any other file is "
-        "never replaced)",
+        help="replace OUT_DIR when it holds an earlier shardcal export, none of its files edited since (a directory "
+        "holding any other file, or an edited export, is never replaced)",
     )
     parser.add_argument(
         "--force",

@@ -18,7 +18,8 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace OUT_DIR when it holds an earlier import (a directory holding any other file is never replaced)",
+        help="replace OUT_DIR when it holds an earlier import, none of its files edited since (a directory holding "
+        "any other file, or an edited import, is never replaced)",
     )
     parser.add_argument(
         "--dtype",

@@ -14,13 +14,12 @@ import os
 import shutil
 import socket
 import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
 from ..calib.report import SQNR_PLOT_NAME
 from ..errors import ExportError
-from ..runtime.fsutil import check_creatable, check_replaceable, umask
+from ..runtime.fsutil import check_creatable, check_replaceable, swap_dir_into_place, umask
 
 #: Written last into every export: the files it holds. ``overwrite`` replaces only a directory it describes.
 MANIFEST_NAME = "shardcal_export.json"
@@ -116,24 +115,7 @@ def _alive(pid: int) -> bool:
 
 
 def swap_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
-    """Rename ``staging`` to ``out_dir``; an existing ``out_dir`` is renamed away first and deleted after."""
+    """Check ``out_dir`` once more (a file a user put there meanwhile stops it), then move ``staging`` there
+    (:func:`~shardcal.runtime.fsutil.swap_dir_into_place`: an earlier export is put back if that fails)."""
     _check_destination(out_dir, overwrite)
-    old = None
-    try:
-        if out_dir.exists():
-            if any(out_dir.iterdir()):
-                old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-                os.rename(out_dir, old)
-            else:
-                out_dir.rmdir()
-        try:
-            os.rename(staging, out_dir)
-        except OSError:
-            if old is not None:
-                os.rename(old, out_dir)
-                old = None
-            raise
-    except OSError as exc:
-        raise ExportError(f"{out_dir}: cannot move the finished export into place ({_describe(exc)})") from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    swap_dir_into_place(staging, out_dir, ExportError, "export")

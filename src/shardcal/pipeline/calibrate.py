@@ -217,7 +217,7 @@ def _streaming_decision(
 ) -> tuple[bool, list[float] | None]:
     """Whether this run streams (``stream``: auto / on / off), and every rank's predicted peak growth (MiB) of the
     run chosen (None unchecked). ``auto`` streams when the planner refuses the resident run and the run can stream;
-    a run that cannot stream keeps the planner's refusal (collective)."""
+    a run that cannot stream keeps the planner's refusal, which then says why it cannot stream (collective)."""
     refusal = streaming_refusal(inputs.recipe, inputs.impl)
     if stream == "on" and refusal is not None:
         raise UsageError(f"{input_name(input_names, 'stream')} on: cannot stream this run: {refusal}")
@@ -231,8 +231,10 @@ def _streaming_decision(
             model_dir, inputs.recipe, data_shape, options, shard_root, cpu_offload, inputs.impl
         )
     except InsufficientMemoryError as resident:
-        if stream == "off" or refusal is not None:
+        if stream == "off":
             raise
+        if refusal is not None:
+            raise InsufficientMemoryError(f"{resident}; streaming cannot help: {refusal}") from None
         try:
             planned = _refuse_before_loading(
                 model_dir, inputs.recipe, data_shape, options, shard_root, cpu_offload, inputs.impl, streamed=True

@@ -93,13 +93,44 @@ def remove_manifested_dir(folder: str | Path, manifest: str, own: re.Pattern[str
     return freed
 
 
+#: Files up to this size are recorded in a manifest with their SHA-256 as well as their size, so that an edit that
+#: keeps the size (a changed number in config.json) is seen too; larger ones (weight shards) by their size only, so
+#: that checking a large output does not read it all again.
+HASHED_FILE_BYTES = 64 * 2**20
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as hex."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def write_manifest(folder: Path, manifest: str, **fields: object) -> None:
     """Write ``folder/manifest`` (JSON, atomically): ``fields`` plus ``files``, every file now in ``folder`` with
-    its size — what :func:`foreign_entry` later recognises as written by shardcal."""
+    its size, and ``sha256``, the digest of each of them up to :data:`HASHED_FILE_BYTES` — what :func:`foreign_entry`
+    later recognises as written by shardcal, and :func:`changed_entry` as changed since."""
     import json
 
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != manifest}
-    atomic_write_text(folder / manifest, json.dumps({**fields, "files": files}, indent=1) + "\n")
+    paths = [p for p in sorted(folder.iterdir()) if p.is_file() and p.name != manifest]
+    files = {p.name: p.stat().st_size for p in paths}
+    digests = {p.name: file_sha256(p) for p in paths if files[p.name] <= HASHED_FILE_BYTES}
+    atomic_write_text(folder / manifest, json.dumps({**fields, "files": files, "sha256": digests}, indent=1) + "\n")
+
+
+def _listed(folder: Path, manifest: str) -> dict | None:
+    """The JSON object of ``folder/manifest`` when it is readable and lists its files; None otherwise."""
+    import json
+
+    try:
+        record = json.loads((folder / manifest).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("files"), dict) else None
 
 
 def foreign_entry(folder: Path, manifest: str, extras: Container[str] = ()) -> str | None:
@@ -109,16 +140,9 @@ def foreign_entry(folder: Path, manifest: str, extras: Container[str] = ()) -> s
     shardcal adds beside them, e.g. a plot) — and nothing at all without a readable manifest. Subdirectories,
     links and unlisted files are foreign. This is the rule that keeps ``--overwrite`` from deleting a user's file.
     """
-    import json
-
     entries = sorted(folder.iterdir()) if folder.is_dir() else []
-    own: set[str] = set()
-    try:
-        listed = json.loads((folder / manifest).read_text(encoding="utf-8")).get("files")
-        if isinstance(listed, dict):
-            own = {str(name) for name in listed} | {manifest}
-    except (OSError, ValueError, AttributeError):
-        pass
+    record = _listed(folder, manifest)
+    own = {str(name) for name in record["files"]} | {manifest} if record is not None else set()
     for path in entries:
         mine = path.name in own or (bool(own) and path.name in extras)
         if not mine or path.is_symlink() or not path.is_file():
@@ -126,13 +150,41 @@ def foreign_entry(folder: Path, manifest: str, extras: Container[str] = ()) -> s
     return None
 
 
+def changed_entry(folder: Path, manifest: str) -> tuple[str, str] | None:
+    """``(file, what differs)`` for the first file ``folder/manifest`` lists whose size, or whose SHA-256 where the
+    manifest records one, is no longer what shardcal wrote (a user edited it); None when none is (a listed file
+    since removed is not a change). Without a readable manifest: None (:func:`foreign_entry` refuses such a
+    directory)."""
+    record = _listed(folder, manifest)
+    if record is None:
+        return None
+    digests = record.get("sha256") if isinstance(record.get("sha256"), dict) else {}
+    for name, size in sorted(record["files"].items()):
+        path = folder / str(name)
+        if not path.is_file() or path.is_symlink():
+            continue
+        if path.stat().st_size != size:
+            return str(name), f"{path.stat().st_size} bytes, written as {size}"
+        if name in digests and file_sha256(path) != digests[name]:
+            return str(name), "its content differs from what was written"
+    return None
+
+
 def check_replaceable(
-    folder: Path, manifest: str, *, overwrite: bool, flag: str, error: type[ShardcalError], extras: Container[str] = ()
+    folder: Path,
+    manifest: str,
+    *,
+    overwrite: bool,
+    flag: str,
+    error: type[ShardcalError],
+    extras: Container[str] = (),
+    replace_changed: bool = False,
 ) -> None:
     """Refuse to write into ``folder`` unless it is absent or empty, or it holds only an earlier output of the same
-    shardcal writer (:func:`foreign_entry`) and ``overwrite`` is set (``flag``: how the caller names that option).
-    A file where the directory should be, and a directory that is or contains the working directory, are refused
-    too. Checks only; changes nothing."""
+    shardcal writer (:func:`foreign_entry`), unchanged since (:func:`changed_entry`; ``replace_changed``: a cache
+    that repairs itself), and ``overwrite`` is set (``flag``: how the caller names that option). A file where the
+    directory should be, and a directory that is or contains the working directory, are refused too. Checks only;
+    changes nothing."""
     try:
         cwd = Path.cwd().resolve()
     except OSError:  # the working directory itself is gone: nothing left to protect
@@ -152,8 +204,50 @@ def check_replaceable(
             f"{folder}: holds {foreign!r}, which shardcal did not write; {flag} replaces only an earlier shardcal "
             "output or an empty directory, so choose another output directory"
         )
+    changed = None if replace_changed else changed_entry(folder, manifest)
+    if changed is not None:
+        raise error(
+            f"{folder}: {changed[0]!r} was changed after shardcal wrote it ({changed[1]}); {flag} replaces only an "
+            "unchanged earlier shardcal output, so keep your edits elsewhere or choose another output directory"
+        )
     if not overwrite:
         raise error(f"{folder}: holds an earlier shardcal output (pass {flag} to replace it)")
+
+
+def swap_dir_into_place(new: Path, target: Path, error: type[ShardcalError], what: str) -> None:
+    """Rename directory ``new`` to ``target`` (same filesystem). An existing non-empty ``target`` (which the caller
+    checked just before) is renamed aside first, put back when the rename of ``new`` fails (a full disk), and
+    deleted only once ``new`` is in place; an empty one is removed. A failure raises ``error`` naming ``target``
+    (``what``: what was being moved, e.g. ``"export"``); ``new`` is the caller's to remove then."""
+    import shutil
+    import uuid
+
+    old, emptied = None, False
+    try:
+        if target.exists():
+            if any(target.iterdir()):
+                old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(target, old)
+            else:
+                target.rmdir()
+                emptied = True
+        os.rename(new, target)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if emptied:
+            with contextlib.suppress(OSError):
+                target.mkdir()
+        if old is not None:
+            try:
+                os.rename(old, target)
+            except OSError as again:
+                raise error(
+                    f"{target}: cannot move the finished {what} into place ({reason}), nor the earlier one back "
+                    f"({again.strerror or again}): the earlier one is in {old}"
+                ) from None
+        raise error(f"{target}: cannot move the finished {what} into place ({reason}); nothing was changed") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) -> None:

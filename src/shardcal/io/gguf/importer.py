@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError, ExportError, TokenizerError
-from ...runtime.fsutil import check_replaceable
+from ...runtime.fsutil import changed_entry, check_replaceable, swap_dir_into_place, write_manifest
 from .model import SUPPORTED_ARCHITECTURES, hf_config, hf_weights
 from .reader import EMBEDDED_INSTALL_HINT, EMBEDDED_PACKAGE, GGUFMetadata, read_gguf
 from .tokenizer import tokenizer_config, tokenizer_json
@@ -80,16 +80,34 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place, so a crash never
     leaves a half-written model behind. An existing non-empty ``out_dir`` is replaced only when it holds an earlier
-    import and nothing else (its manifest lists its files) and ``overwrite`` is set; anything else is an
-    :class:`ExportError` naming the first file shardcal did not write, and is never deleted.
+    import and nothing else (its manifest lists its files), none of them changed since, and ``overwrite`` is set;
+    anything else is an :class:`ExportError` naming the first file shardcal did not write (or that was changed), and
+    is never deleted. The destination is checked again just before the rename; if the rename fails, the earlier
+    import is put back.
     """
+    return _import(Path(gguf_path), Path(out_dir), overwrite=overwrite, dtype=dtype, replace_changed=False)
+
+
+def _import(path: Path, out: Path, *, overwrite: bool, dtype: str, replace_changed: bool) -> Path:
+    """:func:`import_gguf`; ``replace_changed``: an earlier import whose files were changed may be replaced too (a
+    cache repairing itself)."""
     import torch
     from safetensors.torch import save_file
 
     if dtype not in IMPORT_DTYPES:
         raise ExportError(f"dtype {dtype!r}: an import is written as one of {', '.join(IMPORT_DTYPES)}")
-    path, out = Path(gguf_path), Path(out_dir)
-    check_replaceable(out, MANIFEST_NAME, overwrite=overwrite, flag="--overwrite", error=ExportError)
+
+    def check_destination() -> None:
+        check_replaceable(
+            out,
+            MANIFEST_NAME,
+            overwrite=overwrite,
+            flag="--overwrite",
+            error=ExportError,
+            replace_changed=replace_changed,
+        )
+
+    check_destination()
     file = read_gguf(path)
     meta = GGUFMetadata(file.metadata, path)
     arch = meta.get("general.architecture")
@@ -114,7 +132,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         )
     weights = hf_weights(file, cfg, arch)
     generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
-    manifest = {
+    source = {
         "format_version": IMPORT_FORMAT_VERSION,
         "source": path.name,
         "source_size": path.stat().st_size,
@@ -135,37 +153,21 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         del weights
         save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del stored
-        manifest["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        _write_json(tmp / MANIFEST_NAME, manifest)
         for file_path in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
             file_path.chmod(0o666 & ~umask)
+        write_manifest(tmp, MANIFEST_NAME, **source)
         tmp.chmod(0o777 & ~umask)
-        _replace_dir(tmp, out)
+        check_destination()  # again: a file a user put there meanwhile stops it
+        swap_dir_into_place(tmp, out, ExportError, "import")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``, replacing an empty directory or an earlier import (checked again just before:
-    a foreign file that appeared meanwhile stops it); an old import is deleted only afterwards."""
-    check_replaceable(target, MANIFEST_NAME, overwrite=True, flag="--overwrite", error=ExportError)
-    old = None
-    if target.is_dir():
-        if any(target.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rename(target, old / "dir")
-        else:
-            target.rmdir()
-    os.rename(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def is_valid_import(out_dir: str | Path, gguf_path: str | Path, dtype: str = "float32") -> bool:
     """Whether ``out_dir`` holds a complete import of ``gguf_path`` in ``dtype`` made by this version of the
-    importer."""
+    importer, none of its files changed since."""
     out, path = Path(out_dir), Path(gguf_path)
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
@@ -173,25 +175,27 @@ def is_valid_import(out_dir: str | Path, gguf_path: str | Path, dtype: str = "fl
             return False
         if manifest.get("source") != path.name or manifest.get("source_size") != path.stat().st_size:
             return False
-        if manifest.get("dtype", "float32") != dtype:
+        if manifest.get("dtype") != dtype:  # no default: a manifest that does not say is no import of ``dtype``
             return False
         files = manifest.get("files")
         return (
             isinstance(files, dict)
             and bool(files)
-            and all((out / n).is_file() and (out / n).stat().st_size == s for n, s in files.items())
+            and all((out / n).is_file() for n in files)
+            and changed_entry(out, MANIFEST_NAME) is None
         )
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def import_gguf_cached(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """``out_dir`` if it already holds a valid import of ``gguf_path`` in ``dtype``, else (re)import it there. The
-    reference models (the demo's, the benchmarks') are imported in float32: the GGUF's dequantized values exactly,
-    which the FP32 baselines they report are computed from."""
+    """``out_dir`` if it already holds a valid import of ``gguf_path`` in ``dtype``, else (re)import it there — over
+    an earlier import even where its files were changed (a cache repairs itself; a file it does not list still stops
+    it). The reference models (the demo's, the benchmarks') are imported in float32: the GGUF's dequantized values
+    exactly, which the FP32 baselines they report are computed from."""
     if is_valid_import(out_dir, gguf_path, dtype):
         return Path(out_dir)
-    return import_gguf(gguf_path, out_dir, overwrite=True, dtype=dtype)
+    return _import(Path(gguf_path), Path(out_dir), overwrite=True, dtype=dtype, replace_changed=True)
 
 
 def default_cache_dir() -> Path:
