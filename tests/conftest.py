@@ -31,3 +31,16 @@ def single_process_group():
 
     with restored_process_group():
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """shardcal's cache ($SHARDCAL_CACHE: evaluation baselines, the demo's import) in the session's temporary
+    directory, never the user's ~/.cache."""
+    saved = os.environ.get("SHARDCAL_CACHE")
+    os.environ["SHARDCAL_CACHE"] = str(tmp_path_factory.mktemp("shardcal-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("SHARDCAL_CACHE", None)
+    else:
+        os.environ["SHARDCAL_CACHE"] = saved

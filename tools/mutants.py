@@ -1126,8 +1126,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "eval-shift",
         "data/perplexity.py",
-        "            logits = _logits(model(batch))[:, :-1]\n            targets = batch[:, 1:]\n",
-        "            logits = _logits(model(batch))[:, 1:]\n            targets = batch[:, 1:]\n",
+        "    logits, targets = logits[:, :-1], batch[:, 1:]\n",
+        "    logits, targets = logits[:, 1:], batch[:, 1:]\n",
         "perplexity scores each position's own token, not the next one",
     ),
 ]

@@ -775,3 +775,103 @@ def test_eval_of_an_export_also_gives_its_source_models_perplexity(tiny_dir, tmp
     source.rename(tmp_path / "moved")
     status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data)
     assert status == 0 and len(out.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["calibrate", "m", "--recipe", "fp8", "--out", "o", "--overwirte"],
+         "shardcal calibrate: error: unrecognized arguments: --overwirte (--overwirte: did you mean --overwrite?)"),
+        (["eval", "m", "--num-smaples", "4"],
+         "shardcal eval: error: unrecognized arguments: --num-smaples 4 (--num-smaples: did you mean --num-samples?)"),
+        (["plan", "m", "--recipe", "fp8", "--nprocs-per-node=2", "--jsn"],
+         "shardcal plan: error: unrecognized arguments: --nprocs-per-node=2 --jsn (--nprocs-per-node: did you mean "
+         "--nproc-per-node or --ranks-per-node?; --jsn: did you mean --json?)"),
+        (["eval", "m", "--zzz"], "shardcal eval: error: unrecognized arguments: --zzz"),
+    ],
+    ids=["calibrate", "eval-with-value", "two-flags", "nothing-close"],
+)  # fmt: skip
+def test_a_mistyped_flag_gets_a_suggestion(capsys, argv, said):
+    """argparse's "unrecognized arguments" names the flags of that command the user may have meant (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == said
+
+
+def _reference_divergence(source_dir: Path, export_dir: Path, ids: torch.Tensor) -> dict[str, float]:
+    """KL(source || export) per next-token position, computed here in float64 from both models' logits (shardcal's
+    own reload of the export), with numpy's nearest-rank 99th percentile."""
+    from shardcal.models import from_pretrained
+
+    with torch.no_grad():
+        p = torch.log_softmax(from_pretrained(source_dir)(ids)[:, :-1].double(), -1)
+        q = torch.log_softmax(from_pretrained(export_dir)(ids)[:, :-1].double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1).reshape(-1).numpy()
+    agree = (p.argmax(-1) == q.argmax(-1)).reshape(-1).numpy()
+    return {
+        "tokens": kl.size,
+        "mean_kl": float(kl.mean()),
+        "kl_standard_error": float(kl.std(ddof=1) / np.sqrt(kl.size)),
+        "p99_kl": float(np.percentile(kl, 99, method="inverted_cdf")),
+        "top1_agreement": float(agree.mean()),
+    }
+
+
+def test_eval_kl_against_the_source_and_its_cached_baseline(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``eval OUT --kl``: the KL divergence of every next-token distribution from the source model's (mean, its
+    standard error, p99, top-1 agreement) equals one computed here from both models in float64; the source's side is
+    cached (the second run reads it: the source model is not loaded), and computed again when a source file changes;
+    ``--no-cache`` keeps nothing."""
+    import shutil
+
+    from shardcal.data import baseline as baseline_module
+
+    source = tmp_path / "model"
+    shutil.copytree(tiny_dir, source)
+    ids = torch.from_numpy((np.arange(6 * 16).reshape(6, 16) * 7) % 300)
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    data = ["--data", tmp_path / "ids.npy", "--batch-size", 4, "--baseline-cache", tmp_path / "cache"]
+    status, _, err = run_cli(capsys, "calibrate", source, "--recipe", "nvfp4", "--out", tmp_path / "out",
+                             "--data", tmp_path / "ids.npy")  # fmt: skip
+    assert status == 0, err
+    want = _reference_divergence(source, tmp_path / "out", ids)
+    status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")
+    assert status == 0, err
+    got = json.loads(out)
+    assert got["kl"]["tokens"] == want["tokens"] == 6 * 15 and got["cached"] is False
+    for key in ("mean_kl", "kl_standard_error", "p99_kl"):
+        assert got["kl"][key] == pytest.approx(want[key], rel=2e-3, abs=1e-7), key
+    assert got["kl"]["top1_agreement"] == want["top1_agreement"] and 0 < want["mean_kl"]
+    status, plain, _ = run_cli(capsys, "eval", source, "--data", tmp_path / "ids.npy", "--batch-size", 4, "--json")
+    assert got["source_perplexity"] == json.loads(plain)["perplexity"]
+
+    loads = []
+    real = baseline_module.scored_batches
+    monkeypatch.setattr(baseline_module, "scored_batches", lambda *a, **k: loads.append(1) or real(*a, **k))
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl")
+    lines = out.splitlines()
+    assert loads == [] and lines[1].endswith("; cached)") and lines[2].startswith("KL divergence from the source: mean")
+    assert f"top-1 agreement {want['top1_agreement']:.2%} ({want['tokens']} tokens)" in lines[2]
+    status, again, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")
+    assert json.loads(again)["kl"] == got["kl"] and json.loads(again)["cached"] is True
+    (source / "config.json").write_text((source / "config.json").read_text() + " ")  # the source changed
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")
+    assert loads == [1] and json.loads(out)["cached"] is False
+    cached = sorted((tmp_path / "cache" / "baselines").iterdir())
+    status, out, _ = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json", "--no-cache")
+    assert json.loads(out)["kl"] == pytest.approx(json.loads(again)["kl"]) and loads == [1, 1]
+    assert sorted((tmp_path / "cache" / "baselines").iterdir()) == cached
+
+
+def test_eval_kl_needs_a_source(tiny_dir, tmp_path, capsys):
+    np.save(tmp_path / "ids.npy", np.arange(2 * 16).reshape(2, 16) % 300)
+    data = ["--data", tmp_path / "ids.npy"]
+    status, _, err = run_cli(capsys, "eval", tiny_dir, *data, "--kl")
+    assert status == 2 and err.startswith(f"error: --kl compares {tiny_dir} with the model it was made from")
+    status, _, err = run_cli(capsys, "eval", tiny_dir, *data, "--kl", "--no-baseline")
+    assert status == 2 and err == "error: --no-baseline skips the source model, which --kl needs\n"
+    status, _, err = run_cli(capsys, "eval", tiny_dir, *data, "--source", tmp_path)
+    assert status == 2 and err == f"error: --source {tmp_path}: not a model directory (no config.json)\n"
+    status, out, err = run_cli(capsys, "eval", tiny_dir, *data, "--kl", "--source", tiny_dir, "--json")
+    kl = json.loads(out)["kl"]
+    assert status == 0 and kl["top1_agreement"] == 1.0 and abs(kl["mean_kl"]) < 1e-6  # itself, up to float16

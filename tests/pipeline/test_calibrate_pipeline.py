@@ -42,11 +42,11 @@ def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
 
 def _files(folder: Path) -> dict[str, bytes]:
     """Every file of an export, by name; the report's timings and the plot's bytes left out (and so the report's
-    size in the export's manifest)."""
+    size and digest in the export's manifest)."""
     files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in (PLOT, REPORT)}
     manifest = json.loads(files.pop("shardcal_export.json"))
-    assert REPORT in manifest["files"]
-    manifest["files"][REPORT] = None
+    assert REPORT in manifest["files"] and REPORT in manifest["sha256"]
+    manifest["files"][REPORT] = manifest["sha256"][REPORT] = None
     return {**files, "shardcal_export.json": manifest}
 
 
@@ -111,6 +111,14 @@ def test_one_rank_library_call_equals_the_command_and_the_primitives(model_and_d
     )  # what the command prints for it, up to times and paths
     assert _masked(said, tmp_path / "lib") == _masked(printed, tmp_path / "cli")
     assert "calibrated 2 layers on 6 x 16 tokens of " in said and "over 1 rank(s)" in said
+    phases = result.phases
+    assert min(phases.load, phases.calibration, phases.export) > 0
+    assert result.wall_seconds > phases.load + phases.calibration + phases.export
+    assert result.seconds == phases.load + phases.calibration
+    assert (
+        f"in {result.wall_seconds:.1f} s (load {phases.load:.1f} s, calibration {phases.calibration:.1f} s, "
+        f"export {phases.export:.1f} s); mean layer SQNR " in said
+    )
 
 
 @pytest.mark.usefixtures("single_process_group")
@@ -159,7 +167,11 @@ def test_unquantized_tensors_are_exported_in_the_checkpoints_dtype(tmp_path, cap
 def _masked(text: str, out: Path) -> str:
     import re
 
-    text = re.sub(r"in [0-9.]+ s;", "in T s;", text.replace(str(out), "OUT"))
+    text = re.sub(
+        r"in [0-9.]+ s \(load [0-9.]+ s, calibration [0-9.]+ s, export [0-9.]+ s\);",
+        "in T s;",
+        text.replace(str(out), "OUT"),
+    )
     return re.sub(r"peak memory per rank: .*", "peak memory per rank: M", text)
 
 
@@ -224,6 +236,26 @@ def test_the_calibration_checkpoint_is_removed_unless_kept(model_and_data, tmp_p
     assert removed.checkpoint_removed_bytes > 0 and not (tmp_path / "ckpt").exists()
     assert removed.checkpoint_dir == tmp_path / "ckpt"
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
+
+
+def test_no_directory_the_run_created_is_left_empty(model_and_data, tmp_path):
+    """A checkpoint directory two levels below what exists: once it is removed after the export, so are the parents
+    the run created for it; a failed export leaves none of the parents it created for ``out_dir``; a directory that
+    existed before, or holds anything, stays."""
+    from _injected import ExportInterrupted, fail_export_at
+
+    model_dir, data = model_and_data
+    (tmp_path / "runs").mkdir()
+    options = CalibrationOptions(batch_size=2, progress=False, checkpoint_dir=tmp_path / "runs" / "a" / "b" / "ckpt")
+    shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "out", RECIPE, data=data, num_samples=6, options=options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "runs"] and list((tmp_path / "runs").iterdir()) == []
+    (tmp_path / "runs" / "a").mkdir()
+    (tmp_path / "runs" / "a" / "notes.txt").write_text("mine")
+    shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "out2", RECIPE, data=data, num_samples=6, options=options)
+    assert [p.name for p in (tmp_path / "runs" / "a").iterdir()] == ["notes.txt"]
+    with pytest.raises(ExportInterrupted), fail_export_at(1):
+        shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "x" / "y" / "out", RECIPE, data=data, num_samples=6)
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.fixture

@@ -409,7 +409,13 @@ def test_the_command_says_it_streamed(model_and_data, tmp_path, capsys):
     model_dir, data = model_and_data
     args = ["calibrate", str(model_dir), "--recipe", "fp8", "--data", str(data), "--out", str(tmp_path / "o")]
     assert cli.main([*args, "--stream", "on"]) == 0
-    assert "over 1 rank(s) streamed from disk in " in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "over 1 rank(s) streamed from disk in " in said
+    assert re.search(r" in [0-9.]+ s \(load [0-9.]+ s, calibration [0-9.]+ s, export [0-9.]+ s\); mean", said)
+    result = pipeline_calibrate.calibrate_to_checkpoint(model_dir, tmp_path / "o2", "fp8", data=data, stream="on")
+    phases = result.phases
+    assert result.streamed and min(phases.load, phases.calibration, phases.export) > 0
+    assert result.wall_seconds > phases.load + phases.calibration + phases.export
     assert cli.main([*args, "--stream", "off", "--overwrite"]) == 0
     assert "streamed from disk" not in capsys.readouterr().out
 

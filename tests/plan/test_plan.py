@@ -283,7 +283,8 @@ def _export_variants(recipe: Recipe) -> list[tuple[str, Recipe]]:
 def test_planned_export_size_is_the_written_exports_for_every_shipped_recipe(tmp_path, tied_bf16_llama, name):
     """Every shipped recipe on a tiny tied bf16 Llama, each variant of :func:`_export_variants` calibrated and
     exported: the planned files and bytes are those on disk (online rotations' Hadamard matrices, KV-cache scales,
-    the untied head and the load dtype's unquantized tensors included)."""
+    the untied head included), with the unquantized tensors in the checkpoint's own dtype (bf16, ``--export-dtype
+    auto``, whatever the load dtype) and, for a float32 load, in float32 too (``--export-dtype float32``)."""
     from shardcal import calibrate
     from shardcal.export import export_checkpoint
     from shardcal.models import from_pretrained
@@ -292,12 +293,15 @@ def test_planned_export_size_is_the_written_exports_for_every_shipped_recipe(tmp
     for dtype, recipe in _export_variants(load_recipe(name)):
         model = from_pretrained(tied_bf16_llama, dtype=dtype)
         calibrate(model, ids, recipe, batch_size=2, progress=False)
-        files = sorted(
-            export_checkpoint(model, tmp_path / f"{recipe.name}-{dtype}", recipe=recipe).glob("*.safetensors")
-        )
-        plan = plan_calibration(tied_bf16_llama, recipe, settings(1), dtype=dtype)
-        written = sum(f.stat().st_size for f in files)
-        assert (plan.disk["export_files"], plan.disk["export_bytes"]) == (len(files), written), (recipe.name, dtype)
+        for stored in sorted({"bfloat16", dtype}):
+            out = export_checkpoint(model, tmp_path / f"{recipe.name}-{dtype}-{stored}", recipe=recipe, dtype=stored)
+            files = sorted(out.glob("*.safetensors"))
+            asked = "auto" if stored == "bfloat16" else stored
+            plan = plan_calibration(tied_bf16_llama, recipe, replace(settings(1), export_dtype=asked), dtype=dtype)
+            written = sum(f.stat().st_size for f in files)
+            assert (plan.disk["export_files"], plan.disk["export_bytes"]) == (len(files), written), (
+                recipe.name, dtype, stored
+            )  # fmt: skip
 
 
 def test_config_only_directory_plans_from_the_config(tmp_path):

@@ -17,6 +17,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import CalibrationInterrupted, RunInterrupted, ShardcalError
 from . import (  # noqa: F401  (each registers its command)
@@ -47,8 +48,39 @@ def version_line() -> str:
     return f"shardcal {installed('shardcal')} (torch {installed('torch')}, Python {platform.python_version()})"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error for a mistyped flag names the flags it may have meant."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._subparser(getattr(parsed, "command", None))
+            (command or self).error(unrecognized_message(extras, command or self))
+        return parsed
+
+    def _subparser(self, name: str | None) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                return action.choices[name]
+        return None
+
+
+def unrecognized_message(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" message, with "did you mean" for each flag close to one ``parser`` takes."""
+    import difflib
+
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=2, cutoff=0.6)
+            if close:
+                hints.append(f"{extra.split('=', 1)[0]}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardcal",
         description="Layer-by-layer PTQ calibration of FSDP2-sharded LLMs, exported as compressed-tensors.",
     )

@@ -45,6 +45,11 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--sqnr-tokens", type=int, default=DEFAULT_SQNR_TOKENS, metavar="N", help="as calibrate (default %(default)s)"
     )
     parser.add_argument(
+        "--export-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", metavar="DTYPE",
+        help="as calibrate: the dtype of the export's unquantized tensors, for its size; auto: the checkpoint's own "
+        "(default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="where layers run (default: cuda if present, else cpu)"
     )
     parser.add_argument(
@@ -73,7 +78,7 @@ def _plan_settings(args: argparse.Namespace, device: str) -> PlanSettings:  # no
     options = CalibrationOptions(batch_size=args.batch_size, propagate=args.propagate, sqnr_tokens=args.sqnr_tokens)
     return PlanSettings(world_size=world, local_world_size=min(local, world), num_samples=args.num_samples,
                         seq_len=args.seq_len, device=device, cpu_offload=args.cpu_offload,
-                        shard_root=not args.no_shard_root, options=options)  # fmt: skip
+                        shard_root=not args.no_shard_root, options=options, export_dtype=args.export_dtype)  # fmt: skip
 
 
 @command(

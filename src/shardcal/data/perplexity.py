@@ -13,14 +13,15 @@ from ..errors import DataError
 from ..runtime.distributed import all_reduce_, dp_group, world
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter that is not on the meta device (the CPU without one)."""
     for param in model.parameters():
         if param.device.type != "meta":
             return param.device
     return torch.device("cpu")
 
 
-def _logits(output: Any) -> torch.Tensor:
+def logits_of(output: Any) -> torch.Tensor:
     """Our models return logits; HF-style models return an object with ``.logits``."""
     return output if isinstance(output, torch.Tensor) else output.logits
 
@@ -62,17 +63,22 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) ->
     check_token_ids(model, input_ids)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = _device_of(model)
+    device = device_of(model)
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             batch = input_ids[start : start + batch_size].to(device=device, dtype=torch.long)
-            logits = _logits(model(batch))[:, :-1]
-            targets = batch[:, 1:]
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
-            total += float(nll)
-            count += targets.numel()
+            nll, n = batch_nll(logits_of(model(batch)), batch)
+            total, count = total + nll, count + n
     return total, count
+
+
+def batch_nll(logits: torch.Tensor, batch: torch.Tensor) -> tuple[float, int]:
+    """``(summed negative log-likelihood, predictions)`` of one batch ``[rows, L]`` from the model's logits of every
+    position: each position's prediction of the token after it (float32 sums, as every perplexity here adds them)."""
+    logits, targets = logits[:, :-1], batch[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+    return float(nll), targets.numel()
 
 
 def perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 4) -> float:
@@ -88,13 +94,13 @@ def generate_greedy(
     ids = tokenizer.encode(prompt)
     if not ids:
         raise DataError("generate_greedy needs a non-empty prompt")
-    device = _device_of(model)
+    device = device_of(model)
     sequence = torch.tensor([ids], dtype=torch.long, device=device)
     new: list[int] = []
     eos = getattr(tokenizer, "eos_token_id", None)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            next_id = int(_logits(model(sequence))[0, -1].argmax())
+            next_id = int(logits_of(model(sequence))[0, -1].argmax())
             if stop_at_eos and next_id == eos:
                 break
             new.append(next_id)
@@ -120,7 +126,7 @@ def distributed_perplexity(model: nn.Module, input_ids: torch.Tensor, batch_size
         batch = mine[i * batch_size : (i + 1) * batch_size]
         if batch.shape[0] == 0:
             with torch.no_grad():
-                model(input_ids[:1].to(_device_of(model)))  # keep the collectives matched
+                model(input_ids[:1].to(device_of(model)))  # keep the collectives matched
             continue
         nll, n = token_nll(model, batch, batch_size=batch_size)
         total, count = total + nll, count + n

@@ -8,7 +8,7 @@ naming the file and, where there is one, the tensor key.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,10 +188,18 @@ class CheckpointReader:
 
     def floating_dtype(self) -> torch.dtype | None:
         """The floating dtype that holds most of the checkpoint's elements (``torch.bfloat16`` for a bf16
-        checkpoint), read from the headers alone; None when no tensor is floating."""
-        counts: dict[torch.dtype, int] = {}
-        for key in self.keys():
-            dtype = SAFETENSORS_DTYPES.get(self.dtype_name(key))
-            if dtype is not None and dtype.is_floating_point and dtype.itemsize >= 2:
-                counts[dtype] = counts.get(dtype, 0) + math.prod(self.shape(key))
-        return max(counts, key=counts.get) if counts else None
+        checkpoint), read from the headers alone; None when no tensor is floating (:func:`dominant_floating_dtype`)."""
+        return dominant_floating_dtype(
+            (SAFETENSORS_DTYPES.get(self.dtype_name(key)), math.prod(self.shape(key))) for key in self.keys()
+        )
+
+
+def dominant_floating_dtype(tensors: Iterable[tuple[torch.dtype | None, int]]) -> torch.dtype | None:
+    """Of ``(dtype, element count)`` pairs, the floating dtype of at least 16 bits that holds the most elements (what
+    an export stores a checkpoint's unquantized tensors in by default: the planner asks too); None when there is
+    none. Scale tensors of 8-bit formats do not count."""
+    counts: dict[torch.dtype, int] = {}
+    for dtype, numel in tensors:
+        if dtype is not None and dtype.is_floating_point and dtype.itemsize >= 2:
+            counts[dtype] = counts.get(dtype, 0) + numel
+    return max(counts, key=counts.get) if counts else None

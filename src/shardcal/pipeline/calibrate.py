@@ -38,12 +38,24 @@ from ..export.export import export_checkpoint
 from ..export.format import DEFAULT_FORMAT, ExportFormat
 from ..layerwise.options import CalibrationOptions
 from ..runtime.distributed import all_gather_floats, init_distributed
+from ..runtime.fsutil import missing_ancestors, remove_empty_dirs
 from .chooser import damage_warning
 from .inputs import CalibrationInputs, check_calibration_inputs, input_name, read_token_data
 from .streamed import STREAM_MODES, calibrate_streamed, streaming_refusal
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
 PLOT_NAME = SQNR_PLOT_NAME
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseSeconds:
+    """Where a run's wall time went, per phase (seconds, this rank): loading the model, calibrating it, exporting it.
+    A streamed run reads and writes each decoder layer in its calibration step: its load is the rest of the model,
+    its export what is left to write after the last step."""
+
+    load: float
+    calibration: float
+    export: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +90,10 @@ class PipelineResult:
     planned_growth_mib: list[float] | None = None
     #: Whether the decoder layers were streamed from disk (``stream=``).
     streamed: bool = False
+    #: Loading, calibration and export, each (:class:`PhaseSeconds`); None only where a caller built the result.
+    phases: PhaseSeconds | None = None
+    #: The whole call, from its checks to the plot (``seconds`` leaves out the checks, the data and the export).
+    wall_seconds: float | None = None
 
     @property
     def process_peak_mib(self) -> list[float] | None:
@@ -132,6 +148,43 @@ def calibrate_to_checkpoint(
     if stream not in STREAM_MODES:
         raise UsageError(f"{input_name(input_names, 'stream')} {stream!r}: expected one of {', '.join(STREAM_MODES)}")
     rank, world = init_distributed()
+    created = sorted({d for p in (out_dir, options.checkpoint_dir) if p is not None for d in missing_ancestors(p)},
+                     key=lambda d: len(d.parts), reverse=True)  # fmt: skip
+    try:
+        return _calibrate_to_checkpoint(
+            model_dir, out_dir, recipe, data=data, num_samples=num_samples, seq_len=seq_len, options=options,
+            keep_checkpoint=keep_checkpoint, overwrite=overwrite, model_impl=model_impl, force=force,
+            shard_root=shard_root, cpu_offload=cpu_offload, format=format, export_dtype=export_dtype,
+            input_names=input_names, stream=stream,
+        )  # fmt: skip
+    finally:
+        if rank == 0:  # the directories this call created for the export or the checkpoint, when left empty
+            remove_empty_dirs(created)
+
+
+def _calibrate_to_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    recipe: str | Path | Recipe,
+    *,
+    data: str | Path | None,
+    num_samples: int,
+    seq_len: int | None,
+    options: CalibrationOptions,
+    keep_checkpoint: bool,
+    overwrite: bool,
+    model_impl: str,
+    force: bool,
+    shard_root: bool,
+    cpu_offload: bool,
+    format: str | ExportFormat,
+    export_dtype: str | None,
+    input_names: Mapping[str, str] | None,
+    stream: str,
+) -> PipelineResult:
+    """:func:`calibrate_to_checkpoint` once the process group is joined."""
+    called = time.perf_counter()
+    rank, world = init_distributed()
     baseline = memory_baseline()
     inputs = check_calibration_inputs(
         model_dir, out_dir, recipe, data=data, checkpoint_dir=options.checkpoint_dir, overwrite=overwrite,
@@ -148,13 +201,14 @@ def calibrate_to_checkpoint(
         start = time.perf_counter()
         if not streamed:
             model = _load(model_dir, inputs, shard_root, cpu_offload)
+            loaded = time.perf_counter()
     if streamed:
         flag = input_name(input_names, "checkpoint_dir")
         lost = f"{out_dir} was not written" + ("" if options.checkpoint_dir is not None else
                                                f" and the calibration is lost; pass {flag} to keep it next time")  # fmt: skip
         try:
             with interrupted_as(f"interrupted during a streamed run: {lost}"):
-                report = calibrate_streamed(
+                run = calibrate_streamed(
                     model_dir, out_dir, inputs.recipe, ids, options, overwrite=overwrite, shard_root=shard_root,
                     export_format=inputs.export_format, export_dtype=inputs.export_dtype,
                 )  # fmt: skip
@@ -162,14 +216,17 @@ def calibrate_to_checkpoint(
             if exc.checkpoint_dir is not None:  # what is committed, and where the rerun resumes
                 raise
             raise RunInterrupted(f"interrupted at layer {exc.done} of {exc.total} of a streamed run: {lost}") from None
-        seconds = time.perf_counter() - start
+        report = run.report
+        phases = PhaseSeconds(load=run.load_seconds, calibration=run.calibration_seconds, export=run.export_seconds)
     else:
         report = calibrate(model, ids, inputs.recipe, options)  # Ctrl-C here: CalibrationInterrupted, how far it got
-        seconds = time.perf_counter() - start
+        calibrated = time.perf_counter()
         with interrupted_as(_export_interrupted(out_dir, options.checkpoint_dir, input_names)):
             export_checkpoint(model, out_dir, recipe=inputs.recipe, report=report, tokenizer_dir=model_dir,
                               overwrite=overwrite, format=inputs.export_format, dtype=inputs.export_dtype,
                               source=model_dir)  # fmt: skip
+        phases = PhaseSeconds(load=loaded - start, calibration=calibrated - loaded,
+                              export=time.perf_counter() - calibrated)  # fmt: skip
     with interrupted_as(f"interrupted after the export: {out_dir} is complete"):
         peaks = all_gather_floats(torch_peak_memory_mb())
         growth = all_gather_floats(memory_growth_mib(baseline))
@@ -184,7 +241,8 @@ def calibrate_to_checkpoint(
                 removed = remove_checkpoint(options.checkpoint_dir)
     return PipelineResult(
         out_dir=out_dir, report=report, recipe=inputs.recipe, rank=rank, world_size=world,
-        data_shape=(int(ids.shape[0]), int(ids.shape[1])), data_source=source, seconds=seconds, peak_memory_mb=peaks,
+        data_shape=(int(ids.shape[0]), int(ids.shape[1])), data_source=source, seconds=phases.load + phases.calibration,
+        phases=phases, wall_seconds=time.perf_counter() - called, peak_memory_mb=peaks,
         checkpoint_dir=options.checkpoint_dir, plot=plot, checkpoint_removed_bytes=removed,
         memory_growth_mib=growth, memory_baseline_mib=baselines, planned_growth_mib=planned, streamed=streamed,
     )  # fmt: skip

@@ -4,14 +4,16 @@ splits them, and the most a ``--checkpoint-dir`` holds between two commits."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 from ..calib.runner import commit_points
-from ..export.export import DEFAULT_MAX_SHARD_BYTES
+from ..export.export import DEFAULT_MAX_SHARD_BYTES, EXPORT_DTYPES
 from ..export.format import ExportFormat, get_format, module_sizes
 from ..export.layout import Entry, Unit, kv_cache_entries, split_into_shards
 from ..export.shards import header_bytes
+from ..models.checkpoint import dominant_floating_dtype
 from ..quant.kv_cache import kv_cache_attentions
 from .costs import CHECKPOINT_ENTRY_BYTES, CHECKPOINT_RANK_BYTES
 from .prepared import PlannedRun, PreparedModel
@@ -21,14 +23,25 @@ from .prepared import PlannedRun, PreparedModel
 _Stored = list[tuple[str, torch.dtype, tuple[int, ...], int]]
 
 
+def stored_dtype(m: PreparedModel, export_dtype: str) -> torch.dtype:
+    """What the export stores the unquantized floating tensors in: ``export_dtype``, or for ``"auto"`` the
+    checkpoint's own floating dtype (the rule the export follows, :func:`~shardcal.models.checkpoint.
+    dominant_floating_dtype`, over the files' dtypes; the memory dtype when planning from config.json alone)."""
+    if export_dtype != "auto":
+        return EXPORT_DTYPES[export_dtype]
+    found = dominant_floating_dtype((p.file_dtype, math.prod(p.shape)) for p in m.params)
+    return found or m.dtype
+
+
 def export_entries(
-    m: PreparedModel, export_format: ExportFormat | str | None = None
+    m: PreparedModel, export_format: ExportFormat | str | None = None, export_dtype: str = "auto"
 ) -> dict[str, list[tuple[Entry, int]]]:
     """Per export unit (in the order every rank writes them), the tensors it stores in ``export_format`` (default
     compressed-tensors) and their sizes: a quantized Linear's weight becomes the tensors the format says, its input
     rotation's included (:func:`~shardcal.export.format.module_sizes`, which the export plan asks too), every other
-    parameter is stored as it is."""
+    parameter is stored as it is, a floating one in the dtype :func:`stored_dtype` gives."""
     fmt = get_format(export_format)
+    unquantized_dtype = stored_dtype(m, export_dtype)
     quantized = {t.linear.name: t for t in m.targets if t.weight is not None}
     out: dict[str, list[tuple[Entry, int]]] = {u: [] for u in m.export_units}
     own_units = set(m.export_units[:-1])
@@ -48,7 +61,9 @@ def export_entries(
                 (Entry(f"{module}.{k}", dt, shape, ("quant", module, k)), n) for k, dt, shape, n in layouts[key]
             ]
         else:
-            out[unit].append((Entry(p.name, p.dtype, p.shape, ("param", p.name)), p.nbytes))
+            dtype = unquantized_dtype if p.dtype.is_floating_point else p.dtype
+            entry = Entry(p.name, dtype, p.shape, ("param", p.name))
+            out[unit].append((entry, entry.nbytes))
     if m.recipe.kv_cache is not None:  # each decoder layer's quantized attention: its KV-cache scales
         layers = m.st.model.get_submodule(m.st.layer_prefix)
         for layer, prefix in zip(layers, m.layer_names):
@@ -57,11 +72,11 @@ def export_entries(
     return out
 
 
-def unit_entries(m: PreparedModel) -> dict[str, list[tuple[Entry, int]]]:
-    """:func:`export_entries` in the default format, computed once per prepared model."""
-    if m.entries is None:
-        m.entries = export_entries(m)
-    return m.entries
+def unit_entries(m: PreparedModel, export_dtype: str = "auto") -> dict[str, list[tuple[Entry, int]]]:
+    """:func:`export_entries` in the default format, computed once per prepared model and export dtype."""
+    if export_dtype not in m.entries:
+        m.entries[export_dtype] = export_entries(m, export_dtype=export_dtype)
+    return m.entries[export_dtype]
 
 
 def export_files(
@@ -70,7 +85,10 @@ def export_files(
     """``(file name, size in bytes)`` of every shard the export writes in ``export_format`` (default
     compressed-tensors): the units' entries given to their owners and split into files by the export plan itself
     (:func:`~shardcal.export.layout.split_into_shards`), each file its safetensors header and its tensors."""
-    stored = unit_entries(m.prepared) if export_format is None else export_entries(m.prepared, export_format)
+    dtype = m.s.export_dtype
+    stored = (
+        unit_entries(m.prepared, dtype) if export_format is None else export_entries(m.prepared, export_format, dtype)
+    )
     units = [
         Unit(
             index=index,

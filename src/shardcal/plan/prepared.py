@@ -132,8 +132,8 @@ class PreparedModel:
         self._count_quantizers()
         self._kinds_of_layers()
         self._pass_plans: dict[tuple[int, str], PassPlan] = {}
-        #: Per export unit, its stored tensors and their sizes: filled once by :func:`.disk.unit_entries`.
-        self.entries: dict[str, list[tuple[Entry, int]]] | None = None
+        #: Per export dtype, per export unit, its stored tensors and their sizes: filled by :func:`.disk.unit_entries`.
+        self.entries: dict[str, dict[str, list[tuple[Entry, int]]]] = {}
 
     def _group_params(self) -> None:
         """Parameters of the same rows, row size, dtypes and sharding shard alike: counted once per kind, as read

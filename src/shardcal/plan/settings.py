@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
+from ..export.export import EXPORT_DTYPES
 from ..layerwise.options import CalibrationOptions
 
 #: The devices a calibration is planned on.
 DEVICES = ("cpu", "cuda")
+#: What ``export_dtype`` takes (as ``calibrate(export_dtype=)``).
+EXPORT_DTYPE_NAMES = ("auto", *EXPORT_DTYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +31,9 @@ class PlanSettings:
     options: CalibrationOptions = field(default_factory=CalibrationOptions)
     #: A streamed run (:mod:`shardcal.pipeline.streamed`): decoder layers read in for their step, exported at its end.
     streamed: bool = False
+    #: What the export stores unquantized floating tensors in (``--export-dtype``): ``"auto"`` (the checkpoint's
+    #: own), ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+    export_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "num_samples", "seq_len"):
@@ -42,6 +48,8 @@ class PlanSettings:
             )
         if self.device not in DEVICES:
             raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.export_dtype not in EXPORT_DTYPE_NAMES:
+            raise UsageError(f"export-dtype must be one of {', '.join(EXPORT_DTYPE_NAMES)}, got {self.export_dtype!r}")
 
     @property
     def local(self) -> int:

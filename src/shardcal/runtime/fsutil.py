@@ -265,6 +265,28 @@ def check_creatable(path: str | Path, error: type[ShardcalError], purpose: str) 
         raise error(f"{ancestor}: not writable; {purpose}")
 
 
+def missing_ancestors(path: str | Path) -> list[Path]:
+    """The directories above ``path`` that do not exist yet, deepest first: what writing ``path`` would create (and
+    what :func:`remove_empty_dirs` removes again when they are left empty)."""
+    out = []
+    ancestor = Path(path).absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        out.append(ancestor)
+        ancestor = ancestor.parent
+    return out
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Remove each of ``dirs`` (deepest first) that is an empty directory; one that holds anything stays, and so do
+    the ones above it."""
+    for folder in dirs:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): its ancestors hold it
+            if folder.exists():
+                return
+
+
 def check_apart(
     path: str | Path, what: str, protected: dict[str, str | Path | None], error: type[ShardcalError]
 ) -> None:
