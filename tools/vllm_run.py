@@ -6,7 +6,9 @@ start it as a subprocess).
     .venv-vllm/bin/python tools/vllm_run.py --probe       # what this machine's vLLM CPU lacks, as JSON
 
 ``JOB.json``: ``{"prompts": [[token ids], ...], "runs": [{"name", "model", "dtype", "wna16_dtype"}, ...], "out":
-"result.json"}``.
+"result.json", "isa": "native" | "avx2"}``. ``isa: "avx2"`` runs vLLM CPU as on an x86 CPU without AVX-512 (a laptop or
+an older server): vLLM told the CPU has no AVX-512, AVX-512 BF16, VNNI or AMX (it then loads its AVX2 library), and
+oneDNN and torch held to AVX2 kernels (:func:`emulate_avx2`).
 Each run loads ``model`` with ``vllm.LLM`` (``dtype``, ``enforce_eager``, no tokenizer: the prompts are token ids;
 an fp8 KV cache when the checkpoint has a ``kv_cache_scheme``) and asks for the logprob of every prompt token after
 the first (``prompt_logprobs=0``). The out file gets ``{"machine": <probe>, "runs": {name: {"logprobs": [[...],
@@ -65,6 +67,43 @@ KNOWN_LIMITS = {
 }
 
 
+#: What a reference standing in means for a vLLM CPU user without it (:func:`verdict`): the kernel is missing (vLLM
+#: fails), or it is there and computes something else.
+MISSING_KERNELS = {"nvfp4_emulation", "dense_hadamard", "wna16_gemm", "fp8_static_quant"}
+WRONG_KERNELS = {"int8_gemm"}
+
+
+def verdict(result: dict) -> str:
+    """What vLLM CPU itself does with one run's export on the machine the run emulates: ``"runs"``, ``"refuses"``
+    (an error, or a kernel it lacks: a reference had to stand in) or ``"wrong outputs"`` (a kernel that computes
+    something else stood in for) — shardcal.export.consumers' words."""
+    if "error" in result:
+        return "refuses"
+    used = set(result["references"])
+    if used & MISSING_KERNELS:
+        return "refuses"
+    return "wrong outputs" if used & WRONG_KERNELS else "runs"
+
+
+#: torch's CPU feature checks that vLLM reads (its kernel library, its attention's FP8 KV-cache check, AMX paths).
+_CPU_FEATURES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported", "_is_amx_tile_supported",
+                 "_is_amx_fp16_supported")  # fmt: skip
+#: The environment that holds oneDNN and torch to AVX2 kernels; set before torch is imported.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+
+
+def emulate_avx2() -> None:
+    """This process as on an x86 CPU with AVX2 and nothing newer: oneDNN and torch held to AVX2 kernels (which
+    :data:`AVX2_ENV` did before torch was imported), and torch's CPU feature checks, which vLLM reads to choose its
+    kernel library (``_C_AVX2``) and paths, answering no for AVX-512, AVX-512 BF16, VNNI and AMX."""
+    import torch
+
+    for name in _CPU_FEATURES:
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+    torch.backends.cpu.get_cpu_capability()  # the capability torch took from the environment
+
+
 def status(result: dict) -> tuple[str, str]:
     """``(vllm_cpu, note)`` of one run's result: ``"checked"``, ``"checked (emulation)"`` (a reference stood in
     for a kernel) or ``"unchecked"`` (vLLM CPU could not run it: the note says why)."""
@@ -74,13 +113,16 @@ def status(result: dict) -> tuple[str, str]:
     return ("checked (emulation)" if refs else "checked"), "; ".join(REFERENCE_NOTES[r] for r in refs)
 
 
-def run_vllm(python: str, prompts: list[list[int]], runs: list[dict], work: Path, timeout: float) -> dict:
-    """This script in the vLLM venv's ``python`` (a subprocess) on ``runs``; its out file's contents."""
+def run_vllm(
+    python: str, prompts: list[list[int]], runs: list[dict], work: Path, timeout: float, isa: str = "native"
+) -> dict:
+    """This script in the vLLM venv's ``python`` (a subprocess) on ``runs``, on this machine's CPU or (``isa=
+    "avx2"``) as on one with AVX2 only; its out file's contents."""
     import subprocess
 
-    job, out = work / "vllm-job.json", work / "vllm-result.json"
-    job.write_text(json.dumps({"prompts": prompts, "runs": runs, "out": str(out)}))
-    env = {**os.environ, **VLLM_ENV}
+    job, out = work / f"vllm-job-{isa}.json", work / f"vllm-result-{isa}.json"
+    job.write_text(json.dumps({"prompts": prompts, "runs": runs, "out": str(out), "isa": isa}))
+    env = {**os.environ, **VLLM_ENV, **(AVX2_ENV if isa == "avx2" else {})}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [python, __file__, str(job)], env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -266,13 +308,15 @@ def forget_scaled_transforms() -> None:
 
 
 def probe() -> dict[str, bool]:
-    """Which kernels vLLM CPU lacks (or computes wrongly) on this machine: reference name -> needed."""
+    """Which kernels vLLM CPU lacks (or computes wrongly) on this machine: reference name -> needed; and whether vLLM
+    sees AVX-512 (``avx512``)."""
     import torch
     from vllm.model_executor.kernels import linear
     from vllm.platforms import PlatformEnum, current_platform
 
     current_platform.import_kernels()
     return {
+        "avx512": torch.cpu._is_avx512_supported(),  # what vLLM sees (no under isa avx2)
         "nvfp4_emulation": not linear._POSSIBLE_NVFP4_KERNELS.get(PlatformEnum.CPU),
         "dense_hadamard": not hasattr(torch.ops._C, "hadacore_transform"),
         "wna16_gemm": not hasattr(torch.ops._C, "cpu_gemm_wna16"),
@@ -342,14 +386,20 @@ def _in_a_line(exc: BaseException) -> str:
 def main(argv: list[str]) -> int:
     for key, value in VLLM_ENV.items():
         os.environ.setdefault(key, value)
+    job = json.loads(Path(argv[1]).read_text()) if argv[1:] != ["--probe"] else {}
+    isa = job.get("isa", "native")
+    if isa == "avx2":
+        os.environ.update(AVX2_ENV)
+        emulate_avx2()
+    elif isa != "native":
+        raise SystemExit(f"isa {isa!r}: expected native or avx2")
     machine = probe()
     if argv[1:] == ["--probe"]:
         print(json.dumps(machine))
         return 0
     for name, needed in machine.items():
-        if needed:
+        if needed and name in REFERENCES:
             REFERENCES[name](_used)
-    job = json.loads(Path(argv[1]).read_text())
     out = Path(job["out"])
     results: dict[str, dict] = {}
     for spec in job["runs"]:

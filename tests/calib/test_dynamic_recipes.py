@@ -192,6 +192,13 @@ def test_a_recipe_that_observes_nothing_runs_only_the_sqnr_sequences():
         if name.endswith("proj.weight"):
             q = dict(iter_quantizers(model))[name.replace(".weight", ".weight_quantizer")]
             assert torch.equal(q.amax.reshape(-1), p.detach().abs().amax(dim=1)), name
+    assert report.layer_tokens == 2 * 16 and report.data_free
+    none, off = _rows_seen_by_layer_1(third := _model(), data, "fp8-dynamic", sqnr_tokens=0)
+    assert none == 0 and off.layer_tokens == 0 and off.data_free  # no SQNR sample: no forward of any layer at all
+    assert [r.sqnr_db for r in off.layers] == [None] * len(off.layers)
+    for (name, q), (_, r) in zip(iter_quantizers(model), iter_quantizers(third)):
+        if q.amax is not None and name.endswith("weight_quantizer"):
+            assert torch.equal(q.amax, r.amax), name  # the same weights' scales
     assert _rows_seen_by_layer_1(_model(), data, "fp8", sqnr_tokens=32)[0] >= 8  # static inputs observe every row
     moe = CausalLM(ModelConfig.from_dict(dict(TINY_CONFIGS["qwen2_moe"], num_hidden_layers=2)))
     randomize_(moe, seed=0)

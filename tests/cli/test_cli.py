@@ -149,7 +149,7 @@ def test_version_and_recipes_chooser(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.startswith(f"shardcal {__version__} (torch ")
     status, out, _ = run_cli(capsys, "recipes")
     lines = out.splitlines()
-    assert status == 0 and lines[0].split()[:3] == ["recipe", "runs", "in"]
+    assert status == 0 and lines[0].split()[:6] == ["recipe", "vLLM", "GPU", "vLLM", "CPU", "transformers"]
     rows = [line for line in lines if line[:2] in ("* ", "  ") and line.split()[-1] != "for"]
     rows = [line for line in rows if line.split()[1 if line.startswith("*") else 0] in shipped_recipes()]
     names = [line.split()[1] if line.startswith("*") else line.split()[0] for line in rows]
@@ -157,7 +157,9 @@ def test_version_and_recipes_chooser(capsys):
     for line, name in zip(rows, names):
         recipe = load_recipe(name)
         assert 10 < len(recipe.use) <= 48, name  # a few words, not the description
-        assert line.startswith("* ") == recipe.recommended and deployment(recipe).short() in line and recipe.use in line
+        assert line.startswith("* ") == recipe.recommended and recipe.use in line
+        words = line[2:].split()
+        assert " ".join(words[1:]).startswith(" ".join(deployment(recipe).cells())), (name, line)
     marked = [name for line, name in zip(rows, names) if line.startswith("* ")]
     assert marked == ["fp8-dynamic", "w8a8-int8-dynamic-sq", "w4a16-awq-gptq", "nvfp4-sq-gptq"]  # first of each group
     status, out, _ = run_cli(capsys, "recipes", "w4a16-gptq-rot")
@@ -503,7 +505,7 @@ def test_calibrate_announces_resume_and_removes_its_checkpoint(capsys, tiny_dir,
         assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
     status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--keep-checkpoint", "--num-samples", 6)
     assert status == 0 and "removed" not in out and (ckpt / "manifest.json").is_file()
-    assert "warning" not in err and "resuming" not in err
+    assert "fewer than the 32 asked for" not in err and "resuming" not in err
     status, _, err = run_cli(capsys, *argv, "--out", tmp_path / "b")
     assert (
         status == 2
@@ -808,7 +810,9 @@ def _reference_divergence(source_dir: Path, export_dir: Path, ids: torch.Tensor)
         q = torch.log_softmax(from_pretrained(export_dir)(ids)[:, :-1].double(), -1)
     kl = (p.exp() * (p - q)).sum(-1).reshape(-1).numpy()
     agree = (p.argmax(-1) == q.argmax(-1)).reshape(-1).numpy()
+    nll = -q.gather(-1, ids[:, 1:, None]).reshape(-1).numpy()
     return {
+        "nll_standard_error": float(nll.std(ddof=1) / np.sqrt(nll.size)),
         "tokens": kl.size,
         "mean_kl": float(kl.mean()),
         "kl_standard_error": float(kl.std(ddof=1) / np.sqrt(kl.size)),
@@ -835,11 +839,13 @@ def test_eval_kl_against_the_source_and_its_cached_baseline(tiny_dir, tmp_path, 
                              "--data", tmp_path / "ids.npy")  # fmt: skip
     assert status == 0, err
     want = _reference_divergence(source, tmp_path / "out", ids)
-    status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")
+    status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data, "--json")  # caches the source's perplexity
+    assert status == 0 and json.loads(out)["cached"] is False and "kl" not in json.loads(out), err
+    status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")  # its log-probs too, now
     assert status == 0, err
     got = json.loads(out)
     assert got["kl"]["tokens"] == want["tokens"] == 6 * 15 and got["cached"] is False
-    for key in ("mean_kl", "kl_standard_error", "p99_kl"):
+    for key in ("mean_kl", "kl_standard_error", "p99_kl", "nll_standard_error"):
         assert got["kl"][key] == pytest.approx(want[key], rel=2e-3, abs=1e-7), key
     assert got["kl"]["top1_agreement"] == want["top1_agreement"] and 0 < want["mean_kl"]
     status, plain, _ = run_cli(capsys, "eval", source, "--data", tmp_path / "ids.npy", "--batch-size", 4, "--json")
@@ -875,3 +881,18 @@ def test_eval_kl_needs_a_source(tiny_dir, tmp_path, capsys):
     status, out, err = run_cli(capsys, "eval", tiny_dir, *data, "--kl", "--source", tiny_dir, "--json")
     kl = json.loads(out)["kl"]
     assert status == 0 and kl["top1_agreement"] == 1.0 and abs(kl["mean_kl"]) < 1e-6  # itself, up to float16
+
+
+def test_a_data_free_recipe_says_it_read_no_data(tiny_dir, tmp_path, capsys):
+    """fp8-dynamic reads no activation statistic: the summary says only the SQNR sample ran through the layers, or
+    nothing with --sqnr-tokens 0; the same export either way."""
+    np.save(tmp_path / "ids.npy", np.arange(8 * 16).reshape(8, 16) % 300)
+    argv = ["calibrate", tiny_dir, "--recipe", "fp8-dynamic", "--data", tmp_path / "ids.npy"]
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "a", "--sqnr-tokens", 32)
+    assert status == 0, err
+    assert "calibrated 2 layers without data (fp8-dynamic reads no activation statistics; the SQNR sample of 32 " in out
+    status, out, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--sqnr-tokens", 0)
+    assert status == 0, err
+    assert "calibrated 2 layers without data (fp8-dynamic reads no activation statistics; no SQNR sample) " in out
+    shards = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert [p.read_bytes() for p in shards] == [(tmp_path / "b" / p.name).read_bytes() for p in shards]

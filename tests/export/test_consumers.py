@@ -17,7 +17,7 @@ import torch
 from shardcal.calib.recipes import load_recipe, shipped_recipes
 from shardcal.calib.runner import calibrate
 from shardcal.export import export_checkpoint
-from shardcal.export.consumers import CLOSE, REFUSES, RUNS, WRONG, deployment
+from shardcal.export.consumers import BF16_ONLY, CLOSE, REFUSES, RUNS, WRONG, deployment
 from shardcal.models import CausalLM, ModelConfig
 
 from _tiny_models import TINY_CONFIGS, randomize_
@@ -85,47 +85,63 @@ def test_transformers_does_what_the_recipe_says(name, tmp_path):
         assert verdict.status == WRONG and difference > 5 * quantization_error, (difference, quantization_error)
 
 
-def test_the_deployment_summary_and_notes():
-    """The chooser's column and the notes name every limit; a recipe runs everywhere only without any."""
+def test_the_deployment_cells_and_notes():
+    """The chooser's three cells (vLLM GPU, vLLM CPU, transformers) and the notes name every limit and problem; a
+    recipe runs everywhere only without any limit on GPUs and with transformers."""
     fp8 = deployment(load_recipe("fp8-dynamic"))
-    assert fp8.everywhere and fp8.short() == "vLLM, transformers" and fp8.notes() == []
+    assert fp8.everywhere and fp8.cells() == ("yes", "yes", "yes") and fp8.notes() == [] and fp8.failing() == []
     rotated = deployment(load_recipe("w4a16-gptq-rot"))
-    assert not rotated.everywhere and rotated.short() == "vLLM (TP 1)"
+    assert not rotated.everywhere and rotated.cells() == ("TP 1", "no", "wrong")
     assert any("ignores its transform_config" in n for n in rotated.notes())
+    assert any(n.startswith("vLLM CPU (AVX2 only): fails: it has no hadacore_transform") for n in rotated.notes())
     static = deployment(load_recipe("fp8"))
-    assert static.short() == "vLLM (GPU), transformers" and not static.everywhere
+    assert static.cells() == ("yes", "no", "yes") and static.everywhere
+    assert "static_scaled_fp8_quant" in static.vllm_cpu["avx512"].why
     kv = deployment(load_recipe("fp8-dynamic-kv"))
-    assert kv.short() == "vLLM (fp8 KV), transformers" and any("--kv-cache-dtype fp8" in n for n in kv.notes())
+    assert kv.cells() == ("fp8 KV", "AVX-512", "close") and any("--kv-cache-dtype fp8" in n for n in kv.notes())
+    assert kv.vllm_cpu["avx2"].status == REFUSES and "AVX-512 or AMX" in kv.vllm_cpu["avx2"].why
     asym = deployment(load_recipe("w4a16-awq-gptq-asym"))
-    assert asym.short() == "vLLM" and not asym.everywhere
+    assert asym.cells() == ("yes", "AVX-512", "no") and not asym.everywhere
+    int4 = deployment(load_recipe("w4a16-awq-gptq")).vllm_cpu
+    assert int4["avx512"].limits == (BF16_ONLY,) and "cpu_gemm_wna16" in int4["avx2"].why
+    int8 = deployment(load_recipe("w8a8-int8-dynamic-sq"))
+    assert int8.cells() == ("yes", "AVX-512", "close") and int8.vllm_cpu["avx2"].status == WRONG
 
 
 def test_the_verdicts_of_recipes_beyond_the_shipped_ones(tmp_path):
     """The residual rotation alone rotates nothing online: it runs everywhere; NVFP4 with an FP8 KV cache is refused
     by transformers (NVFP4 fails first) and served by vLLM with both limits."""
     residual = deployment(load_recipe(_unshipped("residual-rotation-only", tmp_path)))
-    assert residual.everywhere and residual.short() == "vLLM, transformers" and residual.notes() == []
+    assert residual.everywhere and residual.cells() == ("yes", "AVX-512", "yes")
     nvfp4_kv = deployment(load_recipe(_unshipped("nvfp4-kv", tmp_path)))
     assert nvfp4_kv.transformers.status == REFUSES and "NVFP4" in nvfp4_kv.transformers.why
-    assert nvfp4_kv.short() == "vLLM (Blackwell, fp8 KV)"
+    assert nvfp4_kv.cells() == ("Blackwell, fp8 KV", "no", "no")
 
 
 @pytest.mark.parametrize("with_recipe", [True, False], ids=["recipe-given", "no-recipe"])
-@pytest.mark.parametrize("name", ["w8a8-int8-sq-rot", "fp8-dynamic"])
-def test_an_export_with_online_rotations_warns_once(name, with_recipe, tmp_path):
-    import warnings
-
+@pytest.mark.parametrize("name", ["w8a8-int8-sq-rot", "fp8-dynamic", "w4a16-awq-gptq-asym"])
+def test_an_export_warns_once_naming_the_runtimes_that_fail(name, with_recipe, tmp_path):
+    """The export says, once, which runtimes refuse it or compute something else with it — read from what it stores,
+    so also without ``recipe=`` — and nothing when all of them serve it."""
     model = CausalLM(ModelConfig.from_dict(CONFIG))
     randomize_(model, seed=1)
     calibrate(model, DATA, name, batch_size=4, progress=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export_checkpoint(model, tmp_path / "out", **({"recipe": name} if with_recipe else {}))
-    said = [str(w.message) for w in caught if "transform_config" in str(w.message)]
-    if name.endswith("-rot"):
-        assert said == [
-            f"{tmp_path / 'out'} rotates Linear inputs online (transform_config): vLLM runs it at tensor parallel 1 "
-            "only, and transformers loads it without an error but ignores the rotations and computes wrong outputs"
-        ]
-    else:
+    said = [str(w.message) for w in caught if str(w.message).startswith(str(tmp_path / "out"))]
+    failing = deployment(load_recipe(name)).failing()
+    if not failing:
         assert said == []
+        return
+    expected = {
+        "w8a8-int8-sq-rot": ["vLLM CPU (AVX-512)", "vLLM CPU (AVX2 only)", "transformers"],
+        "w4a16-awq-gptq-asym": ["vLLM CPU (AVX2 only)", "transformers"],
+    }
+    assert [r.name for r in failing] == expected[name]
+    by_name = {r.name: r for r in failing}
+    if name == "w8a8-int8-sq-rot":  # vLLM's CPU build fails alike on both CPUs: named once
+        parts = [f"vLLM CPU {by_name['vLLM CPU (AVX2 only)'].why}", f"transformers {by_name['transformers'].why}"]
+    else:
+        parts = [f"{n} {by_name[n].why}" for n in expected[name]]
+    assert said == [f"{tmp_path / 'out'} will not serve everywhere: " + "; ".join(parts)]

@@ -2,10 +2,12 @@
 that shardcal's own fake-quant model of the export (its reload) computes.
 
 vLLM runs in a venv of its own (``make test-vllm`` creates ``.venv-vllm`` and sets ``SHARDCAL_VLLM_PYTHON``; without
-it this module is skipped), in one subprocess (``tools/vllm_run.py``) that loads every export in turn. Where vLLM CPU
-has no kernel for a step on this machine, a reference stands in for that step only (the run names it; see
-tools/vllm_run.py and docs/reference/vllm-conventions.md); a recipe vLLM CPU cannot run at all is reported as an expected
-failure naming the reason, and any other failure fails.
+it this module is skipped), in one subprocess (``tools/vllm_run.py``) that loads every export in turn — once on this
+machine's own kernels (AVX-512), once as on an x86 CPU with AVX2 only. Where vLLM CPU has no kernel for a step, a
+reference stands in for that step only (the run names it; see tools/vllm_run.py and
+docs/reference/vllm-conventions.md); a recipe vLLM CPU cannot run at all is reported as an expected failure naming
+the reason, and any other failure fails. What vLLM CPU itself does with each export on each kind of CPU (runs,
+refuses, wrong outputs) must be what ``shardcal recipes`` says (shardcal.export.consumers).
 
 "Computes the same" is measured against what quantization itself moves: the mean |logprob difference| between vLLM
 and shardcal's reload must stay under :data:`CLOSE` of the mean |difference| between that reload and the float
@@ -26,9 +28,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardcal.calib.recipes import shipped_recipes
+from shardcal.calib.recipes import load_recipe, shipped_recipes
 from shardcal.calib.runner import calibrate
 from shardcal.export import export_checkpoint
+from shardcal.export.consumers import CPU_ISAS, deployment
 from shardcal.models import CausalLM, ModelConfig, from_pretrained
 from shardcal.quant import fused
 from shardcal.quant.kv_cache import kv_cache_quantizers
@@ -57,6 +60,9 @@ CONFIG = {
 }
 PROMPTS = torch.randint(3, 512, (8, 64), generator=torch.Generator().manual_seed(1))
 CALIBRATION = torch.randint(3, 512, (16, 64), generator=torch.Generator().manual_seed(2))
+#: How tools/vllm_run.py runs vLLM for each kind of CPU the chooser judges: this machine's own (with AVX-512), and
+#: held to AVX2.
+RUN_AS = {"avx512": "native", "avx2": "avx2"}
 #: Exports made with a fused-layer convention broken on purpose (the rule says "nothing is shared"): the check must
 #: tell them apart.
 BROKEN = {"nvfp4-unshared": "nvfp4", "fp8-unshared": "fp8"}
@@ -105,8 +111,12 @@ def judged(tmp_path_factory):
             exports[name] = _export(model_dir, recipe, work / name)
     runs = [{"name": n, "model": str(d), "dtype": "float32", "wna16_dtype": "bfloat16"} for n, d in exports.items()]
     vllm_run = _vllm_run()
-    result = vllm_run.run_vllm(VLLM_PYTHON, PROMPTS.tolist(), runs, work, timeout=3000)
-    return types.SimpleNamespace(exports=exports, runs=result["runs"], machine=result["machine"], vllm_run=vllm_run)
+    results = {isa: vllm_run.run_vllm(VLLM_PYTHON, PROMPTS.tolist(), runs, work, timeout=3000, isa=RUN_AS[isa])
+               for isa in CPU_ISAS}  # fmt: skip
+    return types.SimpleNamespace(
+        exports=exports, runs={isa: r["runs"] for isa, r in results.items()},
+        machine={isa: r["machine"] for isa, r in results.items()}, vllm_run=vllm_run,
+    )  # fmt: skip
 
 
 def _logprobs(model: torch.nn.Module) -> torch.Tensor:
@@ -134,9 +144,9 @@ def _shardcal_reload(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _distances(judged, name: str) -> tuple[float, float]:
+def _distances(judged, name: str, isa: str = "avx512") -> tuple[float, float]:
     """``(mean |vLLM - reload|, mean |reload - float|)`` of the prompt logprobs."""
-    run = judged.runs[name]
+    run = judged.runs[isa][name]
     dtype = getattr(torch, run["dtype"])
     reload = _logprobs(_shardcal_reload(judged.exports[name], dtype))
     reference = _logprobs(from_pretrained(judged.exports["float"], dtype=dtype))
@@ -144,22 +154,44 @@ def _distances(judged, name: str) -> tuple[float, float]:
     return float((vllm - reload).abs().mean()), float((reload - reference).abs().mean())
 
 
-def test_the_float_model_computes_alike(judged):
-    """The harness compares the same tokens: vLLM's float32 Llama equals shardcal's."""
-    run = judged.runs["float"]
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_the_float_model_computes_alike(judged, isa):
+    """The harness compares the same tokens: vLLM's float32 Llama equals shardcal's (as on either CPU)."""
+    run = judged.runs[isa]["float"]
     assert "error" not in run, run.get("error")
     ours = _logprobs(from_pretrained(judged.exports["float"]))
     assert torch.allclose(torch.tensor(run["logprobs"]), ours, atol=1e-4)
 
 
+def _skip_without_avx512(judged, isa: str) -> None:
+    if isa == "avx512" and not judged.machine[isa]["avx512"]:
+        pytest.skip("this machine has no AVX-512: its vLLM CPU verdicts are checked where CI has it")
+
+
 @pytest.mark.parametrize("recipe", shipped_recipes())
-def test_vllm_computes_what_shardcal_computes(judged, recipe):
-    status, note = judged.vllm_run.status(judged.runs[recipe])
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_vllm_cpu_runs_each_recipe_where_the_chooser_says(judged, isa, recipe):
+    """What vLLM CPU itself does with each shipped recipe's export, on this machine's AVX-512 kernels and as on a CPU
+    with AVX2 only (runs; refuses: an error, or a kernel it lacks; wrong outputs: a kernel that computes something
+    else) is the verdict ``shardcal recipes`` and the export's warning give (shardcal.export.consumers)."""
+    _skip_without_avx512(judged, isa)
+    run = judged.runs[isa][recipe]
+    if "error" in run and not any(piece in run["error"] for piece in judged.vllm_run.KNOWN_LIMITS):
+        pytest.fail(f"vLLM could not run the {recipe} export: {run['error']}")
+    said = deployment(load_recipe(recipe)).vllm_cpu[isa]
+    assert judged.vllm_run.verdict(run) == said.status, (recipe, isa, run.get("references"), run.get("error"))
+
+
+@pytest.mark.parametrize("recipe", shipped_recipes())
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_vllm_computes_what_shardcal_computes(judged, isa, recipe):
+    _skip_without_avx512(judged, isa)
+    status, note = judged.vllm_run.status(judged.runs[isa][recipe])
     if status == "unchecked":
-        if not any(piece in judged.runs[recipe]["error"] for piece in judged.vllm_run.KNOWN_LIMITS):
-            pytest.fail(f"vLLM could not run the {recipe} export: {judged.runs[recipe]['error']}")
+        if not any(piece in judged.runs[isa][recipe]["error"] for piece in judged.vllm_run.KNOWN_LIMITS):
+            pytest.fail(f"vLLM could not run the {recipe} export: {judged.runs[isa][recipe]['error']}")
         pytest.xfail(f"unchecked on this machine: {note}")
-    to_vllm, quantization = _distances(judged, recipe)
+    to_vllm, quantization = _distances(judged, recipe, isa)
     assert quantization > 0
     assert to_vllm <= CLOSE * quantization, (
         f"{recipe}: vLLM {to_vllm:.3g} from shardcal, quantization {quantization:.3g}"

@@ -31,22 +31,28 @@ def _write_table():
 
 def test_cells_come_from_the_result_tables(tmp_path):
     write_table = _write_table()
-    write_table("ptq_quality_smollm2", title="PTQ quality per recipe, SmolLM2-135M", results_dir=tmp_path,
-                columns=["recipe", "algorithm", "perplexity", "vs FP32", "calibration s", "notes"],
-                rows=[["FP32", "", 17.932, None, None, ""], ["fp8-dynamic", "rtn", 18.445, "+2.9%", 4.4, "fp"]],
-                command="python benchmarks/ptq_quality.py")  # fmt: skip
+    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source", "wall s",
+               "calibration s", "evaluated by", "notes"]  # fmt: skip
+    write_table("user_path_smollm2", title="The numbers a user gets, SmolLM2-135M", results_dir=tmp_path,
+                columns=columns, rows=[["fp8-dynamic", "rtn", 0.02142, 0.00031, 0.21, 93.4, 18.4, "+2.6%", 24.4, 3.1,
+                                        "transformers", "±0.9% ppl"]],
+                command="python benchmarks/user_path.py")  # fmt: skip
     write_table("vllm_status", title="vLLM", results_dir=tmp_path, columns=["recipe", "vllm_cpu", "note"],
                 rows=[["fp8-dynamic", "checked", "logprobs within 1 %"]])  # fmt: skip
     by_name = {e.recipe.name: e for e in entries(tmp_path)}
-    assert by_name["fp8-dynamic"].quality == ("+2.9 %", "-") and by_name["fp8-dynamic"].seconds == "4 s"
+    assert by_name["fp8-dynamic"].quality == ("0.021", "-") and by_name["fp8-dynamic"].seconds == "24 s"
     assert by_name["fp8"].quality == ("-", "-") and by_name["fp8"].seconds == "-"
     assert by_name["fp8-dynamic"].vllm_check == "checked" and by_name["fp8"].vllm_check == "-"
     line = next(row for row in recipe_table(tmp_path).splitlines() if row.startswith("* fp8-dynamic "))
-    assert "+2.9 %" in line and "4 s" in line
+    assert "0.021" in line and "24 s" in line
     notes = recipe_notes("fp8-dynamic", tmp_path)
     assert all(note.startswith("#") for note in notes)
-    date = __import__("json").loads((tmp_path / "ptq_quality_smollm2.json").read_text())["date"]
-    assert f"# SmolLM2-135M: perplexity 18.445 (+2.9% vs FP32), calibration 4 s ({date}, docs/results.md)" in notes
+    date = __import__("json").loads((tmp_path / "user_path_smollm2.json").read_text())["date"]
+    assert (
+        "# SmolLM2-135M: KL 0.02142 +- 0.00031 from the bf16 source, top-1 agreement 93.4 %, perplexity 18.4 (+2.6% "
+        f"vs the source), 24 s for the command ({date}, docs/results.md)"
+    ) in notes
+    assert notes[0] == "# runs in: vLLM GPU yes, vLLM CPU yes, transformers yes"
     assert "# vLLM CPU check: checked; logprobs within 1 %" in notes and "# recommended for FP8" in notes
     assert all("-" in e.quality for e in entries(tmp_path / "nothing"))  # no tables: every cell says so
 

@@ -51,6 +51,14 @@ class CalibrationReport:
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from_layer: int = 0
+    #: The real tokens that ran through the decoder layers: all of ``num_tokens``, or only the SQNR sample's when the
+    #: recipe reads no activation statistics (a data-free recipe: round to nearest, weights and dynamic inputs only).
+    layer_tokens: int | None = None
+
+    @property
+    def data_free(self) -> bool:
+        """Whether only the SQNR sample ran through the layers (nothing else of the data was read)."""
+        return self.layer_tokens is not None and self.layer_tokens < self.num_tokens
 
     @property
     def group_sizes(self) -> dict[str, int | str]:

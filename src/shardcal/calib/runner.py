@@ -103,8 +103,8 @@ def _calibrate(
     group = dp_group()
     sample = leading_rows(batches, options.sqnr_tokens)  # the SQNR sequences: {global batch: its first rows}
     run_batches = batches
-    if sample and _reads_no_data(layers, recipe, algorithm, feed_given=activation_report is not None):
-        # nothing observes the data: only the SQNR sequences need to pass through the layers
+    if _reads_no_data(layers, recipe, algorithm, feed_given=activation_report is not None):
+        # nothing observes the data: only the SQNR sequences (none: no forward at all) pass through the layers
         run_batches = [first_rows(batches[i], rows) for i, rows in sorted(sample.items())]
         sample = {i: b.input_ids.shape[0] for i, b in enumerate(run_batches)}
     mine = rank_batch_indices(len(run_batches), rank, world_size)
@@ -137,6 +137,7 @@ def _calibrate(
         world_size=world_size,
         num_batches=len(batches),
         num_tokens=sum(b.num_tokens for b in batches),
+        layer_tokens=sum(b.num_tokens for b in run_batches),
     )
     start, initial = _resume(model, recipe, names, resume, report, local_batches, checkpoint, options)
     residency = residency_of(model)

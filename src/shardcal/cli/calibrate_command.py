@@ -197,8 +197,12 @@ def calibrate_summary(result: PipelineResult) -> list[str]:
     """The lines ``shardcal calibrate`` prints (rank 0) for a finished :class:`~shardcal.pipeline.PipelineResult`."""
     report, (rows, length) = result.report, result.data_shape
     sqnr = report.mean_sqnr_db
+    data = f"on {rows} x {length} tokens of {result.data_source}"
+    if report.data_free:  # nothing observed the data: only the SQNR sample ran through the layers, or nothing
+        sample = f"the SQNR sample of {report.layer_tokens} tokens" if report.layer_tokens else "no SQNR sample"
+        data = f"without data ({result.recipe.name} reads no activation statistics; {sample})"
     lines = [
-        f"calibrated {len(report.layers)} layers on {rows} x {length} tokens of {result.data_source} "
+        f"calibrated {len(report.layers)} layers {data} "
         f"with {result.recipe.name} over {result.world_size} rank(s){' streamed from disk' if result.streamed else ''} "
         f"in {time_summary(result)}; mean layer SQNR {'n/a' if sqnr is None else f'{sqnr:.1f} dB'}",
         memory_summary(result),

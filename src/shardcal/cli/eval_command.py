@@ -149,10 +149,13 @@ def _evaluate(
     model = _load(model_dir, choose_impl(model_dir, args.model_impl))
     if baseline is None:
         return perplexity(model, ids, batch_size=args.batch_size), None
-    total, count, kls, agrees = 0.0, 0, [], []
+    total, count, kls, agrees, nll = 0.0, 0, [], [], []
     for i, scored in enumerate(scored_batches(model, ids, args.batch_size)):
         total, count = total + scored.nll, count + scored.predictions
         kl, agree = token_divergence(baseline.logprobs(i), scored.logprobs)
         kls.append(kl)
         agrees.append(agree)
-    return math.exp(total / count), summarize(torch.cat(kls), torch.cat(agrees))
+        nll.append(scored.token_nll(ids[i * args.batch_size : (i + 1) * args.batch_size]))
+    tokens = torch.cat(nll)
+    spread = float(tokens.std()) / math.sqrt(tokens.numel()) if tokens.numel() > 1 else 0.0
+    return math.exp(total / count), summarize(torch.cat(kls), torch.cat(agrees), nll_standard_error=spread)

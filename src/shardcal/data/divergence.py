@@ -34,6 +34,9 @@ class Divergence:
     kl_standard_error: float
     p99_kl: float
     top1_agreement: float
+    #: The standard error of the model's mean negative log-likelihood over the same tokens (its perplexity is
+    #: ``exp`` of that mean: a relative spread of about this much).
+    nll_standard_error: float = 0.0
 
     def to_dict(self) -> dict[str, float | int]:
         return {
@@ -42,6 +45,7 @@ class Divergence:
             "kl_standard_error": self.kl_standard_error,
             "p99_kl": self.p99_kl,
             "top1_agreement": self.top1_agreement,
+            "nll_standard_error": self.nll_standard_error,
         }
 
 
@@ -54,6 +58,11 @@ class ScoredBatch:
     nll: float
     predictions: int
     logprobs: torch.Tensor
+
+    def token_nll(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each prediction's negative log-likelihood (float64, flat), for this batch's token ids ``rows``."""
+        targets = rows[:, 1:].to(torch.long).unsqueeze(-1)
+        return -self.logprobs.gather(-1, targets).reshape(-1).double()
 
 
 def scored_batches(model: nn.Module, input_ids: torch.Tensor, batch_size: int) -> Iterator[ScoredBatch]:
@@ -82,7 +91,7 @@ def token_divergence(source: torch.Tensor, model: torch.Tensor) -> tuple[torch.T
     return kl.reshape(-1).double(), agree.reshape(-1)
 
 
-def summarize(kl: torch.Tensor, agree: torch.Tensor) -> Divergence:
+def summarize(kl: torch.Tensor, agree: torch.Tensor, nll_standard_error: float = 0.0) -> Divergence:
     """The :class:`Divergence` of per-token KL values and top-1 agreements (flat, one per scored token)."""
     n = int(kl.numel())
     if n == 0:
@@ -96,4 +105,5 @@ def summarize(kl: torch.Tensor, agree: torch.Tensor) -> Divergence:
         kl_standard_error=std / math.sqrt(n),
         p99_kl=p99,
         top1_agreement=float(agree.double().mean()),
+        nll_standard_error=nll_standard_error,
     )

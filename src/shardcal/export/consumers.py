@@ -1,28 +1,39 @@
-"""Where an export runs: what vLLM and transformers do with the compressed-tensors export of a recipe.
+"""Where an export runs: what vLLM (its GPU builds, its CPU build on AVX-512 and on AVX2-only x86 CPUs) and
+transformers do with the compressed-tensors export of a recipe.
 
-One rule per recipe feature, each checked by a test against the real consumer (transformers in
-``tests/export/test_consumers.py``; vLLM's CPU build in ``make test-vllm``, see docs/design/testing.md):
+The rules read a few :class:`Features` of what the export stores, from a recipe (:func:`recipe_features`) or from an
+export plan's modules (:func:`export_features`). Each vLLM CPU and transformers verdict is a check that runs: vLLM's
+CPU build in ``make test-vllm`` (tests/export/test_vllm.py: every shipped recipe's export, on this machine's AVX-512
+kernels and again with vLLM, oneDNN and torch held to AVX2, as on a CPU without AVX-512), transformers in
+``tests/export/test_consumers.py``. vLLM's GPU builds are not run here (no GPU in CI): their column states vLLM's own
+kernel requirements.
 
-* **online Hadamard rotations** (``[rotation] block``): vLLM applies the ``transform_config`` at tensor parallel 1
-  only (its online transforms refuse a sharded input dimension); transformers loads the export without an error but
-  ignores ``transform_config`` (compressed-tensors' ``QuantizationConfig`` drops unknown keys), so its inputs are
-  not rotated and it computes wrong outputs — there is no file-level switch that makes it refuse;
+* **online Hadamard rotations** (``[rotation] block``): vLLM's GPU builds apply the ``transform_config`` at tensor
+  parallel 1 only (its online transforms refuse a sharded input dimension); its CPU build has no
+  ``hadacore_transform`` and fails; transformers loads the export without an error but ignores ``transform_config``
+  (compressed-tensors' ``QuantizationConfig`` drops unknown keys), so its inputs are not rotated and it computes wrong
+  outputs — there is no file-level switch that makes it refuse;
 * **asymmetric int weights** (zero points): vLLM reads them; transformers refuses to load them (compressed-tensors
   up to 0.20 builds the zero-point parameters unpacked, and the packed ones do not fit);
-* **static FP8 input scales**: vLLM's CUDA and ROCm builds; its CPU build has no static FP8 activation kernel;
-* **NVFP4**: vLLM's NVFP4 kernels need a Blackwell GPU (elsewhere only its emulation); transformers fails in the
-  first forward of a float32 model (compressed-tensors decompresses NVFP4 weights to bfloat16);
-* **dynamic int8 activations**: transformers rounds per-token activations its own way (close to shardcal's and
-  vLLM's, not equal);
-* **FP8 KV cache** (``[kv_cache]``): vLLM with ``--kv-cache-dtype fp8`` (its CPU build rounds the cached values
-  toward zero); transformers does not quantize the KV cache the same way.
+* **static FP8 input scales**: vLLM's GPU builds; its CPU build has no static FP8 activation kernel;
+* **NVFP4**: vLLM's NVFP4 kernels need a Blackwell GPU (elsewhere only its emulation); vLLM CPU has none;
+  transformers fails in the first forward of a float32 model (compressed-tensors decompresses NVFP4 weights to
+  bfloat16);
+* **INT4 weights, 16-bit activations**: vLLM CPU's W4A16 GEMM is built into its AVX-512 library only (and computes in
+  bfloat16: no float32 path);
+* **INT8 activations**: vLLM CPU's int8 GEMM (oneDNN) on a CPU without VNNI sums pairs of u8 x s8 products in
+  saturating int16: wrong outputs, no error; transformers rounds per-token activations its own way (close to
+  shardcal's and vLLM's, not equal);
+* **FP8 KV cache** (``[kv_cache]``): vLLM with ``--kv-cache-dtype fp8``; its CPU build needs AVX-512 or AMX and
+  rounds the cached values toward zero; transformers does not quantize the KV cache the same way.
 
-Everything else (FP8 and INT8 weights with static or dynamic inputs, symmetric INT4 groups) runs in both and, in
+Everything else (FP8 and INT8 weights with dynamic inputs, symmetric INT4 groups on AVX-512) runs in each and, in
 transformers, computes exactly shardcal's logits (tested).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..calib.recipe import Recipe
@@ -30,11 +41,63 @@ from ..calib.recipe import Recipe
 #: What a runtime does with an export: computes shardcal's outputs exactly, or to within its own activation
 #: rounding; refuses it loudly; or loads it and computes something else (the one to warn about).
 RUNS, CLOSE, REFUSES, WRONG = "runs", "close", "refuses", "wrong outputs"
+#: The x86 CPUs vLLM's CPU build is judged on: with AVX-512 (its AVX-512 library: BF16 and VNNI where the CPU has
+#: them), and with AVX2 only (its AVX2 library; oneDNN without VNNI).
+CPU_ISAS: tuple[str, ...] = ("avx512", "avx2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Features:
+    """What decides where an export runs: online input rotations, the weight formats, INT4 weights with 16-bit
+    activations, asymmetric INT weights (zero points), static FP8 inputs, INT8 inputs, an FP8 KV cache."""
+
+    online_rotation: bool = False
+    weight_formats: frozenset[str] = frozenset()
+    int4_weight_only: bool = False
+    asymmetric_int_weights: bool = False
+    static_fp8_input: bool = False
+    int8_input: bool = False
+    dynamic_int8_input: bool = False
+    kv_cache: bool = False
+
+
+def recipe_features(recipe: Recipe) -> Features:
+    """The :class:`Features` of what ``recipe`` exports (its ``[fallback]`` scheme's included: some layers may be
+    stored that way)."""
+    schemes = [recipe] + ([recipe.fallback] if recipe.fallback is not None else [])
+    pairs = [(r.weight, r.input) for r in schemes if r.weight is not None]
+    return _features(
+        pairs, online_rotation=recipe.rotation is not None and recipe.rotation.block is not None,
+        kv_cache=recipe.kv_cache is not None,
+    )  # fmt: skip
+
+
+def export_features(modules: Iterable[object], kv_cache: bool) -> Features:
+    """The :class:`Features` of an export from its quantized modules (each with ``spec_weight``, ``spec_input`` and
+    ``input_rotation``: :class:`~.quant_modules.QuantModule`) and whether it stores KV-cache scales."""
+    modules = list(modules)
+    pairs = [(m.spec_weight, m.spec_input) for m in modules]
+    return _features(pairs, online_rotation=any(m.input_rotation for m in modules), kv_cache=kv_cache)
+
+
+def _features(pairs: list[tuple[object, object]], *, online_rotation: bool, kv_cache: bool) -> Features:
+    """``pairs``: ``(weight spec, input spec or None)`` of every quantized scheme stored."""
+    inputs = [i for _, i in pairs if i is not None]
+    return Features(
+        online_rotation=online_rotation,
+        weight_formats=frozenset(w.format for w, _ in pairs),
+        int4_weight_only=any(w.format == "int4" and i is None for w, i in pairs),
+        asymmetric_int_weights=any(w.format in ("int4", "int8") and not w.symmetric for w, _ in pairs),
+        static_fp8_input=any(i.format == "fp8_e4m3" and not i.dynamic for i in inputs),
+        int8_input=any(i.format == "int8" for i in inputs),
+        dynamic_int8_input=any(i.format == "int8" and i.dynamic for i in inputs),
+        kv_cache=kv_cache,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Runtime:
-    """One runtime's verdict on a recipe's export: ``status`` (:data:`RUNS`, :data:`CLOSE`, :data:`REFUSES` or
+    """One runtime's verdict on an export: ``status`` (:data:`RUNS`, :data:`CLOSE`, :data:`REFUSES` or
     :data:`WRONG`), the ``limits`` under which it runs, and ``why`` it does not or what to know."""
 
     name: str
@@ -47,91 +110,133 @@ class Runtime:
         """Whether the export serves here with the quality shardcal measured."""
         return self.status in (RUNS, CLOSE)
 
+    def cell(self) -> str:
+        """The chooser's cell: ``yes``, ``close``, the limits' short tags (``TP 1``), ``no`` or ``wrong``."""
+        if not self.usable:
+            return "no" if self.status == REFUSES else "wrong"
+        tags = [SHORT_LIMITS[limit] for limit in self.limits if limit in SHORT_LIMITS]
+        return ", ".join(tags) or ("yes" if self.status == RUNS else "close")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Deployment:
-    """Where a recipe's export runs: vLLM and transformers."""
+    """Where an export runs: vLLM's GPU builds, vLLM's CPU build on AVX-512 and on AVX2-only CPUs, transformers."""
 
-    vllm: Runtime
+    vllm_gpu: Runtime
+    vllm_cpu: dict[str, Runtime]  # by :data:`CPU_ISAS`
     transformers: Runtime
+
+    def runtimes(self) -> list[Runtime]:
+        return [self.vllm_gpu, *(self.vllm_cpu[isa] for isa in CPU_ISAS), self.transformers]
 
     @property
     def everywhere(self) -> bool:
         """vLLM at any tensor-parallel size on the usual GPUs, and transformers."""
-        return self.vllm.usable and not self.vllm.limits and self.transformers.usable
+        return self.vllm_gpu.usable and not self.vllm_gpu.limits and self.transformers.usable
 
-    def short(self) -> str:
-        """``vLLM, transformers``; ``vLLM (TP 1)``; ... — the chooser's column."""
-        parts = []
-        for runtime in (self.vllm, self.transformers):
-            if runtime.usable:
-                tags = [SHORT_LIMITS.get(limit, limit) for limit in runtime.limits]
-                parts.append(runtime.name + (f" ({', '.join(tags)})" if tags else ""))
-        return ", ".join(parts) or "-"
+    def cpu_cell(self) -> str:
+        """The chooser's vLLM CPU cell: ``yes`` (both kinds of x86 CPU), ``AVX-512`` (not on AVX2-only CPUs), ``no``."""
+        avx512, avx2 = (self.vllm_cpu[isa] for isa in CPU_ISAS)
+        if not avx512.usable:
+            return "no"
+        return avx512.cell() if avx2.usable else "AVX-512"
+
+    def cells(self) -> tuple[str, str, str]:
+        """The chooser's three columns: vLLM GPU, vLLM CPU, transformers."""
+        return self.vllm_gpu.cell(), self.cpu_cell(), self.transformers.cell()
 
     def notes(self) -> list[str]:
-        """One sentence per limit or problem, for ``shardcal recipes NAME`` and the export's warning."""
+        """One sentence per limit or problem, for ``shardcal recipes NAME``."""
         out = []
-        for runtime in (self.vllm, self.transformers):
+        for runtime in self.runtimes():
             out += [f"{runtime.name}: {limit}" for limit in runtime.limits]
             if runtime.why:
                 out.append(f"{runtime.name}: {runtime.why}")
         return out
 
+    def failing(self) -> list[Runtime]:
+        """The runtimes that refuse the export or compute something else with it."""
+        return [r for r in self.runtimes() if not r.usable]
+
+    def warning(self, out_dir: object) -> str | None:
+        """What the export says about the runtimes that will fail on it (None when none does): each with why, vLLM's
+        CPU build once where it fails alike on both kinds of CPU."""
+        said = []
+        for runtime in self.failing():
+            name = runtime.name
+            if name.startswith("vLLM CPU") and all(r.why == runtime.why for r in self.vllm_cpu.values()):
+                if said and said[-1].startswith(f"vLLM CPU {runtime.why}"):
+                    continue
+                name = "vLLM CPU"
+            said.append(f"{name} {runtime.why}")
+        return f"{out_dir} will not serve everywhere: " + "; ".join(said) if said else None
+
 
 TP1 = "tensor parallel 1 only (online Hadamard transforms)"
-GPU = "GPU builds only (vLLM's CPU build has no static FP8 activation kernel)"
 BLACKWELL = "NVFP4 kernels on Blackwell GPUs (elsewhere vLLM's emulation)"
-KV_FP8 = "serve with --kv-cache-dtype fp8 (vLLM's CPU build rounds the cached values toward zero)"
-#: The chooser's short tag of each limit.
-SHORT_LIMITS = {TP1: "TP 1", GPU: "GPU", BLACKWELL: "Blackwell", KV_FP8: "fp8 KV"}
+KV_FP8 = "serve with --kv-cache-dtype fp8"
+KV_FP8_CPU = "serve with --kv-cache-dtype fp8; it rounds the cached values toward zero"
+BF16_ONLY = "bfloat16 activations only (its W4A16 GEMM has no float32 path)"
+#: The chooser's short tag of each limit (a limit without one shows as ``yes``).
+SHORT_LIMITS = {TP1: "TP 1", BLACKWELL: "Blackwell", KV_FP8: "fp8 KV", KV_FP8_CPU: "fp8 KV"}
 
 
-def _rotates_online(recipe: Recipe) -> bool:
-    return recipe.rotation is not None and recipe.rotation.block is not None
-
-
-def _asymmetric_int_weights(recipe: Recipe) -> bool:
-    weight = recipe.weight
-    return weight is not None and weight.format in ("int4", "int8") and not weight.symmetric
-
-
-def _formats(recipe: Recipe) -> set[str]:
-    return {spec.format for spec in recipe.specs.values()}
-
-
-def _vllm(recipe: Recipe) -> Runtime:
+def _vllm_gpu(f: Features) -> Runtime:
     limits = []
-    if _rotates_online(recipe):
+    if f.online_rotation:
         limits.append(TP1)
-    if "nvfp4" in _formats(recipe):
+    if "nvfp4" in f.weight_formats:
         limits.append(BLACKWELL)
-    elif recipe.input is not None and recipe.input.format == "fp8_e4m3" and not recipe.input.dynamic:
-        limits.append(GPU)
-    if recipe.kv_cache is not None:
+    if f.kv_cache:
         limits.append(KV_FP8)
-    return Runtime(name="vLLM", status=RUNS, limits=tuple(limits))
+    return Runtime(name="vLLM GPU", status=RUNS, limits=tuple(limits))
 
 
-def _transformers(recipe: Recipe) -> Runtime:
-    if _asymmetric_int_weights(recipe):  # first: a refusal is what a user sees, rotated or not
+def _vllm_cpu(f: Features, isa: str) -> Runtime:
+    name = "vLLM CPU (AVX-512)" if isa == "avx512" else "vLLM CPU (AVX2 only)"
+    refused = None
+    if f.online_rotation:
+        refused = "fails: it has no hadacore_transform (online Hadamard transforms run on GPUs only)"
+    elif "nvfp4" in f.weight_formats:
+        refused = "fails: it has no NVFP4 kernel"
+    elif f.static_fp8_input:
+        refused = "fails: it has no static FP8 activation kernel (static_scaled_fp8_quant)"
+    elif isa == "avx2" and "int4" in f.weight_formats:
+        refused = "fails: its W4A16 GEMM (cpu_gemm_wna16) is built for AVX-512 only"
+    elif isa == "avx2" and f.kv_cache:
+        refused = "refuses the FP8 KV cache (it needs AVX-512 or AMX)"
+    if refused is not None:
+        return Runtime(name=name, status=REFUSES, why=refused)
+    if isa == "avx2" and f.int8_input:
+        why = "computes wrong outputs: its int8 GEMM (oneDNN) without VNNI sums u8 x s8 pairs in saturating int16"
+        return Runtime(name=name, status=WRONG, why=why)
+    limits = ([BF16_ONLY] if "int4" in f.weight_formats else []) + ([KV_FP8_CPU] if f.kv_cache else [])
+    return Runtime(name=name, status=RUNS, limits=tuple(limits))
+
+
+def _transformers(f: Features) -> Runtime:
+    if f.asymmetric_int_weights:  # first: a refusal is what a user sees, rotated or not
         why = "refuses to load it (compressed-tensors <= 0.20 cannot load packed zero points)"
         return Runtime(name="transformers", status=REFUSES, why=why)
-    if _rotates_online(recipe):
+    if f.online_rotation:
         why = "loads it without an error but ignores its transform_config (online rotations): wrong outputs"
         return Runtime(name="transformers", status=WRONG, why=why)
-    if "nvfp4" in _formats(recipe):
+    if "nvfp4" in f.weight_formats:
         why = "fails in the first forward of a float32 model (compressed-tensors decompresses NVFP4 to bfloat16)"
         return Runtime(name="transformers", status=REFUSES, why=why)
-    if recipe.kv_cache is not None:
+    if f.kv_cache:
         why = "does not quantize the KV cache as vLLM does: close, not equal"
         return Runtime(name="transformers", status=CLOSE, why=why)
-    if recipe.input is not None and recipe.input.dynamic and recipe.input.format == "int8":
+    if f.dynamic_int8_input:
         why = "rounds the per-token int8 activations its own way: close, not equal"
         return Runtime(name="transformers", status=CLOSE, why=why)
     return Runtime(name="transformers", status=RUNS)
 
 
-def deployment(recipe: Recipe) -> Deployment:
-    """Where ``recipe``'s export runs, and under which limits (see the module docstring for the rules)."""
-    return Deployment(vllm=_vllm(recipe), transformers=_transformers(recipe))
+def deployment(what: Recipe | Features) -> Deployment:
+    """Where the export of a recipe (or of an export with these :class:`Features`) runs, and under which limits (see
+    the module docstring for the rules)."""
+    f = recipe_features(what) if isinstance(what, Recipe) else what
+    return Deployment(
+        vllm_gpu=_vllm_gpu(f), vllm_cpu={isa: _vllm_cpu(f, isa) for isa in CPU_ISAS}, transformers=_transformers(f)
+    )

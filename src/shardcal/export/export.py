@@ -40,6 +40,7 @@ from ..runtime.faults import fault_point
 from ..runtime.fsutil import check_apart
 from ..sharding.fsdp2 import fsdp2_root_unsharded, layer_unsharded
 from ..sharding.residency import decoder_layers_replaced
+from .consumers import deployment, export_features
 from .destination import prepare_staging, swap_into_place, unmark_staging
 from .format import DEFAULT_FORMAT, ExportFormat, get_format
 from .layout import Entry, ExportPlan, Unit, build_plan, laid_out_layer
@@ -372,7 +373,8 @@ class ExportSession:
 
     def finish(self, report: Any = None) -> Path:
         """All units written: rank 0 writes the metadata and moves the export into place (collective); returns
-        ``out_dir``. Warns when the export rotates inputs online."""
+        ``out_dir``. Warns, once, naming the runtimes that will refuse the export or compute something else with it
+        (:mod:`.consumers`)."""
         if not self.writer.done:
             raise RuntimeError("export plan: this rank's shards are incomplete")
         if self.layers_laid_out_when_written:
@@ -394,10 +396,11 @@ class ExportSession:
         outcome = tuple(broadcast_json(outcome))
         if outcome[0] == "error":
             raise ExportError(outcome[1])
-        if self.rank == 0 and any(qm.input_rotation for qm in self.plan.quant_modules.values()):
+        said = deployment(export_features(self.plan.quant_modules.values(), bool(self.plan.kv_cache)))
+        if self.rank == 0 and (warning := said.warning(self.out_dir)) is not None:
             import warnings
 
-            warnings.warn(ONLINE_ROTATION_WARNING.format(out_dir=self.out_dir), stacklevel=3)
+            warnings.warn(warning, stacklevel=3)
         return self.out_dir
 
     def abort(self) -> None:
@@ -448,10 +451,3 @@ def plan_streamed_export(
         return build_plan(
             model, recipe, world()[1], max_shard_bytes, get_format(format), export_dtype(dtype), structure_only=True
         )
-
-
-#: Said once by every export with online rotations: the one consumer that loads it and computes something else.
-ONLINE_ROTATION_WARNING = (
-    "{out_dir} rotates Linear inputs online (transform_config): vLLM runs it at tensor parallel 1 only, and "
-    "transformers loads it without an error but ignores the rotations and computes wrong outputs"
-)

@@ -18,13 +18,16 @@ from ..calib.recipes import load_recipe, shipped_recipes
 from ..calib.report import CalibrationReport
 from ..export.consumers import deployment
 
-#: The reference models of the quality columns: (column title, the ptq_quality benchmark table's name).
-REFERENCE_MODELS: tuple[tuple[str, str], ...] = (
-    ("SmolLM2", "ptq_quality_smollm2"),
-    ("Gemma 3", "ptq_quality_gemma3-270m"),
+#: The reference models of the quality columns: (column title, the user_path benchmark table's name: each recipe run
+#: as a user runs it — the bf16 checkpoint as published, the CLI on 2 ranks, the export judged from disk).
+REFERENCE_MODELS: tuple[tuple[str, str, str], ...] = (
+    ("SmolLM2", "user_path_smollm2", "SmolLM2-135M"),
+    ("Gemma 3", "user_path_gemma3-270m", "Gemma-3-270M"),
 )
-#: The table the time column comes from (the first reference model's).
-TIME_TABLE = "ptq_quality_smollm2"
+#: The chooser's columns of where an export runs (:meth:`~shardcal.export.consumers.Deployment.cells`).
+RUNTIME_COLUMNS = ("vLLM GPU", "vLLM CPU", "transformers")
+#: The table the time column comes from (the first reference model's: the whole command's wall time).
+TIME_TABLE = "user_path_smollm2"
 #: The vLLM check's per-recipe summary (``make test-vllm`` / benchmarks/vllm_check.py).
 VLLM_TABLE = "vllm_status"
 #: Schemes in the order the chooser lists them, with the words that head each group.
@@ -84,27 +87,29 @@ class RecipeEntry:
 
     recipe: Recipe
     scheme: str
-    runs_in: str
-    quality: tuple[str, ...]  # per reference model: "+2.9 %" (perplexity vs FP32), or "-"
-    seconds: str  # calibration time on the first reference model, or "-"
+    runs_in: tuple[
+        str, str, str
+    ]  # vLLM GPU, vLLM CPU, transformers (:meth:`~shardcal.export.consumers.Deployment.cells`)
+    quality: tuple[str, ...]  # per reference model: the export's mean KL divergence from the source, or "-"
+    seconds: str  # the command's wall time on the first reference model, or "-"
     vllm_check: str  # what the vLLM CPU check found, or "-"
 
 
 def _quality(row: dict | None) -> str:
-    if not row or row.get("vs FP32") in (None, ""):
-        return "-"
-    return str(row["vs FP32"]).replace("%", " %")
+    """The mean KL divergence from the source model, to two significant digits (``0.021``), or ``-``."""
+    value = (row or {}).get("mean KL")
+    return f"{value:.2g}" if isinstance(value, (int, float)) else "-"
 
 
 def _seconds(row: dict | None) -> str:
-    value = (row or {}).get("calibration s")
+    value = (row or {}).get("wall s")
     return f"{value:.0f} s" if isinstance(value, (int, float)) else "-"
 
 
 def entries(folder: Path | None = None) -> list[RecipeEntry]:
     """Every shipped recipe as a :class:`RecipeEntry`, grouped by scheme (in :data:`SCHEMES` order), the
     recommended one first in its group."""
-    quality = [_rows_by_recipe(read_table(table, folder)) for _, table in REFERENCE_MODELS]
+    quality = [_rows_by_recipe(read_table(table, folder)) for _, table, _ in REFERENCE_MODELS]
     times = _rows_by_recipe(read_table(TIME_TABLE, folder))
     vllm = _rows_by_recipe(read_table(VLLM_TABLE, folder))
     out = []
@@ -114,7 +119,7 @@ def entries(folder: Path | None = None) -> list[RecipeEntry]:
             RecipeEntry(
                 recipe=recipe,
                 scheme=scheme_of(recipe),
-                runs_in=deployment(recipe).short(),
+                runs_in=deployment(recipe).cells(),
                 quality=tuple(_quality(rows.get(name)) for rows in quality),
                 seconds=_seconds(times.get(name)),
                 vllm_check=str(vllm.get(name, {}).get("vllm_cpu") or "-"),
@@ -130,13 +135,14 @@ def recipe_table(folder: Path | None = None) -> str:
     where the export runs, perplexity against FP32 on the reference models, calibration time, and what each is
     for."""
     rows = entries(folder)
-    header = ("recipe", "runs in", *(title for title, _ in REFERENCE_MODELS), "time", "for")
-    cells = [(f"{'*' if e.recipe.recommended else ' '} {e.recipe.name}", e.runs_in, *e.quality, e.seconds,
+    header = ("recipe", *RUNTIME_COLUMNS, *(title for title, _, _ in REFERENCE_MODELS), "time", "for")
+    cells = [(f"{'*' if e.recipe.recommended else ' '} {e.recipe.name}", *e.runs_in, *e.quality, e.seconds,
               e.recipe.use) for e in rows]  # fmt: skip
     widths = [max(len(str(row[i])) for row in [(f"  {header[0]}", *header[1:]), *cells]) for i in range(len(header))]
+    left = {0, 1, 2, 3, len(header) - 1}  # the recipe, where it runs and what it is for; numbers to the right
 
     def line(row: tuple[str, ...]) -> str:
-        return "  ".join(f"{cell:<{w}}" if i in (0, 1, len(row) - 1) else f"{cell:>{w}}"
+        return "  ".join(f"{cell:<{w}}" if i in left else f"{cell:>{w}}"
                          for i, (cell, w) in enumerate(zip(row, widths))).rstrip()  # fmt: skip
 
     lines = [line((f"  {header[0]}", *header[1:]))]
@@ -148,10 +154,12 @@ def recipe_table(folder: Path | None = None) -> str:
         lines.append(line(row))
     lines += [
         "",
-        "* recommended for its scheme. runs in: where the export computes what shardcal measured (TP 1: vLLM at",
-        "tensor parallel 1 only; GPU: vLLM's GPU builds; Blackwell: NVFP4 GPUs). SmolLM2, Gemma 3: perplexity vs FP32",
-        "of SmolLM2-135M and Gemma-3-270M; time: SmolLM2-135M's calibration on 2 CPU cores (docs/results.md).",
-        "`shardcal recipes NAME` prints a recipe's TOML and its notes.",
+        "* recommended for its scheme. vLLM GPU, vLLM CPU, transformers: where the export computes what shardcal",
+        "measured (TP 1: tensor parallel 1 only; Blackwell: NVFP4 GPUs; fp8 KV: --kv-cache-dtype fp8; AVX-512: not on",
+        "AVX2-only CPUs; close: its own activation rounding; wrong: loads, computes something else). SmolLM2, Gemma 3:",
+        "the export's mean KL divergence from the bf16 model per token (lower is better), SmolLM2-135M and Gemma-3-270M",
+        "run as a user runs them (the CLI, 2 ranks, the export read from disk); time: the SmolLM2 command's wall time",
+        "on 2 CPU cores (docs/results.md). `shardcal recipes NAME` prints a recipe's TOML and its notes: perplexity too.",
     ]
     return "\n".join(lines)
 
@@ -161,14 +169,16 @@ def recipe_notes(name: str, folder: Path | None = None) -> list[str]:
     valid recipe file): where the export runs and what to know there, what it measured, what the vLLM check found."""
     recipe = load_recipe(name)
     where = deployment(recipe)
-    notes = [f"# runs in: {where.short()}"] + [f"#   {note}" for note in where.notes()]
-    for _, table_name in REFERENCE_MODELS:
+    cells = ", ".join(f"{column} {cell}" for column, cell in zip(RUNTIME_COLUMNS, where.cells(), strict=True))
+    notes = [f"# runs in: {cells}"] + [f"#   {note}" for note in where.notes()]
+    for _, table_name, model in REFERENCE_MODELS:
         table = read_table(table_name, folder)
         row = _rows_by_recipe(table).get(name)
-        if row and row.get("perplexity") is not None:
+        if row and row.get("mean KL") is not None:
             notes.append(
-                f"# {table['title'].rsplit(', ', 1)[-1]}: perplexity {row['perplexity']} ({row.get('vs FP32')} vs FP32), calibration "
-                f"{_seconds(row)} ({table['date']}, docs/results.md)"
+                f"# {model}: KL {row['mean KL']} +- {row.get('KL se')} from the bf16 source, top-1 agreement "
+                f"{row.get('top-1 %')} %, perplexity {row['perplexity']} ({row.get('vs source')} vs the source), "
+                f"{_seconds(row)} for the command ({table['date']}, docs/results.md)"
             )
     check = _rows_by_recipe(read_table(VLLM_TABLE, folder)).get(name)
     if check:
