@@ -832,7 +832,7 @@ def test_eval_kl_against_the_source_and_its_cached_baseline(tiny_dir, tmp_path, 
 
     source = tmp_path / "model"
     shutil.copytree(tiny_dir, source)
-    ids = torch.from_numpy((np.arange(6 * 16).reshape(6, 16) * 7) % 300)
+    ids = torch.from_numpy((np.arange(8 * 16).reshape(8, 16) * 7) % 300)  # 120 predictions: p99 is not the max
     np.save(tmp_path / "ids.npy", ids.numpy())
     data = ["--data", tmp_path / "ids.npy", "--batch-size", 4, "--baseline-cache", tmp_path / "cache"]
     status, _, err = run_cli(capsys, "calibrate", source, "--recipe", "nvfp4", "--out", tmp_path / "out",
@@ -844,7 +844,7 @@ def test_eval_kl_against_the_source_and_its_cached_baseline(tiny_dir, tmp_path, 
     status, out, err = run_cli(capsys, "eval", tmp_path / "out", *data, "--kl", "--json")  # its log-probs too, now
     assert status == 0, err
     got = json.loads(out)
-    assert got["kl"]["tokens"] == want["tokens"] == 6 * 15 and got["cached"] is False
+    assert got["kl"]["tokens"] == want["tokens"] == 8 * 15 and got["cached"] is False
     for key in ("mean_kl", "kl_standard_error", "p99_kl", "nll_standard_error"):
         assert got["kl"][key] == pytest.approx(want[key], rel=2e-3, abs=1e-7), key
     assert got["kl"]["top1_agreement"] == want["top1_agreement"] and 0 < want["mean_kl"]
@@ -896,3 +896,18 @@ def test_a_data_free_recipe_says_it_read_no_data(tiny_dir, tmp_path, capsys):
     assert "calibrated 2 layers without data (fp8-dynamic reads no activation statistics; no SQNR sample) " in out
     shards = sorted((tmp_path / "a").glob("*.safetensors"))
     assert [p.read_bytes() for p in shards] == [(tmp_path / "b" / p.name).read_bytes() for p in shards]
+
+
+def test_kl_summary_against_numpy():
+    """The summary of per-token KL values: numpy's mean, standard error and nearest-rank 99th percentile, and the
+    fraction of agreeing tokens."""
+    from shardcal.data.divergence import summarize
+
+    kl = torch.rand(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) ** 3
+    agree = torch.arange(1000) % 4 != 0
+    got = summarize(kl, agree, nll_standard_error=0.5)
+    values = kl.numpy()
+    assert got.tokens == 1000 and got.mean_kl == pytest.approx(values.mean(), rel=1e-12)
+    assert got.kl_standard_error == pytest.approx(values.std(ddof=1) / np.sqrt(1000), rel=1e-12)
+    assert got.p99_kl == float(np.percentile(values, 99, method="inverted_cdf")) < values.max()
+    assert got.top1_agreement == 0.75 and got.nll_standard_error == 0.5

@@ -258,6 +258,29 @@ def test_no_directory_the_run_created_is_left_empty(model_and_data, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_each_phase_is_timed_on_its_own(model_and_data, tmp_path, monkeypatch):
+    """Calibration made 1 s longer and the export 0.5 s longer (by the test): each phase's time grows by that, and
+    neither counts the other's."""
+    import time as clock
+
+    model_dir, data = model_and_data
+    real_calibrate, real_export = pipeline_calibrate.calibrate, pipeline_calibrate.export_checkpoint
+
+    def slow(real, seconds):
+        def call(*args, **kwargs):
+            clock.sleep(seconds)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(pipeline_calibrate, "calibrate", slow(real_calibrate, 1.0))
+    monkeypatch.setattr(pipeline_calibrate, "export_checkpoint", slow(real_export, 0.5))
+    result = shardcal.calibrate_to_checkpoint(model_dir, tmp_path / "out", RECIPE, data=data, num_samples=6)
+    phases = result.phases
+    assert 1.0 <= phases.calibration < 1.0 + 0.5 * phases.calibration
+    assert 0.5 <= phases.export < 1.0 and phases.load < 1.0
+
+
 @pytest.fixture
 def nothing_read(monkeypatch) -> list[str]:
     """What the run read: the data, or any tensor of the checkpoint (headers are fine)."""

@@ -152,7 +152,8 @@ def _evaluate(
     total, count, kls, agrees, nll = 0.0, 0, [], [], []
     for i, scored in enumerate(scored_batches(model, ids, args.batch_size)):
         total, count = total + scored.nll, count + scored.predictions
-        kl, agree = token_divergence(baseline.logprobs(i), scored.logprobs)
+        source, source_top1 = baseline.logprobs(i)
+        kl, agree = token_divergence(source, scored.logprobs, source_top1)
         kls.append(kl)
         agrees.append(agree)
         nll.append(scored.token_nll(ids[i * args.batch_size : (i + 1) * args.batch_size]))

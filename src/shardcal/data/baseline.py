@@ -6,7 +6,8 @@ is the same every time, so it is cached, keyed by what it depends on: the model 
 modification time of every ``.safetensors`` and ``.json`` file), the token ids, the batch size, the model class, and
 the torch version and CPU kernels that compute it. A cached baseline is a directory of the cache
 (``$SHARDCAL_CACHE/baselines/<key>``): ``baseline.json`` (written last) and, with log-probabilities, one safetensors
-file per batch in float16 (``vocab`` x 2 bytes per token: 0.5 MB for a 262k-token vocabulary). It is written under a
+file per batch in float16 (``vocab`` x 2 bytes per token: 0.5 MB for a 262k-token vocabulary), with each position's
+most likely token. It is written under a
 temporary name and renamed into place; a directory whose key no longer matches is never read (a new key is a new
 directory), and the cache is shardcal's own to delete.
 """
@@ -30,7 +31,7 @@ from ..errors import DataError
 from .divergence import scored_batches
 
 #: Bumped when what a cached baseline holds changes, so that older ones are not read.
-BASELINE_FORMAT = 1
+BASELINE_FORMAT = 2
 MANIFEST = "baseline.json"
 #: How the source's log-probabilities are stored (half the bytes of float32; see :mod:`.divergence` for why the
 #: rounding does not move a KL divergence measurably).
@@ -49,13 +50,15 @@ class SourceBaseline:
     has_logprobs: bool
     cached: bool  # whether it was read from the cache (not computed by this call)
 
-    def logprobs(self, batch: int) -> torch.Tensor:
-        """The source's log-probabilities of batch ``batch`` (``[rows, L - 1, vocab]``, float16)."""
+    def logprobs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source's log-probabilities of batch ``batch`` (``[rows, L - 1, vocab]``, float16) and its most likely
+        token at each position (``[rows, L - 1]``, from the float32 values)."""
         from safetensors.torch import load_file
 
         if not self.has_logprobs:
             raise ValueError("this baseline holds no log-probabilities")
-        return load_file(str(self.directory / _logprobs_name(batch)))["logprobs"]
+        stored = load_file(str(self.directory / _logprobs_name(batch)))
+        return stored["logprobs"], stored["top1"]
 
 
 def _logprobs_name(batch: int) -> str:
@@ -108,8 +111,9 @@ def source_baseline(
             if logprobs:
                 from safetensors.torch import save_file
 
-                stored = scored.logprobs.to(STORED_DTYPE).contiguous()
-                save_file({"logprobs": stored}, str(staging / _logprobs_name(i)))
+                stored = {"logprobs": scored.logprobs.to(STORED_DTYPE).contiguous(),
+                          "top1": scored.logprobs.argmax(-1).to(torch.int32).contiguous()}  # fmt: skip
+                save_file(stored, str(staging / _logprobs_name(i)))
         del model
         record = {"key": key, "format": BASELINE_FORMAT, "model_dir": str(Path(model_dir).resolve()),
                   "perplexity": math.exp(total / count), "tokens": count, "batches": batches,

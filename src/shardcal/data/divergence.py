@@ -80,14 +80,18 @@ def scored_batches(model: nn.Module, input_ids: torch.Tensor, batch_size: int) -
             yield ScoredBatch(nll=nll, predictions=n, logprobs=logprobs)
 
 
-def token_divergence(source: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_divergence(
+    source: torch.Tensor, model: torch.Tensor, source_top1: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: ``KL(source || model)`` (float64) and whether the two most likely tokens agree, from two
-    log-probability tensors ``[..., vocab]`` of the same positions (the source's may be stored in half precision)."""
+    log-probability tensors ``[..., vocab]`` of the same positions (the source's may be stored in half precision;
+    ``source_top1``: its most likely tokens, taken before that rounding, which could break a near tie)."""
     if source.shape != model.shape:
         raise ValueError(f"the source's log-probabilities are {list(source.shape)}, the model's {list(model.shape)}")
     p_log = torch.log_softmax(source.float(), dim=-1)  # normalized again: half-precision rounding leaves no bias
     kl = (p_log.exp() * (p_log - model.float())).sum(-1)
-    agree = p_log.argmax(-1) == model.argmax(-1)
+    top1 = p_log.argmax(-1) if source_top1 is None else source_top1.reshape(p_log.shape[:-1])
+    agree = top1 == model.argmax(-1)
     return kl.reshape(-1).double(), agree.reshape(-1)
 
 
