@@ -1227,6 +1227,22 @@ CATALOGUE: list[Mutant] = [
         "a mistyped flag gets one suggestion where two flags are as close",
         tests=("tests/cli/test_cli.py",),
     ),
+    Mutant(
+        "fold-offset-norm-unrounded",
+        "algorithms/mappings.py",
+        "        if not self.source_is_norm or not self.offset:\n            return s\n",
+        "        if True:\n            return s\n",
+        "scales folded into a Gemma (1 + w) norm ignore that 1 + w' loses its digits in 16 bits (issue 56's INT4 gap)",
+        tests=("tests/algorithms/test_algorithms.py",),
+    ),
+    Mutant(
+        "norm-probe-in-its-dtype",
+        "algorithms/mappings.py",
+        "    elif weight.dtype != torch.float32:",
+        "    elif False:",
+        "a bf16 Gemma norm is probed in bf16, whose rounding of 2 w + 1 hides its (1 + w) form",
+        tests=("tests/algorithms/test_algorithms.py",),
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

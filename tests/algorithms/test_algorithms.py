@@ -868,3 +868,71 @@ def test_gptq_hessian_pass_leaves_moe_experts_to_observe_every_token_in_all_expe
         for projection, value in want.items():
             got = getattr(expert, projection).input_quantizer.amax.item()
             assert got == pytest.approx(float(value), rel=1e-5), (e, projection)
+
+
+class _GemmaNorm(nn.Module):
+    """Gemma's RMS norm: ``x / rms(x) * (1 + weight)``, computed in float32 as transformers does."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stored"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+     (torch.float32, torch.float32)],
+    ids=["bf16", "fp16", "fp32-exported-bf16", "fp32"],
+)  # fmt: skip
+def test_a_fold_into_a_gemma_norm_keeps_the_function_in_16_bits(dtype, stored):
+    """Scales folded into a ``(1 + w)`` norm: ``(1 + w) / s`` is kept as ``1 + w'``, which for large ``s`` (``w'``
+    near -1) keeps few digits once ``w'`` is stored in 16 bits — by the model, or by an export in bf16 of a model
+    calibrated in float32. The fold takes ``w'`` as a bf16 number and gives the consumers the scales that stored
+    multiplier implies: the consumers' outputs on normalized inputs stay what they were (computed here in float64
+    from the parameters stored as ``stored``, Gemma's formula written out); the naive fold (the asked scales on the
+    consumers, ``w'`` rounded where it is stored) is far off in 16 bits. Channels left unscaled keep their weight."""
+    from shardcal.algorithms.mappings import Smoothing
+
+    gen = torch.Generator().manual_seed(0)
+    dim, out = 64, 32
+    norm_weight = 0.5 * torch.randn(dim, generator=gen)
+    lin_weight = torch.randn(out, dim, generator=gen)
+
+    def pair() -> Smoothing:
+        norm = _GemmaNorm(dim, dtype)
+        lin = nn.Linear(dim, out, bias=False, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(norm_weight.to(dtype))
+            lin.weight.copy_(lin_weight.to(dtype))
+        return Smoothing(kind="attn_in", key="n", source=norm, consumers=[lin], point=(norm, "output"),
+                         consumer_names=["q_proj"])  # fmt: skip
+
+    def outputs(m: Smoothing, x: torch.Tensor) -> torch.Tensor:  # the parameters as ``stored`` keeps them
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        weight = m.consumers[0].weight.to(stored).double()
+        return (normed * (1.0 + m.source.weight.to(stored).double())) @ weight.T
+
+    x = torch.randn(16, dim, generator=gen, dtype=torch.float64)
+    s = torch.exp(torch.linspace(-3.0, 5.0, dim))  # up to ~150: multipliers near 0 for the large ones
+    s[5] = 1.0  # a channel left unscaled
+    m = pair()
+    assert m.offset == 1.0
+    before = outputs(m, x)
+    unscaled = m.source.weight[5].clone()
+    applied = m.fold(s)
+    assert m.source.weight[5] == unscaled and applied[5] == 1.0
+    error = ((outputs(m, x) - before).norm() / before.norm()).item()
+    assert error < 4 * torch.finfo(stored).eps, error  # the consumers' own rounding to their dtype: nothing more
+    assert not torch.equal(applied, s) and bool((applied > 0).all())
+    if stored == torch.float32:
+        return
+    naive = pair()  # the same parameters, folded with the asked scales on the consumers
+    with torch.no_grad():
+        naive.source.weight.copy_(((1.0 + naive.source.weight.float()) / s - 1.0).to(dtype))
+        naive.consumers[0].weight.copy_((naive.consumers[0].weight.float() * s[None, :]).to(dtype))
+    assert ((outputs(naive, x) - before).norm() / before.norm()).item() > 10 * error

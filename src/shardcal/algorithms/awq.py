@@ -188,7 +188,7 @@ class AWQ(LayerAlgorithm):
             h = st.hessian().float()
             with threads(1 if _small(m.quantized("weight")) else None):
                 r, s = self._search(m, h, m.reduce(st.mean_abs().float(), "mean"))
-            m.fold(s)
+            s = m.fold(s)
             cols[m.key] = m.expand(s).to(h.device)
             ratios[m.key] = r
         self.ratios[step.name] = ratios
@@ -223,6 +223,7 @@ class AWQ(LayerAlgorithm):
             s = s / torch.sqrt(s.max() * s.min())
             if not bool(torch.isfinite(s).all()):
                 continue
+            s = m.stored_scales(s)  # what folding it into the producer applies: the loss scores that
             sc = m.expand(s).to(weights[0].device)
             shared = m.shared_weight_amax(consumers, [w * sc[None, :] for w in weights]) if shares else None
             loss = sum(

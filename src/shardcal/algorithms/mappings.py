@@ -79,6 +79,9 @@ def _scales_with_weight(module: nn.Module, weight: torch.Tensor, bias: torch.Ten
         module = copy.deepcopy(module).to_empty(device="cpu")
         weight = module.weight.fill_(1.0)
         bias = module.bias.zero_() if bias is not None else None
+    elif weight.dtype != torch.float32:  # the formula, not the dtype's rounding of 2 w + c, is what is probed
+        module = copy.deepcopy(module).float()
+        weight, bias = module.weight, module.bias if bias is not None else None
     x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
     saved = weight.detach().clone()
     try:
@@ -169,14 +172,37 @@ class Smoothing:
         return self.reduce(col, "max")
 
     @torch.no_grad()
-    def fold(self, s: torch.Tensor) -> None:
+    def stored_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """The scales a fold of ``s`` applies, so that the folded producer survives being stored in 16 bits.
+
+        A norm computing ``(c + w) f(x)`` with ``c = 1`` (Gemma) gets ``(c + w) / s`` as ``c + w'``: when the model
+        or its export keeps ``w'`` in bfloat16, a large ``s`` leaves ``w'`` near ``-c`` and ``c + w'`` loses most
+        of its digits (cancellation; a Gemma AWQ export stored in bf16 lost a third of its quality to it). So
+        ``w'`` is taken as a bfloat16 number (exact in float16 and float32 too), and the consumers get the scales
+        that stored multiplier implies, ``(c + w) / (c + w')``: the layer keeps its function exactly in any of
+        those dtypes. A channel whose stored multiplier would vanish or change sign is not scaled. Every other
+        producer keeps ``w / s`` to its dtype's relative precision: ``s`` itself. What :meth:`fold` applies, and
+        what a search over scales must score."""
+        if not self.source_is_norm or not self.offset:
+            return s
+        c, w = self.offset, self.source.weight.detach().float().to(s.device)
+        target = (c + w) / s
+        kept = c + _as_bfloat16(target - c)
+        usable = (kept * target > 0) & (s != 1)  # a scale of 1 leaves the channel as it is
+        return torch.where(usable, (c + w) / torch.where(usable, kept, torch.ones_like(kept)), torch.ones_like(s))
+
+    @torch.no_grad()
+    def fold(self, s: torch.Tensor) -> torch.Tensor:
         """Divide the producer's channels by ``s`` and multiply the consumers' input columns by it (in place; a
-        consumer that rotates its inputs gets ``(W diag(s)) H``)."""
-        s = s.float()
+        consumer that rotates its inputs gets ``(W diag(s)) H``); returns the scales applied: ``s`` as the producer
+        stores it (:meth:`stored_scales`)."""
+        s = self.stored_scales(s.float())
         src = self.source
         if self.source_is_norm:
             c, inv = self.offset, 1.0 / s.to(src.weight.device)
-            src.weight.copy_(((src.weight.float() + c) * inv - c).to(src.weight.dtype))  # c + w -> (c + w) / s
+            w = src.weight.float()
+            folded = _as_bfloat16((w + c) * inv - c) if c else w * inv  # c + w -> (c + w) / s, as stored_scales kept it
+            src.weight.copy_(torch.where(s.to(w.device) == 1, w, folded).to(src.weight.dtype))  # unscaled: untouched
             if getattr(src, "bias", None) is not None:
                 _scale_(src.bias, 1.0 / s.to(src.bias.device))
         else:
@@ -186,6 +212,12 @@ class Smoothing:
         cols = self.expand(s)
         for c in self.consumers:
             scale_input_columns_(c, cols.to(c.weight.device))
+        return s
+
+
+def _as_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest bfloat16 number, in float32."""
+    return x.to(torch.bfloat16).float()
 
 
 def _scale_(p: torch.Tensor, factor: torch.Tensor) -> None:

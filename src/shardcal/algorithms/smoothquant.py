@@ -293,8 +293,7 @@ class SmoothQuant(LayerAlgorithm):
             alphas = [self.grid[b] for b in best]
         applied, smoothed = {}, []
         for m, act, w, alpha in zip(smoothings, maxima, w_maxima, alphas):
-            s = smoothing_scales(act, w, alpha)
-            m.fold(s)
+            s = m.fold(smoothing_scales(act, w, alpha))  # the scales the producer's dtype keeps
             applied[m.key] = s.cpu()
             if stats is not None:
                 smoothed.append((m, act, stats[m.key].tokens))
@@ -349,7 +348,7 @@ class SmoothQuant(LayerAlgorithm):
         out = []
         shares = m.shares_weight_range(consumers)
         for alpha in self.grid:
-            sc = m.expand(smoothing_scales(act_max, w_max, alpha))
+            sc = m.expand(m.stored_scales(smoothing_scales(act_max, w_max, alpha)))  # as a fold applies them
             per_batch = [0.0] * len(samples)
             shared = (
                 m.shared_weight_amax(consumers, [w * sc.to(w.device)[None, :] for w in weights])
