@@ -80,12 +80,14 @@ def _run(argv: list[str], log: Path) -> subprocess.CompletedProcess:
 
 def calibrate(source: Path, recipe: str, out: Path, ranks: int, log: Path) -> dict:
     """``shardcal calibrate`` as a user runs it; its summary's times and SQNR (or the error)."""
+    start = time.perf_counter()
     proc = _run([*SHARDCAL, "calibrate", str(source), "--recipe", recipe, "--out", str(out), "--nproc-per-node",
                  str(ranks), "--overwrite"], log)  # fmt: skip
+    process = time.perf_counter() - start
     found = SUMMARY.search(proc.stdout)
     if proc.returncode != 0 or found is None:
         return {"error": (proc.stderr.strip().splitlines() or ["no summary"])[-1][:300]}
-    return {k: (None if v == "n/a" else float(v)) for k, v in found.groupdict().items()}
+    return {"process": process, **{k: (None if v == "n/a" else float(v)) for k, v in found.groupdict().items()}}
 
 
 def evaluate(out: Path, consumer: str, args: argparse.Namespace, log: Path) -> dict:
@@ -115,26 +117,14 @@ def row(recipe: str, algorithm: str, run: dict, judged: dict, consumer: str) -> 
     if "error" in run or "error" in judged:
         what = "calibrate" if "error" in run else f"eval ({consumer})"
         note = f"{what} failed: {run.get('error') or judged.get('error')}"
-        return [
-            recipe,
-            algorithm,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            run.get("wall"),
-            run.get("calibration"),
-            "",
-            note,
-        ]
+        blank = [None] * 6
+        return [recipe, algorithm, *blank, run.get("process"), run.get("wall"), run.get("calibration"), "", note]
     kl, source = judged["kl"], judged["source_perplexity"]
     ppl = judged["perplexity"]
     return [
         recipe, algorithm, round(kl["mean_kl"], 5), round(kl["kl_standard_error"], 5), round(kl["p99_kl"], 4),
-        round(100 * kl["top1_agreement"], 2), round(ppl, 3), f"{ppl / source - 1:+.1%}", round(run["wall"], 1),
-        round(run["calibration"], 1), consumer, f"±{100 * kl['nll_standard_error']:.1f}% ppl",
+        round(100 * kl["top1_agreement"], 2), round(ppl, 3), f"{ppl / source - 1:+.1%}", round(run["process"], 1),
+        round(run["wall"], 1), round(run["calibration"], 1), consumer, f"±{100 * kl['nll_standard_error']:.1f}% ppl",
     ]  # fmt: skip
 
 
@@ -174,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name, str(load_recipe(name).algorithm.get("name", "rtn")), run, judged, consumer))
         print(f"  {name}: {rows[-1][2:]} ({time.perf_counter() - start:.0f} s)", flush=True)
         shutil.rmtree(out, ignore_errors=True)  # the exports of 22 recipes would fill a small disk
-    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source", "wall s",
-               "calibration s", "evaluated by", "notes"]  # fmt: skip
+    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
+               "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
     notes = [
         f"Source: {title} as published, bfloat16 in files of at most 100 MB (transformers' save_pretrained of the "
         f"float32 import of the GGUF the embedded package ships); its perplexity on these tokens: "
@@ -190,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         "held-out tokens moves it by about that much); top-1 %: predictions whose most likely token is the source's; "
         "vs source: the export's perplexity against the source's on the same tokens, whose own uncertainty the notes "
         "give (the standard error of the mean negative log-likelihood).",
-        "wall s: the whole command (checks, loading, calibration, export) on this machine's cores shared by the ranks; "
-        "calibration s: its calibration phase. Times on a shared 2-core machine are noisy: compare within this table.",
+        "process s: the calibrate command as a process, timed from outside (the interpreter, imports and the ranks' "
+        "start included); wall s: what its summary says (checks, loading, calibration, export); calibration s: its "
+        "calibration phase. The ranks share this machine's cores. Times on a shared 2-core machine are noisy: compare "
+        "within this table.",
     ]
     save_table(
         args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "

@@ -31,11 +31,11 @@ def _write_table():
 
 def test_cells_come_from_the_result_tables(tmp_path):
     write_table = _write_table()
-    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source", "wall s",
-               "calibration s", "evaluated by", "notes"]  # fmt: skip
+    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
+               "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
     write_table("user_path_smollm2", title="The numbers a user gets, SmolLM2-135M", results_dir=tmp_path,
-                columns=columns, rows=[["fp8-dynamic", "rtn", 0.02142, 0.00031, 0.21, 93.4, 18.4, "+2.6%", 24.4, 3.1,
-                                        "transformers", "±0.9% ppl"]],
+                columns=columns, rows=[["fp8-dynamic", "rtn", 0.02142, 0.00031, 0.21, 93.4, 18.4, "+2.6%", 24.4, 9.0,
+                                        3.1, "transformers", "±0.9% ppl"]],
                 command="python benchmarks/user_path.py")  # fmt: skip
     write_table("vllm_status", title="vLLM", results_dir=tmp_path, columns=["recipe", "vllm_cpu", "note"],
                 rows=[["fp8-dynamic", "checked", "logprobs within 1 %"]])  # fmt: skip

@@ -26,7 +26,7 @@ REFERENCE_MODELS: tuple[tuple[str, str, str], ...] = (
 )
 #: The chooser's columns of where an export runs (:meth:`~shardcal.export.consumers.Deployment.cells`).
 RUNTIME_COLUMNS = ("vLLM GPU", "vLLM CPU", "transformers")
-#: The table the time column comes from (the first reference model's: the whole command's wall time).
+#: The table the time column comes from (the first reference model's: the calibrate command, as a process).
 TIME_TABLE = "user_path_smollm2"
 #: The vLLM check's per-recipe summary (``make test-vllm`` / benchmarks/vllm_check.py).
 VLLM_TABLE = "vllm_status"
@@ -91,7 +91,7 @@ class RecipeEntry:
         str, str, str
     ]  # vLLM GPU, vLLM CPU, transformers (:meth:`~shardcal.export.consumers.Deployment.cells`)
     quality: tuple[str, ...]  # per reference model: the export's mean KL divergence from the source, or "-"
-    seconds: str  # the command's wall time on the first reference model, or "-"
+    seconds: str  # the calibrate command's time as a process on the first reference model, or "-"
     vllm_check: str  # what the vLLM CPU check found, or "-"
 
 
@@ -102,7 +102,7 @@ def _quality(row: dict | None) -> str:
 
 
 def _seconds(row: dict | None) -> str:
-    value = (row or {}).get("wall s")
+    value = (row or {}).get("process s")  # the command as a process, as a user waits for it
     return f"{value:.0f} s" if isinstance(value, (int, float)) else "-"
 
 
@@ -158,8 +158,8 @@ def recipe_table(folder: Path | None = None) -> str:
         "measured (TP 1: tensor parallel 1 only; Blackwell: NVFP4 GPUs; fp8 KV: --kv-cache-dtype fp8; AVX-512: not on",
         "AVX2-only CPUs; close: its own activation rounding; wrong: loads, computes something else). SmolLM2, Gemma 3:",
         "the export's mean KL divergence from the bf16 model per token (lower is better), SmolLM2-135M and Gemma-3-270M",
-        "run as a user runs them (the CLI, 2 ranks, the export read from disk); time: the SmolLM2 command's wall time",
-        "on 2 CPU cores (docs/results.md). `shardcal recipes NAME` prints a recipe's TOML and its notes: perplexity too.",
+        "run as a user runs them (the CLI, 2 ranks, the export read from disk); time: the SmolLM2 calibrate command,",
+        "start to end, on 2 CPU cores (docs/results.md). `shardcal recipes NAME` prints a recipe's TOML and its notes.",
     ]
     return "\n".join(lines)
 
