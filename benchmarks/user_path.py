@@ -128,6 +128,58 @@ def row(recipe: str, algorithm: str, run: dict, judged: dict, consumer: str) -> 
     ]  # fmt: skip
 
 
+#: The recommended recipes' schemes as llm-compressor documents them (benchmarks/peer_run.py's ``RECIPES``).
+PEER_SCHEMES = {"fp8-dynamic": "fp8-dynamic", "w8a8-int8-dynamic-sq": "w8a8-int8-dynamic-sq",
+                "w4a16-awq-gptq": "w4a16-gptq", "w4a16-gptq": "w4a16-gptq", "nvfp4-sq-gptq": "nvfp4"}  # fmt: skip
+
+
+def llmcompressor_run(scheme: str, source: Path, args: argparse.Namespace) -> dict:
+    """llm-compressor's documented recipe for ``scheme`` on the same model and calibration tokens (the command's default
+    data), in the peers' venv (``make bench-peers``): its calibration time (its ``oneshot`` call) and its process's,
+    timed from outside (the perplexity it also computes is on one block only, to keep that out of the comparison)."""
+    from safetensors.torch import save_file
+
+    from shardcal.data.token_data import token_blocks
+    from shardcal.io.tokenizer import Tokenizer
+
+    folder = args.work / "peers"
+    folder.mkdir(exist_ok=True)
+    tokenizer = Tokenizer.from_dir(source)
+    save_file({"input_ids": token_blocks(tokenizer, 32, 256, split="calib")}, str(folder / "calib.safetensors"))
+    save_file({"input_ids": token_blocks(tokenizer, 1, 256, split="eval")}, str(folder / "eval.safetensors"))
+    out = folder / f"{args.model}-{scheme}.json"
+    group = 64 if args.model == "smollm2" else 128  # SmolLM2's 576 is no multiple of 128 (as shardcal fits it)
+    argv = [str(args.peers_python), str(Path(__file__).resolve().parent / "peer_run.py"), "--tool", "llmcompressor",
+            "--scheme", scheme, "--model-dir", str(source), "--calib", str(folder / "calib.safetensors"), "--eval",
+            str(folder / "eval.safetensors"), "--out", str(out), "--group-size", str(group), "--eval-batch", "1"]  # fmt: skip
+    if scheme.startswith("w4a16-awq"):
+        argv.append("--cpu-pin-patch")
+    start = time.perf_counter()
+    proc = _run(argv, args.work / f"{args.model}-llmcompressor-{scheme}.log")
+    process = time.perf_counter() - start
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return {"process": process, "calibration": json.loads(out.read_text()).get("calib_seconds")}
+
+
+def speed_rows(recipes: list[str], runs: dict[str, dict], source: Path, args: argparse.Namespace) -> list[list]:
+    """Each recommended recipe's time beside llm-compressor's same scheme, measured in this run."""
+    from shardcal.calib.recipes import load_recipe
+
+    rows = []
+    for name in recipes:
+        if not load_recipe(name).recommended or name not in PEER_SCHEMES or "error" in runs[name]:
+            continue
+        theirs = llmcompressor_run(PEER_SCHEMES[name], source, args)
+        ours = runs[name]
+        ratio = None if "error" in theirs else round(ours["process"] / theirs["process"], 2)
+        rows.append([name, round(ours["process"], 1), round(ours["calibration"], 1), PEER_SCHEMES[name],
+                     theirs.get("process") and round(theirs["process"], 1),
+                     theirs.get("calibration") and round(theirs["calibration"], 1), ratio, theirs.get("error", "")])  # fmt: skip
+        print(f"  vs llm-compressor {PEER_SCHEMES[name]}: {rows[-1][1:]}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from _results import add_save_options
 
@@ -139,6 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-batch", type=int, default=None, help="default: 4 (SmolLM2), 2 (Gemma 3)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "user-path")
+    parser.add_argument(
+        "--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python",
+        help="the peers' venv (make bench-peers): each recommended recipe's time beside llm-compressor's (skipped "
+        "without it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speed-only", action="store_true",
+        help="only the recommended recipes' times beside llm-compressor's (no evaluation; the quality table is not "
+        "written)",
+    )  # fmt: skip
     add_save_options(parser)
     args = parser.parse_args(argv)
     from shardcal.calib.recipes import load_recipe, shipped_recipes
@@ -146,15 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     args.eval_batch = args.eval_batch or (4 if args.model == "smollm2" else 2)
     args.work.mkdir(parents=True, exist_ok=True)
     recipes = args.recipes or list(shipped_recipes())
+    if args.speed_only:
+        recipes = [n for n in recipes if load_recipe(n).recommended]
     source = published_source(args.model, args.work)
     title = MODEL_NAMES[args.model]
     print(f"{title}: source {source} (bf16, 100 MB files); {args.ranks} ranks; eval {args.eval_samples} x "
           f"{args.seq_len} held-out tokens", flush=True)  # fmt: skip
-    rows, baseline = [], None
+    rows, baseline, runs = [], None, {}
     for name in recipes:
         out = args.work / args.model / name
         start = time.perf_counter()
-        run = calibrate(source, name, out, args.ranks, args.work / f"{args.model}-{name}-calibrate.log")
+        run = runs[name] = calibrate(source, name, out, args.ranks, args.work / f"{args.model}-{name}-calibrate.log")
+        if args.speed_only:
+            shutil.rmtree(out, ignore_errors=True)
+            continue
         consumer = consumer_of(name, args.model)
         judged = {} if "error" in run else evaluate(out, consumer, args, args.work / f"{args.model}-{name}-eval.log")
         if "error" in judged and consumer == "transformers" and args.model == "smollm2":
@@ -185,11 +252,31 @@ def main(argv: list[str] | None = None) -> int:
         "calibration phase. The ranks share this machine's cores. Times on a shared 2-core machine are noisy: compare "
         "within this table.",
     ]
+    if not args.speed_only:
+        save_table(
+            args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "
+            f"{args.ranks} ranks, the export from disk", columns=columns, rows=rows, notes=notes,
+            order=ORDER["quality"] - 10 + list(MODEL_NAMES).index(args.model),
+            off_reference="--recipes leaves out shipped recipes" if args.recipes else None,
+        )  # fmt: skip
+    if not args.peers_python.is_file():
+        print(f"llm-compressor's times skipped: {args.peers_python} is missing (make bench-peers creates it)")
+        return 0
     save_table(
-        args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "
-        f"{args.ranks} ranks, the export from disk", columns=columns, rows=rows, notes=notes,
-        order=ORDER["quality"] - 10 + list(MODEL_NAMES).index(args.model),
-        off_reference="--recipes leaves out shipped recipes" if args.recipes else None,
+        args, f"user_path_speed_{args.model}", title=f"Time of each recommended recipe beside llm-compressor's same "
+        f"scheme, {title}: the same bf16 source and calibration tokens, one run",
+        columns=["recipe", "shardcal process s", "shardcal calibration s", "llm-compressor scheme",
+                 "llm-compressor process s", "llm-compressor calibration s", "process ratio", "notes"],
+        rows=speed_rows(recipes, runs, source, args), order=ORDER["speed"] - 10 + list(MODEL_NAMES).index(args.model),
+        notes=[
+            f"shardcal: `shardcal calibrate SOURCE --recipe R --nproc-per-node {args.ranks}` (the table above's run); "
+            "process s includes loading, the export and the ranks' start; calibration s is the summary's phase.",
+            "llm-compressor: its documented recipe for the scheme (benchmarks/peer_run.py RECIPES: FP8_DYNAMIC; "
+            "SmoothQuant 0.8 + GPTQ W8A8; GPTQ W4A16; NVFP4), one process on the same source and the same 32 x 256 "
+            "calibration tokens; calibration s is its oneshot call; its process also loads the model in float32 "
+            "and scores one held-out block (no export is written).",
+        ],
+        off_reference="--recipes leaves out recommended recipes" if args.recipes else None,
     )  # fmt: skip
     return 0
 

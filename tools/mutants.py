@@ -1243,6 +1243,31 @@ CATALOGUE: list[Mutant] = [
         "a bf16 Gemma norm is probed in bf16, whose rounding of 2 w + 1 hides its (1 + w) form",
         tests=("tests/algorithms/test_algorithms.py",),
     ),
+    # ------------------------------------------------------------------ published quantized sources (issue 57)
+    Mutant(
+        "fp8-block-rows-from-block-start",
+        "models/published.py",
+        "        offset = row_start - (row_start // bo) * bo\n",
+        "        offset = 0\n",
+        "rows of a block-scaled FP8 weight that start inside a block get the scales of the block's first rows",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "fp8-block-scales-shown",
+        "models/published.py",
+        "        return key not in self._hidden\n",
+        "        return True\n",
+        "the scale tensors of a published FP8 checkpoint are among its keys (unexpected tensors for every loader)",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "fp8-block-transposed",
+        "models/published.py",
+        "        bo, bi = self.block\n        offset",
+        "        bi, bo = self.block\n        offset",
+        "a block of (rows, columns) read as (columns, rows)",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

@@ -14,6 +14,7 @@ import torch
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
 from ..models.decoder import CausalLM
+from ..models.published import is_published
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
 from .quantized import load_quantized_into
 
@@ -32,7 +33,7 @@ def from_pretrained(
     target = resolve_dtype(cfg, dtype)
     model = build_on_meta(cfg, target)
     quantization = cfg.raw.get("quantization_config")
-    if quantization is not None:
+    if quantization is not None and not is_published(cfg.raw):  # published FP8: the reader dequantizes it
         return load_quantized_into(model, Path(path), cfg, target, torch.device(device))
     with CheckpointReader(path) as reader:
         check_checkpoint_keys(model, reader, cfg)

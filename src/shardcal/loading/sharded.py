@@ -21,6 +21,7 @@ from ..algorithms import residual
 from ..errors import CheckpointError
 from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
+from ..models.published import is_published
 from ..runtime.distributed import world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
@@ -109,7 +110,7 @@ def load_pretrained(
             residual.untie_word_embeddings(plain)
         return plain
     cfg = load_config(path) if model is None else None
-    if model is None and cfg.raw.get("quantization_config") is not None:
+    if model is None and cfg.raw.get("quantization_config") is not None and not is_published(cfg.raw):
         raise CheckpointError(
             f"{path}: load_pretrained reads unquantized checkpoints; load an exported (quantized) directory "
             "with shardcal.models.from_pretrained"

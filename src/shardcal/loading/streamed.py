@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models.config import load_config
+from ..models.published import is_published
 from ..models.reads import ReadingReader
 from ..runtime.distributed import all_gather_rows_, row_range, world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, dominant_dtype, fsdp2_units, init_fsdp2_root
@@ -160,7 +161,7 @@ def load_streamed(
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
     cfg = load_config(path)
-    if cfg.raw.get("quantization_config") is not None:
+    if cfg.raw.get("quantization_config") is not None and not is_published(cfg.raw):
         raise CheckpointError(f"{path}: load_streamed reads unquantized checkpoints")
     reader = ReadingReader(path)
     try:

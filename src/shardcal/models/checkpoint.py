@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError
 from ..runtime.fsutil import read_json_object
+from .published import PublishedReads
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -78,11 +79,12 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(exc)})") from None
 
 
-class CheckpointReader:
+class CheckpointReader(PublishedReads):
     """Tensors of a model directory by name; each file is opened once, lazily, memory-mapped.
 
     ``source`` is the file that lists the tensors (the index, or the single ``model.safetensors``): error
-    messages about the checkpoint as a whole name it.
+    messages about the checkpoint as a whole name it. A checkpoint published in FP8 with block scales reads as the
+    float weights it stands for (:mod:`.published`).
     """
 
     def __init__(self, model_dir: str | Path):
@@ -101,6 +103,7 @@ class CheckpointReader:
             if any(self.model_dir.glob("*.bin")) or any(self.model_dir.glob("*.pt")):
                 hint = " (only safetensors weights are read; pickled .bin/.pt files are not)"
             raise CheckpointError(f"{self.model_dir}: no {SINGLE_NAME} or {INDEX_NAME} found{hint}")
+        self._find_published(self.model_dir, self._file_of)
 
     def _open_file(self, file: Path) -> Any:
         if file not in self._handles:
@@ -114,10 +117,10 @@ class CheckpointReader:
         return self._file_keys[file]
 
     def keys(self) -> list[str]:
-        return list(self._file_of)
+        return [k for k in self._file_of if self._visible(k)]
 
     def __contains__(self, key: str) -> bool:
-        return key in self._file_of
+        return key in self._file_of and self._visible(key)
 
     def file_of(self, key: str) -> Path:
         if key not in self._file_of:
@@ -152,16 +155,16 @@ class CheckpointReader:
             raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} has dtype {name}, which torch cannot load")
         return SAFETENSORS_DTYPES[name]
 
-    def get(self, key: str) -> torch.Tensor:
-        """The whole tensor."""
+    def _raw_get(self, key: str) -> torch.Tensor:
+        """The whole tensor, as stored."""
         handle = self._handle(key)
         try:
             return handle.get_tensor(key)
         except Exception as exc:
             raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} cannot be read ({_one_line(exc)})") from None
 
-    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0, read from the memory map without touching the other rows."""
+    def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 as stored, read from the memory map without touching the other rows."""
         tensor_slice = self._slice(key)
         try:
             return tensor_slice[start:stop]

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import CheckpointError
 from .checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, read_index
+from .published import PublishedReads
 
 #: A safetensors JSON header larger than this is refused (the largest real ones are a few megabytes).
 MAX_HEADER_BYTES = 100 * 2**20
@@ -71,8 +72,9 @@ def _header(file: Path) -> dict[str, _Entry]:
     return out
 
 
-class ReadingReader:
-    """Tensors of a model directory by name, read with plain reads into new tensors (no memory map)."""
+class ReadingReader(PublishedReads):
+    """Tensors of a model directory by name, read with plain reads into new tensors (no memory map); a checkpoint
+    published in FP8 with block scales reads as the float weights it stands for (:mod:`.published`)."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
@@ -88,6 +90,7 @@ class ReadingReader:
         for file in files:
             self._entries.update(_header(file))
         self._fds: dict[Path, int] = {}
+        self._find_published(self.model_dir, self._entries)
 
     def __enter__(self) -> ReadingReader:
         return self
@@ -101,10 +104,10 @@ class ReadingReader:
         self._fds.clear()
 
     def keys(self) -> list[str]:
-        return list(self._entries)
+        return [k for k in self._entries if self._visible(k)]
 
     def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return key in self._entries and self._visible(key)
 
     def _entry(self, key: str) -> _Entry:
         if key not in self._entries:
@@ -120,13 +123,13 @@ class ReadingReader:
     def dtype(self, key: str) -> torch.dtype:
         return self._entry(key).dtype
 
-    def get(self, key: str) -> torch.Tensor:
-        """The whole tensor, in a new buffer."""
+    def _raw_get(self, key: str) -> torch.Tensor:
+        """The whole tensor as stored, in a new buffer."""
         entry = self._entry(key)
-        return self.get_rows(key, 0, entry.shape[0]) if entry.shape else self._read(entry, entry.offset, ())
+        return self._raw_get_rows(key, 0, entry.shape[0]) if entry.shape else self._read(entry, entry.offset, ())
 
-    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0, read into a new buffer; the other rows are not read."""
+    def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 as stored, read into a new buffer; the other rows are not read."""
         entry = self._entry(key)
         if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
             raise CheckpointError(f"{entry.file}: tensor {key!r} has no rows {start}:{stop} (shape {entry.shape})")

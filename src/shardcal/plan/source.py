@@ -23,6 +23,7 @@ from ..loading.foreign import build_transformers_on_meta, choose_impl, raw_confi
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
 from ..models.config import ModelConfig, load_config
+from ..models.published import is_published
 from .structure import Linear, ModelStructure, read_structure
 
 
@@ -184,7 +185,7 @@ def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None, i
 
 
 def _refuse_quantized(raw: Mapping[str, Any], model_dir: str | Path) -> None:
-    if raw.get("quantization_config") is not None:
+    if raw.get("quantization_config") is not None and not is_published(raw):
         raise CheckpointError(
             f"{model_dir}: load_pretrained reads unquantized checkpoints; load an exported (quantized) directory "
             "with shardcal.models.from_pretrained"

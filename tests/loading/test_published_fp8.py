@@ -1,0 +1,173 @@
+"""A checkpoint published in FP8 with block scales (DeepSeek-V3's layout: ``quant_method: "fp8"``,
+``weight_block_size``, ``<linear>.weight`` float8_e4m3fn and ``<linear>.weight_scale_inv``) reads as the weights it
+stands for: every loader (plain, sharded on 1 and 2 ranks, streamed) gives exactly what the same checkpoint
+dequantized to bf16 by the published formula — written out here block by block — gives, and the command calibrates
+it to the dequantized copy's export, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardcal.errors import CheckpointError
+from shardcal.models import from_pretrained
+
+from _dist import run_on_ranks
+from _tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: Blocks that divide neither the Linears' widths (64, 96) nor a rank's half of their rows: every edge is a partial
+#: block, and a rank's rows start inside one.
+BLOCK = (24, 40)
+
+
+def _blockwise(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The publisher's side, block by block: ``(fp8 values, scale_inv [ceil(out / bo), ceil(in / bi)], the weight the
+    pair stands for, float32)`` with ``scale_inv = max |w| / 448`` per block."""
+    bo, bi = block
+    out, inp = weight.shape
+    w = weight.float()
+    scale = torch.empty(math.ceil(out / bo), math.ceil(inp / bi))
+    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+    dequantized = torch.empty(out, inp)
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            rows, cols = slice(r * bo, (r + 1) * bo), slice(c * bi, (c + 1) * bi)
+            s = float(w[rows, cols].abs().max()) / 448.0 or 1.0
+            scale[r, c] = s
+            q[rows, cols] = (w[rows, cols] / s).to(torch.float8_e4m3fn)
+            dequantized[rows, cols] = q[rows, cols].float() * scale[r, c]
+    return q, scale, dequantized
+
+
+def make_published_pair(root: Path, block: tuple[int, int] = BLOCK, seed: int = 3) -> tuple[Path, Path, Path]:
+    """A tiny bf16 Llama published in FP8 blocks (its decoder Linears), its copy dequantized to bf16, and its copy
+    whose dequantized Linears are kept exactly (float32; the other tensors bf16 as published)."""
+    base = make_tiny_checkpoint(root, "llama", torch.bfloat16, seed=seed, num_hidden_layers=2)
+    weights = load_file(str(base / "model.safetensors"))
+    fp8, copy, exact = {}, {}, {}
+    for key, tensor in weights.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            q, scale, dequantized = _blockwise(tensor, block)
+            fp8[key], fp8[f"{key}_scale_inv"] = q, scale
+            copy[key], exact[key] = dequantized.to(torch.bfloat16), dequantized
+        else:
+            fp8[key] = copy[key] = exact[key] = tensor
+    config = json.loads((base / "config.json").read_text())
+    folders = []
+    for name, tensors, quant in (
+        ("fp8", fp8, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": list(block)}),
+        ("dequantized", copy, None),
+        ("exact", exact, None),
+    ):  # fmt: skip
+        folder = root / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **({"quantization_config": quant} if quant else {})}))
+        folders.append(folder)
+    return folders[0], folders[1], folders[2]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory) -> tuple[Path, Path, Path]:
+    return make_published_pair(tmp_path_factory.mktemp("published"))
+
+
+@pytest.fixture(scope="module")
+def pair(published) -> tuple[Path, Path]:
+    return published[0], published[1]
+
+
+def test_plain_load_is_the_dequantized_copy(pair):
+    fp8, copy = pair
+    got, want = from_pretrained(fp8), from_pretrained(copy)
+    assert got.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_readers_hide_the_scales_and_read_rows_inside_a_block(pair):
+    from shardcal.models.checkpoint import CheckpointReader
+    from shardcal.models.reads import ReadingReader
+
+    fp8, copy = pair
+    key = "model.layers.1.mlp.down_proj.weight"  # [64, 96]
+    want = load_file(str(copy / "model.safetensors"))[key].float()
+    for reader_class in (CheckpointReader, ReadingReader):
+        with reader_class(fp8) as reader:
+            assert not any(k.endswith("_scale_inv") for k in reader.keys()) and f"{key}_scale_inv" not in reader
+            assert reader.floating_dtype() == torch.bfloat16 if hasattr(reader, "floating_dtype") else True
+            assert torch.equal(reader.get(key).bfloat16().float(), want)
+            for start, stop in ((0, 64), (5, 29), (24, 48), (47, 64), (32, 33)):
+                rows = reader.get_rows(key, start, stop)
+                assert rows.dtype == torch.float32 and torch.equal(rows.bfloat16().float(), want[start:stop])
+
+
+def _sharded(folder: str) -> dict[str, list]:
+    """This rank's rows of every parameter, loaded sharded."""
+    from shardcal.loading.sharded import load_pretrained
+
+    model = load_pretrained(folder)
+    return {n: p.to_local().float().tolist() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sharded_load_is_the_dequantized_copys(pair, ranks):
+    """Each rank reads its rows (and the scale rows they need; on 2 ranks a rank's rows start inside a block)."""
+    fp8, copy = pair
+    assert run_on_ranks(ranks, _sharded, str(fp8)) == run_on_ranks(ranks, _sharded, str(copy))
+
+
+def _export_files(folder: Path) -> dict[str, bytes]:
+    skip = ("calibration_report.json", "calibration_sqnr.png", "shardcal_export.json", "config.json")
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in skip}
+
+
+@pytest.mark.parametrize(
+    ("stream", "impl"), [("off", "shardcal"), ("on", "shardcal"), ("off", "transformers")],
+    ids=["resident", "streamed", "transformers-class"],
+)  # fmt: skip
+def test_the_command_calibrates_it_to_the_dequantized_copys_export(published, tmp_path, stream, impl):
+    """The published FP8 checkpoint through ``calibrate`` (resident, streamed, and as transformers' class) gives the
+    export of its dequantized copy: the same tensors, and a config.json whose quantization_config is the export's
+    own. shardcal's class loads in the config's bf16 (the bf16 copy's weights); transformers' class in float32, where
+    the dequantized weights are kept exactly (the float32 copy's; the export's unquantized tensors in bf16 both)."""
+    from shardcal.pipeline import calibrate as pipeline_calibrate
+
+    if impl == "transformers":
+        pytest.importorskip("transformers")
+    fp8, copy, exact = published
+    reference = exact if impl == "transformers" else copy
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, size=(4, 16)))
+    for folder in (fp8, reference):
+        pipeline_calibrate.calibrate_to_checkpoint(
+            folder, tmp_path / folder.name, "w8a8-int8", data=tmp_path / "ids.npy", stream=stream, model_impl=impl,
+            export_dtype="bfloat16",
+        )  # fmt: skip
+    assert _export_files(tmp_path / "fp8") == _export_files(tmp_path / reference.name)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    want = json.loads((tmp_path / reference.name / "config.json").read_text())
+    assert config["quantization_config"] == want["quantization_config"]
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
+
+
+def test_an_fp8_checkpoint_without_blocks_is_refused_naming_its_config(pair, tmp_path):
+    import shutil
+
+    fp8, _ = pair
+    per_tensor = tmp_path / "per-tensor"
+    shutil.copytree(fp8, per_tensor)
+    config = json.loads((per_tensor / "config.json").read_text())
+    del config["quantization_config"]["weight_block_size"]
+    (per_tensor / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json: quantization_config 'fp8' needs weight_block_size"):
+        from_pretrained(per_tensor)
