@@ -180,6 +180,41 @@ def speed_rows(recipes: list[str], runs: dict[str, dict], source: Path, args: ar
     return rows
 
 
+def save_quality(args: argparse.Namespace, title: str, rows: list[list], baseline: float | None, pending: int) -> None:
+    """The quality table of this run so far (written after each recipe, so that a run stopped early leaves what it
+    measured, saying so; ``pending``: the recipes not run yet)."""
+    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
+               "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
+    notes = [
+        f"Source: {title} as published, bfloat16 in files of at most 100 MB (transformers' save_pretrained of the "
+        f"float32 import of the GGUF the embedded package ships); its perplexity on these tokens: "
+        f"{baseline if baseline is None else round(baseline, 3)}.",
+        f"Each recipe: `shardcal calibrate SOURCE --recipe R --out OUT --nproc-per-node {args.ranks}` with the default "
+        "data (32 x 256 tokens of the Wikipedia summaries' calibration split), then `shardcal eval OUT --kl` on "
+        f"{args.eval_samples} x {args.seq_len} held-out tokens of the evaluation split: the export read from disk by "
+        "the consumer named (transformers with compressed-tensors wherever it serves the export; shardcal's reload "
+        "where it does not).",
+        "mean KL: the mean over every prediction of KL(source || export) of the next-token distributions, in nats; KL "
+        "se: its standard error over those tokens (the run-to-run noise of this measurement: another draw of "
+        "held-out tokens moves it by about that much); top-1 %: predictions whose most likely token is the source's; "
+        "vs source: the export's perplexity against the source's on the same tokens, whose own uncertainty the notes "
+        "give (the standard error of the mean negative log-likelihood).",
+        "process s: the calibrate command as a process, timed from outside (the interpreter, imports and the ranks' "
+        "start included); wall s: what its summary says (checks, loading, calibration, export); calibration s: its "
+        "calibration phase. The ranks share this machine's cores. Times on a shared 2-core machine are noisy: compare "
+        "within this table.",
+    ]
+    if pending:
+        notes.insert(0, f"This run was stopped after {len(rows)} of {len(rows) + pending} recipes: the others are not "
+                        "measured here.")  # fmt: skip
+    save_table(
+        args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "
+        f"{args.ranks} ranks, the export from disk", columns=columns, rows=sorted(rows), notes=notes,
+        order=ORDER["quality"] - 10 + list(MODEL_NAMES).index(args.model),
+        off_reference="--recipes leaves out shipped recipes" if args.recipes else None,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from _results import add_save_options
 
@@ -208,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args.eval_batch = args.eval_batch or (4 if args.model == "smollm2" else 2)
     args.work.mkdir(parents=True, exist_ok=True)
     recipes = args.recipes or list(shipped_recipes())
+    recipes = sorted(recipes, key=lambda n: not load_recipe(n).recommended)  # the recommended ones first
     if args.speed_only:
         recipes = [n for n in recipes if load_recipe(n).recommended]
     source = published_source(args.model, args.work)
@@ -231,34 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name, str(load_recipe(name).algorithm.get("name", "rtn")), run, judged, consumer))
         print(f"  {name}: {rows[-1][2:]} ({time.perf_counter() - start:.0f} s)", flush=True)
         shutil.rmtree(out, ignore_errors=True)  # the exports of 22 recipes would fill a small disk
-    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
-               "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
-    notes = [
-        f"Source: {title} as published, bfloat16 in files of at most 100 MB (transformers' save_pretrained of the "
-        f"float32 import of the GGUF the embedded package ships); its perplexity on these tokens: "
-        f"{baseline if baseline is None else round(baseline, 3)}.",
-        f"Each recipe: `shardcal calibrate SOURCE --recipe R --out OUT --nproc-per-node {args.ranks}` with the default "
-        "data (32 x 256 tokens of the Wikipedia summaries' calibration split), then `shardcal eval OUT --kl` on "
-        f"{args.eval_samples} x {args.seq_len} held-out tokens of the evaluation split: the export read from disk by "
-        "the consumer named (transformers with compressed-tensors wherever it serves the export; shardcal's reload "
-        "where it does not).",
-        "mean KL: the mean over every prediction of KL(source || export) of the next-token distributions, in nats; KL "
-        "se: its standard error over those tokens (the run-to-run noise of this measurement: another draw of "
-        "held-out tokens moves it by about that much); top-1 %: predictions whose most likely token is the source's; "
-        "vs source: the export's perplexity against the source's on the same tokens, whose own uncertainty the notes "
-        "give (the standard error of the mean negative log-likelihood).",
-        "process s: the calibrate command as a process, timed from outside (the interpreter, imports and the ranks' "
-        "start included); wall s: what its summary says (checks, loading, calibration, export); calibration s: its "
-        "calibration phase. The ranks share this machine's cores. Times on a shared 2-core machine are noisy: compare "
-        "within this table.",
-    ]
-    if not args.speed_only:
-        save_table(
-            args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "
-            f"{args.ranks} ranks, the export from disk", columns=columns, rows=rows, notes=notes,
-            order=ORDER["quality"] - 10 + list(MODEL_NAMES).index(args.model),
-            off_reference="--recipes leaves out shipped recipes" if args.recipes else None,
-        )  # fmt: skip
+        save_quality(args, title, rows, baseline, pending=len(recipes) - len(rows))
     if not args.peers_python.is_file():
         print(f"llm-compressor's times skipped: {args.peers_python} is missing (make bench-peers creates it)")
         return 0
