@@ -1268,6 +1268,30 @@ CATALOGUE: list[Mutant] = [
         "a block of (rows, columns) read as (columns, rows)",
         tests=("tests/loading/test_published_fp8.py",),
     ),
+    Mutant(
+        "mxfp4-nibbles-swapped",
+        "models/published.py",
+        "        values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)\n",
+        "        values = torch.stack([lut[(codes >> 4).long()], lut[(codes & 0x0F).long()]], dim=-1).flatten(-2)\n",
+        "an MXFP4 byte's high nibble read as its first value",
+        tests=("tests/loading/test_published_mxfp4.py",),
+    ),
+    Mutant(
+        "mxfp4-scale-bias",
+        "models/published.py",
+        "        values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)\n",
+        "        values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 128)\n",
+        "the E8M0 exponents read with bias 128",
+        tests=("tests/loading/test_published_mxfp4.py",),
+    ),
+    Mutant(
+        "mxfp4-untransposed",
+        "models/published.py",
+        "        return values.flatten(-2).transpose(1, 2).contiguous()\n",
+        "        return values.flatten(-2).contiguous()\n",
+        "MXFP4 experts kept in the checkpoint's [E, out, in] where the module holds [E, in, out]",
+        tests=("tests/loading/test_published_mxfp4.py",),
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

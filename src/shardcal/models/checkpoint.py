@@ -116,20 +116,20 @@ class CheckpointReader(PublishedReads):
         self._open_file(file)
         return self._file_keys[file]
 
-    def keys(self) -> list[str]:
-        return [k for k in self._file_of if self._visible(k)]
+    def _raw_keys(self) -> list[str]:
+        return list(self._file_of)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._file_of and self._visible(key)
+    def _raw_contains(self, key: str) -> bool:
+        return key in self._file_of
 
-    def file_of(self, key: str) -> Path:
+    def _raw_file_of(self, key: str) -> Path:
         if key not in self._file_of:
             raise CheckpointError(f"{self.source}: tensor {key!r} is missing from the checkpoint")
         return self._file_of[key]
 
     def _handle(self, key: str) -> Any:
         """The open file holding ``key``, checked to really contain it (an index can be wrong)."""
-        file = self.file_of(key)
+        file = self._raw_file_of(key)
         handle = self._open_file(file)
         if key not in self._file_keys[file]:
             raise CheckpointError(f"{file}: tensor {key!r} is listed in {self.source.name} but not in the file")
@@ -140,19 +140,21 @@ class CheckpointReader(PublishedReads):
         try:
             return handle.get_slice(key)
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} is unreadable ({_one_line(exc)})") from None
+            raise CheckpointError(
+                f"{self._raw_file_of(key)}: tensor {key!r} is unreadable ({_one_line(exc)})"
+            ) from None
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
     def dtype_name(self, key: str) -> str:
-        """The safetensors dtype name (``F32``, ``BF16``, ``I8``, ...)."""
+        """The safetensors dtype name (``F32``, ``BF16``, ``I8``, ...) of a stored tensor."""
         return self._slice(key).get_dtype()
 
-    def dtype(self, key: str) -> torch.dtype:
+    def _raw_dtype(self, key: str) -> torch.dtype:
         name = self.dtype_name(key)
         if name not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} has dtype {name}, which torch cannot load")
+            raise CheckpointError(f"{self._raw_file_of(key)}: tensor {key!r} has dtype {name}, which torch cannot load")
         return SAFETENSORS_DTYPES[name]
 
     def _raw_get(self, key: str) -> torch.Tensor:
@@ -161,7 +163,9 @@ class CheckpointReader(PublishedReads):
         try:
             return handle.get_tensor(key)
         except Exception as exc:
-            raise CheckpointError(f"{self.file_of(key)}: tensor {key!r} cannot be read ({_one_line(exc)})") from None
+            raise CheckpointError(
+                f"{self._raw_file_of(key)}: tensor {key!r} cannot be read ({_one_line(exc)})"
+            ) from None
 
     def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0 as stored, read from the memory map without touching the other rows."""
@@ -170,7 +174,7 @@ class CheckpointReader(PublishedReads):
             return tensor_slice[start:stop]
         except Exception as exc:
             raise CheckpointError(
-                f"{self.file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({_one_line(exc)})"
+                f"{self._raw_file_of(key)}: tensor {key!r} rows {start}:{stop} cannot be read ({_one_line(exc)})"
             ) from None
 
     def close(self) -> None:
@@ -192,9 +196,7 @@ class CheckpointReader(PublishedReads):
     def floating_dtype(self) -> torch.dtype | None:
         """The floating dtype that holds most of the checkpoint's elements (``torch.bfloat16`` for a bf16
         checkpoint), read from the headers alone; None when no tensor is floating (:func:`dominant_floating_dtype`)."""
-        return dominant_floating_dtype(
-            (SAFETENSORS_DTYPES.get(self.dtype_name(key)), math.prod(self.shape(key))) for key in self.keys()
-        )
+        return dominant_floating_dtype((self.dtype(key), math.prod(self.shape(key))) for key in self.keys())
 
 
 def dominant_floating_dtype(tensors: Iterable[tuple[torch.dtype | None, int]]) -> torch.dtype | None:

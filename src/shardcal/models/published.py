@@ -1,16 +1,22 @@
-"""Checkpoints published quantized, read as the floating-point weights they stand for: FP8 with block scales.
+"""Checkpoints published quantized, read as the floating-point weights they stand for: FP8 with block scales, and
+GPT-OSS's MXFP4 experts.
 
-DeepSeek-V3 / R1, Kimi-K2 and Qwen3's FP8 releases store each Linear's weight in float8_e4m3fn with one float32 scale
-per block of ``weight_block_size`` (``config.json``: ``quantization_config = {"quant_method": "fp8",
-"weight_block_size": [128, 128], ...}``), under ``<linear>.weight`` and ``<linear>.weight_scale_inv``
-(``[ceil(out / 128), ceil(in / 128)]``). The weight they stand for is
+* **FP8 with block scales.** DeepSeek-V3 / R1, Kimi-K2 and Qwen3's FP8 releases store each Linear's weight in
+  float8_e4m3fn with one float32 scale per block of ``weight_block_size`` (``config.json``: ``quantization_config =
+  {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``), under ``<linear>.weight`` and
+  ``<linear>.weight_scale_inv`` (``[ceil(out / 128), ceil(in / 128)]``). The weight they stand for is
+  ``w[i, j] = float(q[i, j]) * weight_scale_inv[i // block_out, j // block_in]`` — the publishers' own
+  dequantization (DeepSeek's ``weight_dequant``, transformers' fine-grained FP8 integration).
+* **MXFP4 experts** (``quant_method: "mxfp4"``: GPT-OSS). Each fused experts tensor ``<experts>.gate_up_proj`` /
+  ``down_proj`` is stored as ``<name>_blocks`` (uint8 ``[E, out, in / 32, 16]``: two FP4 E2M1 codes per byte, the low
+  nibble first) and ``<name>_scales`` (uint8 ``[E, out, in / 32]``: an E8M0 exponent per 32 values, bias 127): value
+  ``FP4[code] * 2 ** (scale - 127)``, the OCP microscaling format. The module holds the transpose, ``[E, in, out]``
+  (transformers' ``GptOssExperts``; its ``convert_moe_packed_tensors`` reads them so).
 
-    w[i, j] = float(q[i, j]) * weight_scale_inv[i // block_out, j // block_in]
-
-the publishers' own dequantization (DeepSeek's ``weight_dequant``, transformers' fine-grained FP8 integration). The
-checkpoint readers (:class:`~.checkpoint.CheckpointReader`, :class:`~.reads.ReadingReader`) apply it on read, to the
-rows asked for only: every loader, the streamed one included, then sees a float checkpoint (the scale tensors are not
-among its keys), and a calibration starts from the weights the FP8 model computes with. Nothing else is dequantized.
+The checkpoint readers (:class:`~.checkpoint.CheckpointReader`, :class:`~.reads.ReadingReader`) apply this on read,
+to the rows asked for only (experts, for MXFP4): every loader, the streamed one included, then sees a float
+checkpoint — the scale tensors are not among its keys, an MXFP4 tensor is there under the module's name — and a
+calibration starts from the weights the published model computes with. Nothing else is dequantized.
 """
 
 from __future__ import annotations
@@ -54,11 +60,41 @@ class BlockFP8:
         return q.float() * scales
 
 
-def published_quantization(raw: Mapping[str, Any], source: object = "config.json") -> BlockFP8 | None:
+#: The FP4 E2M1 value of each 4-bit code (the OCP microscaling formats' element type).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: The suffixes of an MXFP4 tensor's two stored parts.
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+
+
+@dataclass(frozen=True)
+class MXFP4:
+    """MXFP4 fused experts, GPT-OSS's layout (see the module docstring)."""
+
+    def shape(self, blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The module's tensor shape, ``[E, in, out]``, of stored blocks ``[E, out, in / 32, 16]``."""
+        experts, out, groups, pairs = blocks_shape
+        return (experts, groups * pairs * 2, out)
+
+    def dequantize(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Experts' weights ``[E, in, out]`` (float32) from their blocks ``[E, out, in / 32, 16]`` and scales
+        ``[E, out, in / 32]``."""
+        if blocks.dim() != 4 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+            raise ValueError(f"MXFP4 blocks {list(blocks.shape)} do not fit scales {list(scales.shape)}")
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        codes = blocks.to(torch.uint8)
+        values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)
+        values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+        return values.flatten(-2).transpose(1, 2).contiguous()
+
+
+def published_quantization(raw: Mapping[str, Any], source: object = "config.json") -> BlockFP8 | MXFP4 | None:
     """The published quantization ``raw`` (a config.json) declares: :class:`BlockFP8` for ``quant_method: "fp8"``,
-    None for none or for another method (a shardcal export's compressed-tensors is read by its own loader). An FP8
-    config without a usable ``weight_block_size`` (per-tensor FP8) is a :class:`CheckpointError` naming ``source``."""
+    :class:`MXFP4` for ``"mxfp4"``, None for none or for another method (a shardcal export's compressed-tensors is
+    read by its own loader). An FP8 config without a usable ``weight_block_size`` (per-tensor FP8) is a
+    :class:`CheckpointError` naming ``source``."""
     quant = raw.get("quantization_config")
+    if isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4":
+        return MXFP4()
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
         return None
     block = quant.get("weight_block_size")
@@ -74,7 +110,7 @@ def published_quantization(raw: Mapping[str, Any], source: object = "config.json
     return BlockFP8(block=(int(block[0]), int(block[1])))
 
 
-def read_published_quantization(model_dir: Path) -> BlockFP8 | None:
+def read_published_quantization(model_dir: Path) -> BlockFP8 | MXFP4 | None:
     """:func:`published_quantization` of ``model_dir/config.json`` (None without one)."""
     path = model_dir / "config.json"
     if not path.is_file():
@@ -86,7 +122,7 @@ def is_published(raw: Mapping[str, Any]) -> bool:
     """Whether ``raw``'s ``quantization_config`` is one the readers dequantize (the loaders then read it as a float
     checkpoint)."""
     quant = raw.get("quantization_config")
-    return isinstance(quant, Mapping) and quant.get("quant_method") == "fp8"
+    return isinstance(quant, Mapping) and quant.get("quant_method") in ("fp8", "mxfp4")
 
 
 def scale_keys(keys: Iterable[str]) -> dict[str, str]:
@@ -97,19 +133,40 @@ def scale_keys(keys: Iterable[str]) -> dict[str, str]:
     }
 
 
-class PublishedReads:
-    """What both checkpoint readers share: a block-scaled FP8 weight read as its float32 values, rows as asked, and
-    its scale tensor kept out of the reader's keys. A reader calls :meth:`_find_published` once it knows its keys, and
-    gives ``_raw_get`` / ``_raw_get_rows`` (the stored tensor, as it is)."""
+def packed_keys(keys: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """``{tensor name: (its blocks key, its scales key)}`` of every MXFP4 tensor among ``keys``."""
+    present = set(keys)
+    out = {}
+    for k in present:
+        if k.endswith(BLOCKS_SUFFIX) and k[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX in present:
+            name = k[: -len(BLOCKS_SUFFIX)]
+            out[name] = (k, name + SCALES_SUFFIX)
+    return out
 
-    published: BlockFP8 | None
+
+class PublishedReads:
+    """What both checkpoint readers share: a published quantized tensor read as its float32 values, rows as asked,
+    under the name the module has it, and its stored parts kept out of the reader's keys. A reader calls
+    :meth:`_find_published` once it knows its keys, and gives ``_raw_keys`` / ``_raw_get`` / ``_raw_get_rows`` /
+    ``_raw_shape`` / ``_raw_dtype`` / ``_raw_file_of`` (the stored tensors, as they are)."""
+
+    published: BlockFP8 | MXFP4 | None
     _scales: dict[str, str]
+    _packed: dict[str, tuple[str, str]]
     _hidden: frozenset[str]
 
     def _find_published(self, model_dir: Path, keys: Iterable[str]) -> None:
+        keys = list(keys)
         self.published = read_published_quantization(model_dir)
-        self._scales = scale_keys(keys) if self.published is not None else {}
-        self._hidden = frozenset(self._scales.values())
+        self._scales = scale_keys(keys) if isinstance(self.published, BlockFP8) else {}
+        self._packed = packed_keys(keys) if isinstance(self.published, MXFP4) else {}
+        self._hidden = frozenset(self._scales.values()) | {k for parts in self._packed.values() for k in parts}
+
+    def _raw_keys(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _raw_contains(self, key: str) -> bool:
+        raise NotImplementedError
 
     def _raw_get(self, key: str) -> torch.Tensor:
         raise NotImplementedError
@@ -117,23 +174,55 @@ class PublishedReads:
     def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _visible(self, key: str) -> bool:
-        """Whether ``key`` is one of the checkpoint's tensors as a float checkpoint has them (not a scale)."""
-        return key not in self._hidden
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _raw_dtype(self, key: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def _raw_file_of(self, key: str) -> Path:
+        raise NotImplementedError
+
+    def keys(self) -> list[str]:
+        """The checkpoint's tensors as a float checkpoint has them: no scale or block parts, MXFP4 tensors by name."""
+        return [k for k in self._raw_keys() if k not in self._hidden] + list(self._packed)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._packed or (key not in self._hidden and self._raw_contains(key))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key in self._packed and isinstance(self.published, MXFP4):
+            return self.published.shape(self._raw_shape(self._packed[key][0]))
+        return self._raw_shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype (an MXFP4 tensor: its packed bytes, uint8, two values a byte)."""
+        return self._raw_dtype(self._packed[key][0] if key in self._packed else key)
+
+    def file_of(self, key: str) -> Path:
+        return self._raw_file_of(self._packed[key][0] if key in self._packed else key)
 
     def _dequantized(self, key: str, stored: torch.Tensor, start: int) -> torch.Tensor:
         """``stored`` (rows ``start:`` of ``key``) as the weight it stands for: float32 where it is block-scaled."""
         scale_key = self._scales.get(key)
-        if scale_key is None or self.published is None:
+        if scale_key is None or not isinstance(self.published, BlockFP8):
             return stored
         first, stop = self.published.scale_rows(start, start + stored.shape[0])
         return self.published.dequantize(stored, self._raw_get_rows(scale_key, first, stop), start)
 
     def get(self, key: str) -> torch.Tensor:
-        """The whole tensor (a block-scaled FP8 weight: dequantized, float32)."""
+        """The whole tensor (a published quantized one: dequantized, float32)."""
+        if key in self._packed and isinstance(self.published, MXFP4):
+            blocks, scales = self._packed[key]
+            return self.published.dequantize(self._raw_get(blocks), self._raw_get(scales))
         return self._dequantized(key, self._raw_get(key), 0)
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0, nothing else read (a block-scaled FP8 weight: dequantized, float32, with the
-        scale rows those rows need)."""
+        scale rows those rows need; an MXFP4 tensor: those experts, dequantized)."""
+        if key in self._packed and isinstance(self.published, MXFP4):
+            blocks, scales = self._packed[key]
+            return self.published.dequantize(
+                self._raw_get_rows(blocks, start, stop), self._raw_get_rows(scales, start, stop)
+            )
         return self._dequantized(key, self._raw_get_rows(key, start, stop), start)

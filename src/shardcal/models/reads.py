@@ -103,24 +103,24 @@ class ReadingReader(PublishedReads):
             os.close(fd)
         self._fds.clear()
 
-    def keys(self) -> list[str]:
-        return [k for k in self._entries if self._visible(k)]
+    def _raw_keys(self) -> list[str]:
+        return list(self._entries)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries and self._visible(key)
+    def _raw_contains(self, key: str) -> bool:
+        return key in self._entries
 
     def _entry(self, key: str) -> _Entry:
         if key not in self._entries:
             raise CheckpointError(f"{self.source}: tensor {key!r} is missing from the checkpoint")
         return self._entries[key]
 
-    def file_of(self, key: str) -> Path:
+    def _raw_file_of(self, key: str) -> Path:
         return self._entry(key).file
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
         return self._entry(key).shape
 
-    def dtype(self, key: str) -> torch.dtype:
+    def _raw_dtype(self, key: str) -> torch.dtype:
         return self._entry(key).dtype
 
     def _raw_get(self, key: str) -> torch.Tensor:
