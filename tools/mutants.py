@@ -1255,8 +1255,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fp8-block-scales-shown",
         "models/published.py",
-        "        return key not in self._hidden\n",
-        "        return True\n",
+        "        return [k for k in self._raw_keys() if k not in self._hidden] + list(self._packed)\n",
+        "        return list(self._raw_keys()) + list(self._packed)\n",
         "the scale tensors of a published FP8 checkpoint are among its keys (unexpected tensors for every loader)",
         tests=("tests/loading/test_published_fp8.py",),
     ),
