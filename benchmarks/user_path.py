@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _results import ORDER, save_table  # this folder
+from _results import ORDER, RESULTS_DIR, save_table  # this folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma-3-270M"}
@@ -180,12 +180,14 @@ def speed_rows(recipes: list[str], runs: dict[str, dict], source: Path, args: ar
     return rows
 
 
-def save_quality(args: argparse.Namespace, title: str, rows: list[list], baseline: float | None, pending: int) -> None:
-    """The quality table of this run so far (written after each recipe, so that a run stopped early leaves what it
-    measured, saying so; ``pending``: the recipes not run yet)."""
-    columns = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
-               "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
-    notes = [
+QUALITY_COLUMNS = ["recipe", "algorithm", "mean KL", "KL se", "p99 KL", "top-1 %", "perplexity", "vs source",
+                   "process s", "wall s", "calibration s", "evaluated by", "notes"]  # fmt: skip
+
+
+def quality_notes(args: argparse.Namespace, title: str, baseline: float | None) -> list[str]:
+    """What the quality table's numbers are (also what ``--resume`` compares: the same settings write the same
+    notes)."""
+    return [
         f"Source: {title} as published, bfloat16 in files of at most 100 MB (transformers' save_pretrained of the "
         f"float32 import of the GGUF the embedded package ships); its perplexity on these tokens: "
         f"{baseline if baseline is None else round(baseline, 3)}.",
@@ -204,6 +206,35 @@ def save_quality(args: argparse.Namespace, title: str, rows: list[list], baselin
         "calibration phase. The ranks share this machine's cores. Times on a shared 2-core machine are noisy: compare "
         "within this table.",
     ]
+
+
+def resumed_rows(args: argparse.Namespace, title: str, recipes: list[str]) -> tuple[list[list], float | None, str]:
+    """``--resume``: the rows of the saved quality table for ``recipes``, when it was measured with these settings
+    (same columns and notes), its source perplexity, and its date; else nothing."""
+    path = (args.results_dir or RESULTS_DIR) / f"user_path_{args.model}.json"
+    if not path.is_file():
+        return [], None, ""
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    match = re.search(r"its perplexity on these tokens: ([0-9.]+)\.", " ".join(saved["notes"]))
+    baseline = float(match.group(1)) if match else None
+    settings = [n for n in saved["notes"] if not n.startswith(("This run was stopped", "Resumed:"))]
+    if saved["columns"] != QUALITY_COLUMNS or settings != quality_notes(args, title, baseline):
+        print(f"--resume: {path} was measured with other settings; every recipe runs again")
+        return [], None, ""
+    rows = [r for r in saved["rows"] if r[0] in recipes]
+    return rows, baseline, saved["date"]
+
+
+def save_quality(
+    args: argparse.Namespace, title: str, rows: list[list], baseline: float | None, pending: int, resumed: str = ""
+) -> None:
+    """The quality table of this run so far (written after each recipe, so that a run stopped early leaves what it
+    measured, saying so; ``pending``: the recipes not run yet; ``resumed``: the note on rows an earlier run
+    measured)."""
+    columns = QUALITY_COLUMNS
+    notes = quality_notes(args, title, baseline)
+    if resumed:
+        notes.insert(0, resumed)
     if pending:
         notes.insert(0, f"This run was stopped after {len(rows)} of {len(rows) + pending} recipes: the others are not "
                         "measured here.")  # fmt: skip
@@ -232,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         "without it)",
     )  # fmt: skip
     parser.add_argument(
+        "--resume", action="store_true",
+        help="keep the recipes the saved quality table already holds (measured with the same settings) and run the "
+        "others; the table says which rows an earlier run measured",
+    )  # fmt: skip
+    parser.add_argument(
         "--speed-only", action="store_true",
         help="only the recommended recipes' times beside llm-compressor's (no evaluation; the quality table is not "
         "written)",
@@ -250,8 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     title = MODEL_NAMES[args.model]
     print(f"{title}: source {source} (bf16, 100 MB files); {args.ranks} ranks; eval {args.eval_samples} x "
           f"{args.seq_len} held-out tokens", flush=True)  # fmt: skip
-    rows, baseline, runs = [], None, {}
+    rows, baseline, runs, resumed = [], None, {}, ""
+    if args.resume and not args.speed_only:
+        rows, baseline, date = resumed_rows(args, title, recipes)
+        if rows:
+            resumed = (f"Resumed: {', '.join(r[0] for r in rows)} were measured on {date} by an earlier run of this "
+                       "command, the others on this table's date.")  # fmt: skip
+            print(f"--resume: {len(rows)} recipes kept from {date}", flush=True)
     for name in recipes:
+        if any(r[0] == name for r in rows):
+            continue
         out = args.work / args.model / name
         start = time.perf_counter()
         run = runs[name] = calibrate(source, name, out, args.ranks, args.work / f"{args.model}-{name}-calibrate.log")
@@ -267,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name, str(load_recipe(name).algorithm.get("name", "rtn")), run, judged, consumer))
         print(f"  {name}: {rows[-1][2:]} ({time.perf_counter() - start:.0f} s)", flush=True)
         shutil.rmtree(out, ignore_errors=True)  # the exports of 22 recipes would fill a small disk
-        save_quality(args, title, rows, baseline, pending=len(recipes) - len(rows))
+        save_quality(args, title, rows, baseline, pending=len(recipes) - len(rows), resumed=resumed)
     if not args.peers_python.is_file():
         print(f"llm-compressor's times skipped: {args.peers_python} is missing (make bench-peers creates it)")
         return 0

@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import ModelLayoutError
 from ..runtime.distributed import all_reduce_, broadcast_json, world
 from ..sharding.fsdp2 import fsdp2_root_unsharded
+from ..sharding.residency import decoder_layers_replaced, residency_of
 from .batches import Batch
 
 
@@ -279,15 +280,17 @@ def _captured(
     batches: Sequence[Batch],
     device: torch.device,
     cache: torch.device,
+    kinds_of: nn.ModuleList | None = None,
 ) -> list[CachedInputs]:
-    """Every batch's layer inputs from the model's own forward (see the module docstring). Collective."""
+    """Every batch's layer inputs from the model's own forward (see the module docstring). Collective. ``kinds_of``:
+    the real layers, whose declared kinds group them, where ``layers`` stand in for them."""
     n_layers = len(layers)
     rank, world_size = world()
     # The groups, from the first batch's first sequence alone: every layer but the last runs on it, all are
     # recorded; rank 0's grouping is everyone's.
     probe = _first_row(batches[0]) if batches else _dummy_batch()
     grouping = _record(model, layers, prefix, probe, range(n_layers), device)
-    groups = broadcast_json(_groups(model, layers, grouping) if rank == 0 else None)
+    groups = broadcast_json(_groups(model, kinds_of or layers, grouping) if rank == 0 else None)
     del grouping
     representatives = [groups.index(g) for g in range(max(groups) + 1)]
 
@@ -323,6 +326,26 @@ def _cached(
 # ----------------------------------------------------------------------------------------------- entry point
 
 
+class PassThrough(nn.Module):
+    """Stands in for a decoder layer that is not in memory (a streamed model's, on the meta device) while the model's
+    own forward is recorded: called as the layer would be, it gives back the hidden states it gets, and answers for
+    the layer's other attributes (an ``attention_type`` the forward reads to pick the layer's mask). The forward then
+    runs past every layer without computing one — each layer's call recorded as the model makes it."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.__dict__["_stands_for"] = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_stands_for"], name)
+
+
 def layer_inputs(
     model: nn.Module,
     layers: nn.ModuleList,
@@ -334,10 +357,15 @@ def layer_inputs(
     """The first decoder layer's inputs for each of this rank's batches, with every layer's call arguments.
 
     Runs inside :func:`fsdp2_root_unsharded` (the root's embeddings gathered once). Collective when the model is
-    sharded: every rank calls it, also one with no batches.
+    sharded: every rank calls it, also one with no batches. A model whose decoder layers are streamed (not in memory)
+    and that has no ``embed`` is recorded with :class:`PassThrough` layers in place of its own.
     """
     with torch.no_grad(), fsdp2_root_unsharded(model):
         embedder = _embedder(model, layers)
         if embedder is not None:
             return [_embedded(embedder, b, len(layers), device, cache_device) for b in batches]
-        return _captured(model, layers, prefix, batches, device, cache_device)
+        if not residency_of(model).streamed:
+            return _captured(model, layers, prefix, batches, device, cache_device)
+        stand_ins = nn.ModuleList(PassThrough(layer) for layer in layers)
+        with decoder_layers_replaced(model, layers, stand_ins):
+            return _captured(model, stand_ins, prefix, batches, device, cache_device, kinds_of=layers)

@@ -31,7 +31,8 @@ from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, dominant_dtyp
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, decoder_layers_replaced
 from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
-from .sources import Source
+from .foreign import build_transformers_on_meta, raw_config
+from .sources import Source, resolve_buffers, resolve_sources
 
 
 def reads_layers_whole(device_type: str, world_size: int) -> bool:
@@ -152,23 +153,28 @@ class StreamedLayers(ResidentLayers):
 
 
 def load_streamed(
-    path: str | Path, *, shard_root: bool = True, dtype: torch.dtype | str | None = None, prefetch: bool = True
+    path: str | Path,
+    *,
+    shard_root: bool = True,
+    dtype: torch.dtype | str | None = None,
+    prefetch: bool = True,
+    impl: str = "shardcal",
 ) -> nn.Module:
     """Load a Hugging Face-format directory for a streamed run (see the module docstring): the parts outside the
-    decoder stack sharded and resident, the decoder layers read in when a step holds them. shardcal's own model
-    classes; collective (every rank calls it). The model's residency (``model._shardcal_residency``) is a
+    decoder stack sharded and resident, the decoder layers read in when a step holds them. ``impl``: shardcal's own
+    model class (``"shardcal"``) or transformers' (``"transformers"``: built on the meta device by transformers, each
+    parameter found in the checkpoint as :func:`~.sources.resolve_sources` finds it — per-expert tensors of fused
+    experts, VLM prefixes — and the decoder layers' persistent buffers, a router's correction bias, loaded resident
+    with them). Collective (every rank calls it). The model's residency (``model._shardcal_residency``) is a
     :class:`StreamedLayers`; its distribution plan records the bytes this rank read."""
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
-    cfg = load_config(path)
-    if cfg.raw.get("quantization_config") is not None and not is_published(cfg.raw):
+    raw = load_config(path).raw if impl == "shardcal" else raw_config(path)
+    if raw.get("quantization_config") is not None and not is_published(raw):
         raise CheckpointError(f"{path}: load_streamed reads unquantized checkpoints")
     reader = ReadingReader(path)
     try:
-        target = resolve_dtype(cfg, dtype)
-        model = build_on_meta(cfg, target)
-        check_checkpoint_keys(model, reader, cfg)
-        set_param_dtypes(model, param_dtypes(model, reader, target))
+        model, sources, stored = _streamed_model(path, reader, impl, dtype)
         layers = require_decoder_layers(model)
         prefix = decoder_layer_prefix(model, layers)
         mesh = default_mesh(model)
@@ -185,20 +191,22 @@ def load_streamed(
         if shard_root:
             fully_shard(model, reshard_after_forward=True, **kwargs)
         with decoder_layers_replaced(model, layers, nn.ModuleList()):
-            buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+            buffers = {n: reader.get(stored[n]).to(b.dtype) if n in stored else b.detach().clone()
+                       for n, b in model.named_buffers() if n in stored or b.device.type != "meta"}  # fmt: skip
             model.to_empty(device=device)  # the rest only: the decoder stack is detached
             with torch.no_grad():
                 for name, value in buffers.items():
                     model.get_buffer(name).copy_(value)
             if callable(getattr(model, "tie_weights", None)):
                 model.tie_weights()
-            read = _fill_root(model, reader)
+            read = _fill_root(model, reader, sources)
         if shard_root:
             model._get_fsdp_state()._lazy_init()  # the decoder layers stay on meta: init_fsdp2_root would wait
         init_fsdp2_root(model)
-        _layer_buffers(layers, prefix, path)
-        sources = {n: Source([[n]]) for n, _ in layers.named_parameters(prefix=prefix)}
-        residency = StreamedLayers(model, reader, sources, device, prefetch)
+        _layer_buffers(layers, prefix, reader, stored, device)
+        layer_params = {n for n, _ in layers.named_parameters(prefix=prefix)}
+        residency = StreamedLayers(model, reader, {n: s for n, s in sources.items() if n in layer_params}, device,
+                                   prefetch)  # fmt: skip
     except BaseException:
         reader.close()
         raise
@@ -208,15 +216,45 @@ def load_streamed(
     return model.eval()
 
 
-def _layer_buffers(layers: nn.ModuleList, prefix: str, path: str | Path) -> None:
-    """A :class:`CheckpointError` when a decoder layer holds a buffer (shardcal's own layers hold none; streaming
-    materialises parameters only)."""
-    buffers = [name for name, _ in layers.named_buffers(prefix=prefix)]
-    if buffers:
-        raise CheckpointError(f"{path}: cannot stream decoder layers that hold buffers ({', '.join(buffers[:3])})")
+def _streamed_model(
+    path: str | Path, reader: ReadingReader, impl: str, dtype: torch.dtype | str | None
+) -> tuple[nn.Module, dict[str, Source], dict[str, str]]:
+    """The model on the meta device (shardcal's class, or transformers' for ``impl="transformers"``), every
+    parameter's source in the checkpoint, and the persistent buffers the checkpoint holds (name -> key)."""
+    if impl == "shardcal":
+        cfg = load_config(path)
+        target = resolve_dtype(cfg, dtype)
+        model = build_on_meta(cfg, target)
+        check_checkpoint_keys(model, reader, cfg)
+        set_param_dtypes(model, param_dtypes(model, reader, target))
+        return model, {n: Source([[n]]) for n, _ in model.named_parameters()}, {}
+    model = build_transformers_on_meta(path)  # parameters on meta, computed buffers real
+    sources, stored = resolve_sources(model, reader), resolve_buffers(model, reader)
+    if dtype is not None:  # as load_pretrained(model=..., dtype=) casts
+        target = resolve_dtype(None, dtype)
+        set_param_dtypes(model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()})
+    return model, sources, stored
 
 
-def _fill_root(model: nn.Module, reader: ReadingReader) -> int:
+def _layer_buffers(
+    layers: nn.ModuleList, prefix: str, reader: ReadingReader, stored: dict[str, str], device: torch.device
+) -> None:
+    """The decoder layers' buffers stay resident (they are small: a router's correction bias, rotary tables): the
+    persistent ones the checkpoint holds are read now, computed ones keep their values; all on ``device``. Streaming
+    materialises parameters only."""
+    for name, module in layers.named_modules(prefix=prefix):
+        for attr, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            value = reader.get(stored[f"{name}.{attr}"]).to(buf.dtype) if f"{name}.{attr}" in stored else buf
+            if value.device.type == "meta":
+                raise CheckpointError(
+                    f"{reader.source}: the decoder layer buffer {name}.{attr} is not in the checkpoint"
+                )
+            module._buffers[attr] = value.detach().to(device)
+
+
+def _fill_root(model: nn.Module, reader: ReadingReader, sources: dict[str, Source]) -> int:
     """The parameters outside the decoder stack: this rank's rows of the sharded ones, the replicated ones whole."""
     from torch.distributed.tensor import DTensor
 
@@ -230,11 +268,11 @@ def _fill_root(model: nn.Module, reader: ReadingReader) -> int:
             if isinstance(param, DTensor):
                 start, stop = local_rows(param)
                 if stop > start:
-                    rows = reader.get_rows(name, start, stop)
+                    rows = sources[name].rows(reader, start, stop)
                     param.to_local().copy_(rows)
                     read += rows.numel() * rows.element_size()
             else:
-                full = reader.get(name)
+                full = sources[name].full(reader)
                 param.copy_(full)
                 read += full.numel() * full.element_size()
     return read

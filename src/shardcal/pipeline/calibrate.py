@@ -210,7 +210,7 @@ def _calibrate_to_checkpoint(
             with interrupted_as(f"interrupted during a streamed run: {lost}"):
                 run = calibrate_streamed(
                     model_dir, out_dir, inputs.recipe, ids, options, overwrite=overwrite, shard_root=shard_root,
-                    export_format=inputs.export_format, export_dtype=inputs.export_dtype,
+                    export_format=inputs.export_format, export_dtype=inputs.export_dtype, impl=inputs.impl,
                 )  # fmt: skip
         except CalibrationInterrupted as exc:
             if exc.checkpoint_dir is not None:  # what is committed, and where the rerun resumes

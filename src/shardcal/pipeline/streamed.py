@@ -30,9 +30,8 @@ STREAM_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 def streaming_refusal(recipe: Recipe, impl: str) -> str | None:
-    """Why a run with ``recipe`` and model implementation ``impl`` cannot stream (None: it can)."""
-    if impl != "shardcal":
-        return "a model loaded with transformers' class is loaded whole; streaming needs shardcal's own model class"
+    """Why a run with ``recipe`` and model implementation ``impl`` (shardcal's class or transformers') cannot stream
+    (None: it can)."""
     if recipe.rotates_residual:
         return (
             f"recipe {recipe.name!r} rotates the residual stream ([rotation] residual), folded into every layer's "
@@ -52,14 +51,15 @@ def calibrate_streamed(
     shard_root: bool,
     export_format: object,
     export_dtype: object,
+    impl: str = "shardcal",
 ) -> StreamedRun:
-    """Load ``model_dir`` streamed, calibrate it on ``ids`` with ``recipe`` and export it to ``out_dir``, each decoder
-    layer written at the end of its step (collective). A failure or Ctrl-C anywhere leaves no ``out_dir`` (and no
-    staging directory). Returns the calibration report and where the time went."""
+    """Load ``model_dir`` streamed (``impl``: shardcal's model class or transformers'), calibrate it on ``ids`` with
+    ``recipe`` and export it to ``out_dir``, each decoder layer written at the end of its step (collective). A
+    failure or Ctrl-C anywhere leaves no ``out_dir`` (and no staging directory). Returns the calibration report and where the time went."""
     from ..loading.streamed import load_streamed
 
     start = time.perf_counter()
-    model = load_streamed(model_dir, shard_root=shard_root)
+    model = load_streamed(model_dir, shard_root=shard_root, impl=impl)
     residency = residency_of(model)
     try:
         plan = plan_streamed_export(model, recipe, _attach, format=export_format, dtype=export_dtype)
