@@ -171,3 +171,36 @@ def test_an_fp8_checkpoint_without_blocks_is_refused_naming_its_config(pair, tmp
     (per_tensor / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config.json: quantization_config 'fp8' needs weight_block_size"):
         from_pretrained(per_tensor)
+
+
+def _stored_bytes(folder: Path) -> int:
+    """The tensor data of every safetensors file in ``folder``, from its header (the data offsets), read here."""
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_planner_counts_the_bytes_as_published(published, ranks):
+    """The plan reads the FP8 codes and their scales as stored: the checkpoint's size is its tensor data, and each
+    rank reads what a recording reader below the loader is asked for (within the scale rows that two ranks' rows
+    inside one block both need), not the dequantized weights' bytes."""
+    from test_reads_own_rows import _recorded_load
+
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, plan_calibration
+
+    fp8 = published[0]
+    settings = PlanSettings(world_size=ranks, num_samples=8, seq_len=16, options=CalibrationOptions(batch_size=2))
+    plan = plan_calibration(fp8, "fp8", settings)
+    assert plan.model["checkpoint_bytes"] == _stored_bytes(fp8)
+    requested = [sum(count for *_, count in r["log"]) for r in run_on_ranks(ranks, _recorded_load, str(fp8))]
+    planned = [r.bytes_read for r in plan.ranks]
+    if ranks == 1:
+        assert planned == requested == [_stored_bytes(fp8)]
+    else:
+        scale_rows = 4 * 2 * 7 * math.ceil(64 / BLOCK[1])  # a generous bound: a few shared float32 scale rows
+        assert all(0 <= r - p <= scale_rows for p, r in zip(planned, requested)), (planned, requested)

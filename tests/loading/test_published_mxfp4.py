@@ -112,3 +112,19 @@ def test_the_command_calibrates_it_to_the_dequantized_copys_export(published, tm
         assert (tmp_path / packed.name / name).read_bytes() == (tmp_path / copy.name / name).read_bytes(), name
     config = json.loads((tmp_path / packed.name / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors" and len(files[0]) > 0
+
+
+def test_the_planner_counts_the_bytes_as_published(published):
+    """The plan reads MXFP4 experts as stored (half a byte a value and one scale byte per 32), not a byte a value:
+    its checkpoint size is the tensor data the header gives, and one rank reads exactly that."""
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, plan_calibration
+
+    mxfp4 = published[0]
+    with open(mxfp4 / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    stored = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    settings = PlanSettings(world_size=1, num_samples=8, seq_len=16, options=CalibrationOptions(batch_size=2))
+    plan = plan_calibration(mxfp4, "fp8-dynamic", settings)
+    assert plan.model["checkpoint_bytes"] == stored
+    assert plan.ranks[0].bytes_read == stored

@@ -23,8 +23,11 @@ from safetensors.torch import save_file
 from _dist import run_on_ranks
 from _tiny_models import make_tiny_checkpoint
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8,
+}  # fmt: skip
+_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F8_E4M3": 1, "U8": 1}
 
 
 class _RecordingSlice:

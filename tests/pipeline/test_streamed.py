@@ -777,10 +777,13 @@ def _hf_checkpoint(root: Path, family: str) -> Path:
     return folder
 
 
-def _hf_on_ranks(model_dir: str, data: str, out: str, recipe: str, stream: str) -> list[float | None]:
+def _hf_on_ranks(
+    model_dir: str, data: str, out: str, recipe: str, stream: str, batch_size: int = 8
+) -> list[float | None]:
     result = pipeline_calibrate.calibrate_to_checkpoint(
-        model_dir, out, recipe, data=data, stream=stream, model_impl="transformers"
-    )
+        model_dir, out, recipe, data=data, stream=stream, model_impl="transformers",
+        options=CalibrationOptions(batch_size=batch_size),
+    )  # fmt: skip
     return [layer.sqnr_db for layer in result.report.layers]
 
 
@@ -803,3 +806,55 @@ def test_a_transformers_class_streams_to_its_resident_export(tmp_path, family, r
     streamed = run_on_ranks(ranks, _hf_on_ranks, *args, str(tmp_path / "streamed"), recipe, "on")
     assert streamed == resident
     assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+
+
+def _hf_resumable(model_dir: str, data: str, out: str, recipe: str, ckpt: str, kill_after: int | None) -> dict:
+    """A streamed transformers-class run with a checkpoint directory; with ``kill_after``, the last rank SIGKILLs
+    itself once that many layers are committed (a real signal: nothing of the run's own cleanup runs there)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    def kill(completed_layers: int) -> None:
+        if completed_layers == kill_after and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    options = CalibrationOptions(checkpoint_dir=ckpt, batch_size=4)
+    with armed("calibrate.committed", kill):
+        result = pipeline_calibrate.calibrate_to_checkpoint(
+            model_dir, out, recipe, data=data, stream="on", options=options, model_impl="transformers"
+        )
+    return {"resumed": result.report.resumed_from_layer, "sqnr": [x.sqnr_db for x in result.report.layers]}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "resumed_on"), [("fp8", 1), ("fp8-dynamic-gptq", 2)], ids=["observers-then-1", "gptq-then-2"]
+)
+def test_a_sigkilled_transformers_class_stream_resumes(tmp_path, recipe, resumed_on):
+    """DeepSeek-V3's class (MLA, shared and routed experts, a router's correction bias) streamed on 2 ranks, one rank
+    SIGKILLed after 3 of 5 layers are committed: the run fails naming the signal and leaves no export; resumed
+    streamed — on 1 rank where the statistics merge exactly in any order (observers' ranges), on 2 where GPTQ changes
+    the weights (a Hessian summed over another rank count differs in its last bits) — it reads the committed layers
+    in again and ends with the uninterrupted resident 2-rank run's export, tensor for tensor."""
+    pytest.importorskip("transformers")
+    from _hf_models import hf_model
+
+    from shardcal.errors import DistributedError
+    from shardcal.runtime.launcher import launch
+
+    model_dir = tmp_path / "deepseek_v3"
+    hf_model("deepseek_v3", num_hidden_layers=5).save_pretrained(model_dir)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(5).integers(0, 250, size=(8, 16)))
+    args = (str(model_dir), str(data))
+    (tmp_path / "run").mkdir()
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "run" / "out")
+    with pytest.raises(DistributedError, match="killed by signal 9"):
+        launch(_hf_resumable, 2, *args, out, recipe, ckpt, 3)
+    assert _leftovers(tmp_path / "run") == []
+    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["completed_layers"] == 3
+    got = run_on_ranks(resumed_on, _hf_resumable, *args, out, recipe, ckpt, None)[0]
+    want = run_on_ranks(2, _hf_on_ranks, *args, str(tmp_path / "resident"), recipe, "off", batch_size=4)[0]
+    assert got["resumed"] == 3 and got["sqnr"] == pytest.approx(want, rel=1e-8)  # SQNR sums in rank order
+    assert _tensors(tmp_path / "run" / "out") == _tensors(tmp_path / "resident")

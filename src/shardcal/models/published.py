@@ -202,6 +202,11 @@ class PublishedReads:
     def file_of(self, key: str) -> Path:
         return self._raw_file_of(self._packed[key][0] if key in self._packed else key)
 
+    def stored_nbytes(self, key: str) -> int:
+        """The bytes the checkpoint stores for ``key``: a published quantized tensor's codes and its scales."""
+        parts = self._packed.get(key) or (key, *((self._scales[key],) if key in self._scales else ()))
+        return sum(math.prod(self._raw_shape(k)) * self._raw_dtype(k).itemsize for k in parts)
+
     def _dequantized(self, key: str, stored: torch.Tensor, start: int) -> torch.Tensor:
         """``stored`` (rows ``start:`` of ``key``) as the weight it stands for: float32 where it is block-scaled."""
         scale_key = self._scales.get(key)

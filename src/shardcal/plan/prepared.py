@@ -48,7 +48,7 @@ from .source import ModelSource, Param
 from .structure import ModelStructure
 
 #: Parameters that shard alike: ``(rows, elements per row, bytes per element, sharded)`` -> how many.
-Groups = dict[tuple[int, int, int, bool], int]
+Groups = dict[tuple[int, int, float, bool], int]
 
 
 def algorithm_memory_model(recipe: Recipe) -> MemoryModel:
@@ -81,7 +81,15 @@ def export_view(params: list[Param], st: ModelStructure) -> list[Param]:
             out.append(p)
             continue
         out += [
-            Param(name=n, shape=shape, dtype=p.dtype, file_dtype=p.file_dtype, unit=p.unit, sharded=p.sharded)
+            Param(
+                name=n,
+                shape=shape,
+                dtype=p.dtype,
+                file_dtype=p.file_dtype,
+                unit=p.unit,
+                sharded=p.sharded,
+                file_bytes=p.file_bytes,
+            )
             for n, shape in st.fused[p.name]
         ]
     out += [
@@ -91,7 +99,7 @@ def export_view(params: list[Param], st: ModelStructure) -> list[Param]:
     return out
 
 
-def _count(groups: Groups, key: tuple[int, int, int, bool]) -> None:
+def _count(groups: Groups, key: tuple[int, int, float, bool]) -> None:
     groups[key] = groups.get(key, 0) + 1
 
 
@@ -142,7 +150,7 @@ class PreparedModel:
         self.unit_groups: dict[str, Groups] = {}
         layers = set(self.layer_names)
         for p in self.held:
-            _count(self.read_groups[p.unit in layers], (p.shape[0], p.row_numel, p.file_dtype.itemsize, p.sharded))
+            _count(self.read_groups[p.unit in layers], (p.shape[0], p.row_numel, p.file_bytes, p.sharded))
             _count(self.unit_groups.setdefault(p.unit, {}), (p.shape[0], p.row_numel, p.dtype.itemsize, p.sharded))
 
     def _count_quantizers(self) -> None:
@@ -234,11 +242,11 @@ class PlannedRun:
         """The bytes ``rank`` reads from the checkpoint."""
         world, total = self.s.world_size, 0
         for in_layer, groups in self.read_groups.items():
-            for (rows, row_numel, itemsize, sharded), count in groups.items():
+            for (rows, row_numel, value_bytes, sharded), count in groups.items():
                 if sharded and not (in_layer and self.whole_layer_reads):
                     chunk = -(-rows // world)
                     rows = max(0, min((rank + 1) * chunk, rows) - rank * chunk)
-                total += count * rows * row_numel * itemsize
+                total += count * round(rows * row_numel * value_bytes)
         return total
 
     def forward(self, i: int, rows: int, quantized: bool) -> int:

@@ -35,12 +35,16 @@ class Param:
     shape: tuple[int, ...]
     dtype: torch.dtype  # in memory
     file_dtype: torch.dtype  # in the checkpoint (the memory dtype when planning from config.json alone)
+    file_bytes: float = 0.0  # bytes per value in the checkpoint (0: ``file_dtype``'s; a published FP8 / MXFP4
+    # tensor: its codes and scales over its values)
     unit: str  # the FSDP2 unit that gathers it: a decoder layer's name, "lm_head" or "<root>"
     sharded: bool
     row_numel: int = field(init=False, repr=False)  # elements per dim-0 row
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "row_numel", math.prod(self.shape[1:]))
+        if not self.file_bytes:
+            object.__setattr__(self, "file_bytes", float(self.file_dtype.itemsize))
 
     @property
     def numel(self) -> int:
@@ -52,7 +56,11 @@ class Param:
 
 
 def build_params(
-    structure: ModelStructure, dtype: torch.dtype, file_dtypes: Mapping[str, torch.dtype] | None, shard_root: bool
+    structure: ModelStructure,
+    dtype: torch.dtype,
+    file_dtypes: Mapping[str, torch.dtype] | None,
+    shard_root: bool,
+    file_bytes: Mapping[str, float] | None = None,
 ) -> list[Param]:
     """The parameters as ``load_pretrained`` holds them: memory dtype (``dtype``, or as built for a class the loader
     does not cast; float32 routers kept when the checkpoint stores them so), file dtype, FSDP2 unit, sharded or
@@ -72,7 +80,8 @@ def build_params(
         unit = structure.units[n]
         sharded = dtypes[n] == dominant and (unit in wrapped or shard_root)
         file_dtype = files.get(n, dtypes[n])
-        out.append(Param(name=n, shape=s, dtype=dtypes[n], file_dtype=file_dtype, unit=unit, sharded=sharded))
+        out.append(Param(name=n, shape=s, dtype=dtypes[n], file_dtype=file_dtype, unit=unit, sharded=sharded,
+                         file_bytes=(file_bytes or {}).get(n, 0.0)))  # fmt: skip
     return out
 
 
@@ -85,6 +94,7 @@ class ModelSource:
     config: ModelConfig | None
     file_dtypes: dict[str, torch.dtype] | None  # None: config.json only
     checkpoint_bytes: int  # the checkpoint's tensor data (from the headers), or the config's size in its dtype
+    file_bytes: dict[str, float] | None = None  # bytes per value where the checkpoint stores other than its dtype
     structure: ModelStructure | None = None  # None: built from ``config`` (shardcal's class) when first needed
     _params: dict[Any, list[Param]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -119,19 +129,24 @@ class ModelSource:
             head_dim=st.head_dim,
             built_dtypes=st.built_dtypes is not None,
         )
-        files = None
+        files, per_value = None, self.file_bytes
         if self.file_dtypes is not None:
             head = next(n for n, _ in structure.params if n not in self.file_dtypes)
             files = {**self.file_dtypes, head: self.file_dtypes[names[id(embed.weight)]]}
+            if per_value and names[id(embed.weight)] in per_value:
+                per_value = {**per_value, head: per_value[names[id(embed.weight)]]}
         return ModelSource(
-            config=self.config, file_dtypes=files, checkpoint_bytes=self.checkpoint_bytes, structure=structure
-        )
+            config=self.config, file_dtypes=files, checkpoint_bytes=self.checkpoint_bytes, structure=structure,
+            file_bytes=per_value,
+        )  # fmt: skip
 
     def params(self, dtype: torch.dtype, shard_root: bool) -> list[Param]:
         """:func:`build_params` for this source, computed once per dtype and ``shard_root``."""
         key = (dtype, shard_root)
         if key not in self._params:
-            self._params[key] = build_params(self.model_structure(), dtype, self.file_dtypes, shard_root)
+            self._params[key] = build_params(
+                self.model_structure(), dtype, self.file_dtypes, shard_root, file_bytes=self.file_bytes
+            )
         return self._params[key]
 
 
@@ -180,8 +195,21 @@ def read_source(model_dir: str | Path, dtype: torch.dtype | str | None = None, i
         if cfg.tie_word_embeddings and "lm_head.weight" in reader:
             expected["lm_head.weight"] = reader.shape("lm_head.weight")
         dtypes = {name: reader.dtype(name) for name in expected}
-    stored = sum(math.prod(expected[n]) * dtypes[n].itemsize for n in expected)
-    return ModelSource(config=cfg, file_dtypes=dtypes, checkpoint_bytes=stored, structure=structure)
+        nbytes = {name: reader.stored_nbytes(name) for name in expected}
+    per_value = _published_bytes(nbytes, {n: math.prod(s) for n, s in expected.items()}, dtypes)
+    return ModelSource(
+        config=cfg, file_dtypes=dtypes, checkpoint_bytes=sum(nbytes.values()), structure=structure,
+        file_bytes=per_value,
+    )  # fmt: skip
+
+
+def _published_bytes(
+    nbytes: Mapping[str, int], numel: Mapping[str, int], dtypes: Mapping[str, torch.dtype]
+) -> dict[str, float]:
+    """Bytes per value of the parameters the checkpoint stores in other than their file dtype's bytes (a published
+    FP8 weight with its scales, MXFP4 experts: half a byte a value and their scales)."""
+    per_value = {n: nbytes[n] / numel[n] for n in nbytes if numel[n]}
+    return {n: b for n, b in per_value.items() if b != dtypes[n].itemsize}
 
 
 def _refuse_quantized(raw: Mapping[str, Any], model_dir: str | Path) -> None:
@@ -221,5 +249,9 @@ def _read_foreign_source(folder: Path, dtype: torch.dtype | str | None) -> Model
         sources = resolve_sources(model, reader)
         dtypes = {name: reader.dtype(src.parts[0][0]) for name, src in sources.items()}
         keys = {k for src in sources.values() for k in src.keys()}
-        stored = sum(math.prod(reader.shape(k)) * reader.dtype(k).itemsize for k in keys)
-    return ModelSource(config=None, file_dtypes=dtypes, checkpoint_bytes=stored, structure=structure)
+        stored = sum(reader.stored_nbytes(k) for k in keys)
+        nbytes = {name: sum(reader.stored_nbytes(k) for k in set(src.keys())) for name, src in sources.items()}
+    per_value = _published_bytes(nbytes, {n: held[n].numel() for n in nbytes}, dtypes)
+    return ModelSource(
+        config=None, file_dtypes=dtypes, checkpoint_bytes=stored, structure=structure, file_bytes=per_value
+    )
