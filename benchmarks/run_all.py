@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 #: Benchmarks in the order they run (cheapest first). gpu_check.py needs a GPU and runs on its own.
 BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr", "sqnr_sample", "load_memory", "calibration_speed", "foreign_speed", "collect_speed", "ptq_quality",
-    "autoround_speed", "plan_accuracy", "scaling", "vs_peers", "vllm_check", "streamed_memory", "user_path",
+    "autoround_speed", "plan_accuracy", "scaling", "vs_peers", "vllm_check", "streamed_memory", "streamed_deepseek",
+    "user_path",
 )  # fmt: skip
 #: Benchmarks that need a venv of their own: name -> its python (relative to the repository root).
 NEEDS_VENV: dict[str, str] = {"vs_peers": ".venv-peers/bin/python", "vllm_check": ".venv-vllm/bin/python"}

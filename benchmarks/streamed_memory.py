@@ -143,8 +143,10 @@ def plain_forward(layers: int, num_samples: int, seq_len: int, threads: int) -> 
     return seconds[1] + (layers - 1) * per_layer
 
 
-def run_command(model: Path, data: Path, out: Path, nproc: int, num_samples: int, seq_len: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "shardcal", "calibrate", str(model), "--recipe", "fp8", "--out", str(out),
+def run_command(
+    model: Path, data: Path, out: Path, nproc: int, num_samples: int, seq_len: int, *extra: str, recipe: str = "fp8"
+) -> dict:
+    cmd = [sys.executable, "-m", "shardcal", "calibrate", str(model), "--recipe", recipe, "--out", str(out),
            "--overwrite", "--data", str(data), "--num-samples", str(num_samples), "--seq-len", str(seq_len),
            "--nproc-per-node", str(nproc), "--batch-size", str(max(1, num_samples // nproc)), *extra]  # fmt: skip
     start = time.perf_counter()

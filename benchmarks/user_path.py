@@ -208,41 +208,43 @@ def quality_notes(args: argparse.Namespace, title: str, baseline: float | None) 
     ]
 
 
-def resumed_rows(args: argparse.Namespace, title: str, recipes: list[str]) -> tuple[list[list], float | None, str]:
-    """``--resume``: the rows of the saved quality table for ``recipes``, when it was measured with these settings
-    (same columns and notes), its source perplexity, and its date; else nothing."""
+def resumed_rows(args: argparse.Namespace, title: str) -> tuple[list[list], float | None, str]:
+    """``--resume``: the rows of the saved quality table, when it was measured with these settings (same columns and
+    notes), its source perplexity, and its date; else nothing."""
     path = (args.results_dir or RESULTS_DIR) / f"user_path_{args.model}.json"
     if not path.is_file():
         return [], None, ""
     saved = json.loads(path.read_text(encoding="utf-8"))
     match = re.search(r"its perplexity on these tokens: ([0-9.]+)\.", " ".join(saved["notes"]))
     baseline = float(match.group(1)) if match else None
-    settings = [n for n in saved["notes"] if not n.startswith(("This run was stopped", "Resumed:"))]
+    settings = [n for n in saved["notes"] if not n.startswith(("This run was stopped", "This table holds", "Resumed:"))]
     if saved["columns"] != QUALITY_COLUMNS or settings != quality_notes(args, title, baseline):
         print(f"--resume: {path} was measured with other settings; every recipe runs again")
         return [], None, ""
-    rows = [r for r in saved["rows"] if r[0] in recipes]
-    return rows, baseline, saved["date"]
+    return list(saved["rows"]), baseline, saved["date"]
 
 
 def save_quality(
-    args: argparse.Namespace, title: str, rows: list[list], baseline: float | None, pending: int, resumed: str = ""
+    args: argparse.Namespace, title: str, rows: list[list], baseline: float | None, resumed: str = ""
 ) -> None:
     """The quality table of this run so far (written after each recipe, so that a run stopped early leaves what it
-    measured, saying so; ``pending``: the recipes not run yet; ``resumed``: the note on rows an earlier run
+    measured, saying how many of the shipped recipes it holds; ``resumed``: the note on rows an earlier run
     measured)."""
     columns = QUALITY_COLUMNS
     notes = quality_notes(args, title, baseline)
     if resumed:
         notes.insert(0, resumed)
-    if pending:
-        notes.insert(0, f"This run was stopped after {len(rows)} of {len(rows) + pending} recipes: the others are not "
-                        "measured here.")  # fmt: skip
+    from shardcal.calib.recipes import shipped_recipes
+
+    missing = len(shipped_recipes()) - len(rows)
+    if missing:
+        notes.insert(0, f"This table holds {len(rows)} of the {len(shipped_recipes())} shipped recipes (the run was "
+                        f"stopped, or given --recipes): the other {missing} are not measured here.")  # fmt: skip
     save_table(
         args, f"user_path_{args.model}", title=f"The numbers a user gets, {title}: bf16 source, the CLI on "
         f"{args.ranks} ranks, the export from disk", columns=columns, rows=sorted(rows), notes=notes,
         order=ORDER["quality"] - 10 + list(MODEL_NAMES).index(args.model),
-        off_reference="--recipes leaves out shipped recipes" if args.recipes else None,
+        off_reference="--recipes leaves out shipped recipes" if args.recipes and not args.resume else None,
     )  # fmt: skip
 
 
@@ -288,10 +290,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.seq_len} held-out tokens", flush=True)  # fmt: skip
     rows, baseline, runs, resumed = [], None, {}, ""
     if args.resume and not args.speed_only:
-        rows, baseline, date = resumed_rows(args, title, recipes)
+        rows, baseline, date = resumed_rows(args, title)
         if rows:
             resumed = (f"Resumed: {', '.join(r[0] for r in rows)} were measured on {date} by an earlier run of this "
-                       "command, the others on this table's date.")  # fmt: skip
+                       "benchmark with the same settings, the others by this run.")  # fmt: skip
             print(f"--resume: {len(rows)} recipes kept from {date}", flush=True)
     for name in recipes:
         if any(r[0] == name for r in rows):
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(name, str(load_recipe(name).algorithm.get("name", "rtn")), run, judged, consumer))
         print(f"  {name}: {rows[-1][2:]} ({time.perf_counter() - start:.0f} s)", flush=True)
         shutil.rmtree(out, ignore_errors=True)  # the exports of 22 recipes would fill a small disk
-        save_quality(args, title, rows, baseline, pending=len(recipes) - len(rows), resumed=resumed)
+        save_quality(args, title, rows, baseline, resumed=resumed)
     if not args.peers_python.is_file():
         print(f"llm-compressor's times skipped: {args.peers_python} is missing (make bench-peers creates it)")
         return 0

@@ -858,3 +858,54 @@ def test_a_sigkilled_transformers_class_stream_resumes(tmp_path, recipe, resumed
     want = run_on_ranks(2, _hf_on_ranks, *args, str(tmp_path / "resident"), recipe, "off", batch_size=4)[0]
     assert got["resumed"] == 3 and got["sqnr"] == pytest.approx(want, rel=1e-8)  # SQNR sums in rank order
     assert _tensors(tmp_path / "run" / "out") == _tensors(tmp_path / "resident")
+
+
+def _llava_style(root: Path) -> Path:
+    """A tiny Llava saved by transformers, its tensors renamed to the layout Llava checkpoints are published in
+    (``language_model.model.*``, ``vision_tower.*``, ``multi_modal_projector.*``, ``language_model.lm_head``)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _hf_checkpoint(root, "llava")
+    renames = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))  # fmt: skip
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for key, value in load_file(str(file)).items():
+            new = next((new + key[len(old) :] for old, new in renames if key.startswith(old)), key)
+            tensors[new] = value
+        file.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_vlm_in_its_published_layout_streams_to_its_resident_export(tmp_path, ranks):
+    """A Llava checkpoint in its published layout (every module's name differs from its key): the sharded root —
+    embeddings, LM head, vision tower — read by each rank from the keys it is stored under, the decoder layers
+    streamed; the resident run's export and SQNRs."""
+    pytest.importorskip("transformers")
+    model_dir = _llava_style(tmp_path)
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 250, size=(4, 16)))
+    args = (str(model_dir), str(data))
+    resident = run_on_ranks(ranks, _hf_on_ranks, *args, str(tmp_path / "resident"), "fp8", "off")
+    streamed = run_on_ranks(ranks, _hf_on_ranks, *args, str(tmp_path / "streamed"), "fp8", "on")
+    assert streamed == resident
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+
+
+def test_a_transformers_class_streams_in_the_dtype_asked_for(tmp_path):
+    """``load_streamed(..., impl="transformers", dtype=)`` casts every floating parameter, as the resident load does
+    (the root as loaded, the decoder layers as they will be read); without ``dtype`` the class's own float32 stays."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from shardcal.loading.streamed import load_streamed
+    from shardcal.runtime.distributed import init_distributed
+
+    init_distributed()
+    model_dir = _hf_checkpoint(tmp_path, "llama")
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), ("float16", torch.float16), (None, torch.float32)):
+        model = load_streamed(model_dir, impl="transformers", dtype=dtype)
+        assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {want}, dtype

@@ -346,6 +346,11 @@ class PassThrough(nn.Module):
             return getattr(self.__dict__["_stands_for"], name)
 
 
+def stand_ins_for(layers: nn.ModuleList) -> nn.ModuleList:
+    """A :class:`PassThrough` for each decoder layer, in order: each answers for its own layer."""
+    return nn.ModuleList(PassThrough(layer) for layer in layers)
+
+
 def layer_inputs(
     model: nn.Module,
     layers: nn.ModuleList,
@@ -366,6 +371,6 @@ def layer_inputs(
             return [_embedded(embedder, b, len(layers), device, cache_device) for b in batches]
         if not residency_of(model).streamed:
             return _captured(model, layers, prefix, batches, device, cache_device)
-        stand_ins = nn.ModuleList(PassThrough(layer) for layer in layers)
+        stand_ins = stand_ins_for(layers)
         with decoder_layers_replaced(model, layers, stand_ins):
             return _captured(model, stand_ins, prefix, batches, device, cache_device, kinds_of=layers)
