@@ -61,7 +61,18 @@ class Source:
         """Rows ``start:stop`` of dim 0 (experts, for a stacked parameter), reading nothing else."""
         if not self.stacked:
             return reader.get_rows(self.parts[0][0], start, stop)
-        return torch.stack([torch.cat([reader.get(k) for k in self.parts[e]]) for e in range(start, stop)])
+        # one expert at a time into the result (in the dtype the reader gives: a published FP8 expert's is float32):
+        # a stack of them all would hold the experts twice while it copies
+        out = None
+        for row, expert in enumerate(range(start, stop)):
+            parts = [reader.get(k) for k in self.parts[expert]]
+            one = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if out is None:
+                out = torch.empty((stop - start, *one.shape), dtype=one.dtype)
+            out[row] = one
+        if out is None:  # no experts asked for
+            return torch.empty((0, *self.shape(reader)[1:]), dtype=reader.dtype(self.parts[0][0]))
+        return out
 
     def full(self, reader: CheckpointReader) -> torch.Tensor:
         return self.rows(reader, 0, self.shape(reader)[0]) if self.stacked else reader.get(self.parts[0][0])
