@@ -1,8 +1,8 @@
 """The numbers a user gets: each recipe run as a user runs it, its export judged from disk against the source model.
 
     python benchmarks/user_path.py [--model smollm2|gemma3-270m] [--recipes fp8-dynamic ...] [--ranks 2]
-                                   [--eval-samples 64] [--seq-len 256] [--work runs/user-path]
-                                   [--no-save] [--results-dir DIR]
+                                   [--eval-samples 64] [--seq-len 256] [--work runs/user-path] [--resume]
+                                   [--speed-only] [--no-save] [--results-dir DIR]
 
 The source is the reference model as published: bfloat16, in files of at most 100 MB, as transformers saves it
 (``save_pretrained``) — built once from the GGUF the embedded packages ship (the float32 import holds its values
@@ -18,7 +18,9 @@ shardcal's own reload; the table says which.
 
 Each run is a separate process, as a user's is; its wall time (the command's: checks, loading, calibration, export)
 and calibration time come from the command's summary line. The tables ``user_path_<model>`` are what ``shardcal
-recipes`` shows (docs/results.md).
+recipes`` shows (docs/results.md). ``--resume`` keeps the rows the saved table holds when it was measured with the same
+settings and runs the rest (with ``--recipes``: those of them it lacks); the table says which rows an earlier run
+measured and how many of the shipped recipes it holds.
 """
 
 from __future__ import annotations
