@@ -382,9 +382,11 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "sources-all-experts",
         "loading/sources.py",
-        "        return torch.stack([torch.cat([reader.get(k) for k in self.parts[e]]) for e in range(start, stop)])\n",
-        "        every = [torch.cat([reader.get(k) for k in part]) for part in self.parts]\n"
-        "        return torch.stack(every)[start:stop]\n",
+        "        for row, expert in enumerate(range(start, stop)):\n"
+        "            parts = [reader.get(k) for k in self.parts[expert]]\n",
+        "        every = [[reader.get(k) for k in part] for part in self.parts]\n"
+        "        for row, expert in enumerate(range(start, stop)):\n"
+        "            parts = every[expert]\n",
         "fused experts: every expert read, then the rank's experts kept",
     ),
     Mutant(
@@ -1347,6 +1349,14 @@ CATALOGUE: list[Mutant] = [
         "        parts = self._packed.get(key) or (key,)\n",
         "a published FP8 weight's stored bytes leave out its block scales",
         tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "auto-dtype-float32",
+        "loading/build.py",
+        "    return found or torch.float32\n",
+        "    return torch.float32\n",
+        "dtype='auto' loads a transformers-class model in float32, not in the checkpoint's own dtype",
+        tests=("tests/pipeline/test_streamed.py",),
     ),
     # ------------------------------------------------------------------ evaluation
     Mutant(

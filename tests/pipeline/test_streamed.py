@@ -909,3 +909,34 @@ def test_a_transformers_class_streams_in_the_dtype_asked_for(tmp_path):
     for dtype, want in ((torch.bfloat16, torch.bfloat16), ("float16", torch.float16), (None, torch.float32)):
         model = load_streamed(model_dir, impl="transformers", dtype=dtype)
         assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {want}, dtype
+
+
+def _loaded_dtypes(model_dir: str, dtype: str) -> dict[str, set[str]]:
+    """The floating dtypes of transformers' llama loaded resident and streamed with ``dtype``, and what the planner
+    holds it in."""
+    from shardcal.loading.foreign import load_transformers_sharded
+    from shardcal.loading.streamed import load_streamed
+    from shardcal.plan.source import read_source
+
+    def floating(model) -> set[str]:
+        return {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+
+    planned = read_source(model_dir, dtype=dtype, impl="transformers").model_structure().model
+    return {
+        "resident": floating(load_transformers_sharded(model_dir, dtype=dtype)),
+        "streamed": floating(load_streamed(model_dir, impl="transformers", dtype=dtype)),
+        "planned": floating(planned),
+    }
+
+
+def test_auto_is_the_checkpoints_own_dtype_for_a_transformers_class(tmp_path):
+    """``dtype="auto"`` means the checkpoint's dtype (as in transformers), for transformers' classes too: a bf16
+    checkpoint loads in bf16 resident, streamed and in the plan — not in float32."""
+    pytest.importorskip("transformers")
+    import torch
+    from _hf_models import hf_model
+
+    folder = tmp_path / "llama-bf16"
+    hf_model("llama").to(torch.bfloat16).save_pretrained(folder)
+    got = run_on_ranks(1, _loaded_dtypes, str(folder), "auto")[0]
+    assert got == {"resident": {"torch.bfloat16"}, "streamed": {"torch.bfloat16"}, "planned": {"torch.bfloat16"}}

@@ -7,13 +7,14 @@ present, shapes and dtypes right, nothing unexpected) before anything is materia
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..models.checkpoint import CheckpointReader
+from ..models.checkpoint import CheckpointReader, dominant_floating_dtype
 from ..models.config import ModelConfig
 from ..models.decoder import CausalLM, SparseMoeBlock
 
@@ -74,6 +75,19 @@ def resolve_dtype(cfg: ModelConfig | None, dtype: torch.dtype | str | None) -> t
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
     return dtype or (cfg.torch_dtype if cfg is not None else None) or torch.float32
+
+
+def module_dtype(dtype: torch.dtype | str, reader: CheckpointReader | None, keys: Iterable[str]) -> torch.dtype:
+    """The dtype a module built elsewhere (transformers' class) is cast to for ``dtype``: ``"auto"`` is the
+    checkpoint's own — the floating dtype of at least 16 bits holding most of ``keys``' values (a published FP8
+    checkpoint's bf16), float32 where none is or there are no weights (``reader`` None) — else as
+    :func:`resolve_dtype` reads it."""
+    if dtype != "auto":
+        return resolve_dtype(None, dtype)
+    if reader is None:
+        return torch.float32
+    found = dominant_floating_dtype((reader.dtype(k), math.prod(reader.shape(k))) for k in keys)
+    return found or torch.float32
 
 
 def named_keys(keys: list[str]) -> str:

@@ -24,7 +24,14 @@ from ..models.config import load_config
 from ..models.published import is_published
 from ..runtime.distributed import world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, fsdp2_units, fsdp2_wrap, init_fsdp2_root, local_rows
-from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
+from .build import (
+    build_on_meta,
+    check_checkpoint_keys,
+    module_dtype,
+    param_dtypes,
+    resolve_dtype,
+    set_param_dtypes,
+)
 from .plain import from_pretrained
 from .sources import NameMap, Source, resolve_buffers, resolve_sources
 
@@ -128,7 +135,7 @@ def load_pretrained(
             sources = resolve_sources(model, reader, name_map)
             stored = resolve_buffers(model, reader, name_map)
             if dtype is not None:
-                target = resolve_dtype(None, dtype)
+                target = module_dtype(dtype, reader, (k for src in sources.values() for k in src.keys()))
                 set_param_dtypes(
                     model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()}
                 )

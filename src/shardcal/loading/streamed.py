@@ -30,7 +30,14 @@ from ..runtime.distributed import all_gather_rows_, row_range, world
 from ..sharding.fsdp2 import DISTRIBUTION_PLAN_ATTR, default_mesh, dominant_dtype, fsdp2_units, init_fsdp2_root
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
 from ..sharding.residency import RESIDENCY_ATTR, ResidentLayers, decoder_layers_replaced
-from .build import build_on_meta, check_checkpoint_keys, param_dtypes, resolve_dtype, set_param_dtypes
+from .build import (
+    build_on_meta,
+    check_checkpoint_keys,
+    module_dtype,
+    param_dtypes,
+    resolve_dtype,
+    set_param_dtypes,
+)
 from .foreign import build_transformers_on_meta, raw_config
 from .sources import Source, resolve_buffers, resolve_sources
 
@@ -231,7 +238,7 @@ def _streamed_model(
     model = build_transformers_on_meta(path)  # parameters on meta, computed buffers real
     sources, stored = resolve_sources(model, reader), resolve_buffers(model, reader)
     if dtype is not None:  # as load_pretrained(model=..., dtype=) casts
-        target = resolve_dtype(None, dtype)
+        target = module_dtype(dtype, reader, (k for src in sources.values() for k in src.keys()))
         set_param_dtypes(model, {n: target if p.is_floating_point() else p.dtype for n, p in model.named_parameters()})
     return model, sources, stored
 

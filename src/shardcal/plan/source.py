@@ -18,7 +18,7 @@ import torch
 
 from ..algorithms.residual import root_modules, untie_word_embeddings
 from ..errors import CheckpointError, PlanError
-from ..loading.build import build_on_meta, check_checkpoint_keys, resolve_dtype
+from ..loading.build import build_on_meta, check_checkpoint_keys, module_dtype, resolve_dtype
 from ..loading.foreign import build_transformers_on_meta, choose_impl, raw_config
 from ..loading.sources import resolve_sources
 from ..models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader
@@ -212,6 +212,14 @@ def _published_bytes(
     return {n: b for n, b in per_value.items() if b != dtypes[n].itemsize}
 
 
+def _module_dtype(model: torch.nn.Module, folder: Path, dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype the loader casts transformers' ``model`` to for ``dtype`` (``"auto"``: the checkpoint's own)."""
+    if dtype != "auto" or not _has_weights(folder):
+        return module_dtype(dtype, None, ())
+    with CheckpointReader(folder) as reader:
+        return module_dtype(dtype, reader, (k for src in resolve_sources(model, reader).values() for k in src.keys()))
+
+
 def _refuse_quantized(raw: Mapping[str, Any], model_dir: str | Path) -> None:
     if raw.get("quantization_config") is not None and not is_published(raw):
         raise CheckpointError(
@@ -236,7 +244,7 @@ def _read_foreign_source(folder: Path, dtype: torch.dtype | str | None) -> Model
     _refuse_quantized(raw, folder)
     model = build_transformers_on_meta(folder)
     if dtype is not None:  # load_pretrained(dtype=) casts every floating parameter
-        target = resolve_dtype(None, dtype)
+        target = _module_dtype(model, folder, dtype)
         for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(target)
