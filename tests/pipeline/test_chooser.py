@@ -50,7 +50,8 @@ def test_cells_come_from_the_result_tables(tmp_path):
     date = __import__("json").loads((tmp_path / "user_path_smollm2.json").read_text())["date"]
     assert (
         "# SmolLM2-135M: KL 0.02142 +- 0.00031 from the bf16 source, top-1 agreement 93.4 %, perplexity 18.4 (+2.6% "
-        f"vs the source), 24 s for the command ({date}, docs/results.md)"
+        f"vs the source), 24 s for the command ({date}, docs/results.md; `shardcal eval OUT --kl --num-samples 64` "
+        "measures the same way)"
     ) in notes
     assert notes[0] == "# runs in: vLLM GPU yes, vLLM CPU yes, transformers yes"
     assert "# vLLM CPU check: checked; logprobs within 1 %" in notes and "# recommended for FP8" in notes

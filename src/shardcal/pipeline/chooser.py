@@ -158,8 +158,9 @@ def recipe_table(folder: Path | None = None) -> str:
         "measured (TP 1: tensor parallel 1 only; Blackwell: NVFP4 GPUs; fp8 KV: --kv-cache-dtype fp8; AVX-512: not on",
         "AVX2-only CPUs; close: its own activation rounding; wrong: loads, computes something else). SmolLM2, Gemma 3:",
         "the export's mean KL divergence from the bf16 model per token (lower is better), SmolLM2-135M and Gemma-3-270M",
-        "run as a user runs them (the CLI, 2 ranks, the export read from disk); time: the SmolLM2 calibrate command,",
-        "start to end, on 2 CPU cores (docs/results.md). `shardcal recipes NAME` prints a recipe's TOML and its notes.",
+        "run as a user runs them (the CLI, 2 ranks, the export read from disk; `shardcal eval OUT --kl --num-samples",
+        "64`: 64 x 256 held-out tokens); time: the SmolLM2 calibrate command, start to end, on 2 CPU cores",
+        "(docs/results.md). `shardcal recipes NAME` prints a recipe's TOML and its notes.",
     ]
     return "\n".join(lines)
 
@@ -178,7 +179,8 @@ def recipe_notes(name: str, folder: Path | None = None) -> list[str]:
             notes.append(
                 f"# {model}: KL {row['mean KL']} +- {row.get('KL se')} from the bf16 source, top-1 agreement "
                 f"{row.get('top-1 %')} %, perplexity {row['perplexity']} ({row.get('vs source')} vs the source), "
-                f"{_seconds(row)} for the command ({table['date']}, docs/results.md)"
+                f"{_seconds(row)} for the command ({table['date']}, docs/results.md; `shardcal eval OUT --kl "
+                f"--num-samples 64` measures the same way)"
             )
     check = _rows_by_recipe(read_table(VLLM_TABLE, folder)).get(name)
     if check:
