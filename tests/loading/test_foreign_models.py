@@ -615,3 +615,28 @@ def test_an_exclude_pattern_can_name_fused_experts(tmp_path):
     assert set(quantized) == {n for n in linears if not n.endswith("mlp.gate")}  # the routers never
     calibrate(model, _data(), recipe, batch_size=BATCH, progress=False)
     assert not any(".experts" in n for n in _amax(model))
+
+
+def test_auto_dtype_is_the_dtype_holding_most_values(tmp_path):
+    """``dtype="auto"`` for a module built elsewhere: the floating dtype of at least 16 bits holding most values —
+    one bf16 matrix outweighs three small float32 vectors; 8-bit codes (a published FP8 weight) never count."""
+    import torch
+    from safetensors.torch import save_file
+
+    from shardcal.loading.build import module_dtype
+    from shardcal.models.checkpoint import CheckpointReader
+
+    tensors = {
+        "w": torch.zeros(64, 64, dtype=torch.bfloat16),
+        "a": torch.zeros(8),
+        "b": torch.zeros(8),
+        "c": torch.zeros(8),
+        "q": torch.zeros(128, 128).to(torch.float8_e4m3fn),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with CheckpointReader(tmp_path) as reader:
+        assert module_dtype("auto", reader, list(tensors)) == torch.bfloat16
+        assert module_dtype("auto", reader, ["a", "q"]) == torch.float32
+        assert module_dtype("auto", reader, ["q"]) == torch.float32  # none of 16 bits: float32
+        assert module_dtype("float16", reader, ["w"]) == torch.float16
+    assert module_dtype("auto", None, ()) == torch.float32  # no weights
