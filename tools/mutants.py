@@ -1358,6 +1358,23 @@ CATALOGUE: list[Mutant] = [
         "dtype='auto' loads a transformers-class model in float32, not in the checkpoint's own dtype",
         tests=("tests/pipeline/test_streamed.py",),
     ),
+    Mutant(
+        "auto-dtype-by-tensor-count",
+        "loading/build.py",
+        "    found = dominant_floating_dtype((reader.dtype(k), math.prod(reader.shape(k))) for k in keys)\n",
+        "    found = dominant_floating_dtype((reader.dtype(k), 1) for k in keys)\n",
+        "dtype='auto' counts tensors, not values: many small float32 vectors outvote the bf16 weights",
+        tests=("tests/loading/test_foreign_models.py",),
+    ),
+    Mutant(
+        "untied-source-forgets-stored-bytes",
+        "plan/source.py",
+        "            config=self.config, file_dtypes=files, checkpoint_bytes=self.checkpoint_bytes, structure=structure,\n"
+        "            file_bytes=per_value,\n",
+        "            config=self.config, file_dtypes=files, checkpoint_bytes=self.checkpoint_bytes, structure=structure,\n",
+        "a residual rotation's untied source plans a published checkpoint at its dtype's bytes, not as stored",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

@@ -204,3 +204,35 @@ def test_the_planner_counts_the_bytes_as_published(published, ranks):
     else:
         scale_rows = 4 * 2 * 7 * math.ceil(64 / BLOCK[1])  # a generous bound: a few shared float32 scale rows
         assert all(0 <= r - p <= scale_rows for p, r in zip(planned, requested)), (planned, requested)
+
+
+def test_a_residual_rotation_plans_the_tied_head_read_again_and_the_rest_as_stored(tmp_path):
+    """A tied model published in FP8 blocks, planned with a residual rotation (loaded untied: the head a unit of its
+    own, read from the embeddings): one rank reads the checkpoint as stored — FP8 codes and their scales — plus the
+    embeddings once more for the head."""
+    from dataclasses import replace
+
+    from shardcal.calib.recipe import Rotation
+    from shardcal.calib.recipes import load_recipe
+    from shardcal.layerwise.options import CalibrationOptions
+    from shardcal.plan.planner import PlanSettings, plan_calibration
+
+    base = make_tiny_checkpoint(
+        tmp_path, "llama", torch.bfloat16, seed=4, num_hidden_layers=2, tie_word_embeddings=True
+    )
+    weights, published = load_file(str(base / "model.safetensors")), {}
+    for key, tensor in weights.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            published[key], published[f"{key}_scale_inv"], _ = _blockwise(tensor, BLOCK)
+        else:
+            published[key] = tensor
+    save_file(published, str(base / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((base / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+    (base / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    recipe = load_recipe("fp8-dynamic")
+    rotated = replace(recipe, rotation=Rotation(None, residual="hadamard"), name="fp8-dynamic-residual")
+    settings = PlanSettings(world_size=1, num_samples=8, seq_len=16, options=CalibrationOptions(batch_size=2))
+    embeddings = weights["model.embed_tokens.weight"]
+    read = plan_calibration(base, rotated, settings, dtype="float32").ranks[0].bytes_read
+    assert read == _stored_bytes(base) + embeddings.numel() * embeddings.element_size()
