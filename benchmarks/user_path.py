@@ -326,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                  "llm-compressor process s", "llm-compressor calibration s", "process ratio", "notes"],
         rows=speed_rows(recipes, runs, source, args), order=ORDER["speed"] - 10 + list(MODEL_NAMES).index(args.model),
         notes=[
-            f"shardcal: `shardcal calibrate SOURCE --recipe R --nproc-per-node {args.ranks}` (the table above's run); "
-            "process s includes loading, the export and the ranks' start; calibration s is the summary's phase.",
+            f"shardcal: `shardcal calibrate SOURCE --recipe R --nproc-per-node {args.ranks}`, each recommended recipe "
+            "run by this benchmark, then llm-compressor's (with --speed-only, not the quality table's runs); process s "
+            "includes loading, the export and the ranks' start; calibration s is the summary's phase, which for a "
+            "data-free recipe is the SQNR report's forward on 1024 tokens.",
             "llm-compressor: its documented recipe for the scheme (benchmarks/peer_run.py RECIPES: FP8_DYNAMIC; "
             "SmoothQuant 0.8 + GPTQ W8A8; GPTQ W4A16; NVFP4), one process on the same source and the same 32 x 256 "
             "calibration tokens; calibration s is its oneshot call; its process also loads the model in float32 "
