@@ -56,7 +56,7 @@ def _fill_local(model: nn.Module, reader: CheckpointReader, sources: dict[str, S
     return read
 
 
-def _real_buffers(model: nn.Module, reader: CheckpointReader, stored: dict[str, str]) -> dict[str, torch.Tensor]:
+def real_buffers(model: nn.Module, reader: CheckpointReader, stored: dict[str, str]) -> dict[str, torch.Tensor]:
     """The values of the model's buffers, kept across materialisation (``to_empty`` would leave them garbage).
 
     A persistent buffer the checkpoint holds (``stored``: buffer name -> key) gets the stored value, in the buffer's
@@ -141,7 +141,7 @@ def load_pretrained(
                 )
         if untie_word_embeddings:
             sources = _untie_on_meta(model, reader, sources)
-        buffers = _real_buffers(model, reader, stored)
+        buffers = real_buffers(model, reader, stored)
         mesh = mesh if mesh is not None else default_mesh(model)
         fsdp2_wrap(model, shard_root=shard_root, mp_policy=mp_policy, cpu_offload=cpu_offload, mesh=mesh)
         device = "cpu" if cpu_offload else (mesh.device_type if mesh.device_type == "cpu" else _current_device(mesh))

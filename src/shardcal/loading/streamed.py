@@ -39,6 +39,7 @@ from .build import (
     set_param_dtypes,
 )
 from .foreign import build_transformers_on_meta, raw_config
+from .sharded import real_buffers
 from .sources import Source, resolve_buffers, resolve_sources
 
 
@@ -198,8 +199,7 @@ def load_streamed(
         if shard_root:
             fully_shard(model, reshard_after_forward=True, **kwargs)
         with decoder_layers_replaced(model, layers, nn.ModuleList()):
-            buffers = {n: reader.get(stored[n]).to(b.dtype) if n in stored else b.detach().clone()
-                       for n, b in model.named_buffers() if n in stored or b.device.type != "meta"}  # fmt: skip
+            buffers = real_buffers(model, reader, stored)  # the root's: the decoder stack is detached
             model.to_empty(device=device)  # the rest only: the decoder stack is detached
             with torch.no_grad():
                 for name, value in buffers.items():
