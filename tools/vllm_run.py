@@ -64,6 +64,13 @@ REFERENCE_NOTES = {
 KNOWN_LIMITS = {
     "FP8 KV cache on CPU requires": "vLLM CPU's FP8 KV cache needs an x86 CPU with AVX-512 or AMX (not this one); "
     "where it runs, its FP8 KV-cache writer rounds toward zero (issue 44), not to nearest like shardcal's model",
+    "not supported by CPUWNA16": "vLLM CPU's weight-only GEMM takes 4-bit weights only (W8A16 runs on vLLM's GPU "
+    "builds: Marlin); the export's weights are checked against compressed-tensors' decompressor and transformers",
+    "Marlin FP4 not available": "vLLM CPU has no NVFP4 weight-only kernel (vLLM's GPU builds run Marlin FP4); the "
+    "export's weights are checked against compressed-tensors' decompressor and transformers",
+    "No compressed-tensors compatible scheme": "vLLM has a W4A8-FP8 kernel for Hopper GPUs only (elsewhere, its CPU "
+    "build included, no compressed-tensors scheme matches); the export is checked against compressed-tensors and "
+    "transformers",
 }
 
 

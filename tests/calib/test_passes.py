@@ -46,6 +46,8 @@ PLANS = {
     "nvfp4": "observe, sqnr -> next inputs: observe",
     "nvfp4-gptq": "sqnr-reference, algorithm, observe, sqnr, propagate -> next inputs: propagate",
     "nvfp4-sq-gptq": "reference-stream, sqnr-reference, algorithm, observe, sqnr, propagate -> next inputs: propagate",
+    "nvfp4a16": "observe, sqnr -> next inputs: observe",
+    "nvfp4a16-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
     "w4a16": "observe, sqnr -> next inputs: observe",
     "w4a16-awq": "sqnr-reference, algorithm, observe, sqnr -> next inputs: observe",
     "w4a16-awq-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
@@ -60,6 +62,9 @@ PLANS = {
     "w8a8-int8-sq": "algorithm, sqnr -> next inputs: algorithm",
     "w8a8-int8-sq-gptq": "sqnr-reference, algorithm, observe, sqnr, propagate -> next inputs: propagate",
     "w8a8-int8-sq-rot": "algorithm, sqnr -> next inputs: algorithm",
+    "w4afp8-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
+    "w8a16": "observe, sqnr -> next inputs: observe",
+    "w8a16-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
 }
 
 

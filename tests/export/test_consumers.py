@@ -106,6 +106,13 @@ def test_the_deployment_cells_and_notes():
     assert int4["avx512"].limits == (BF16_ONLY,) and "cpu_gemm_wna16" in int4["avx2"].why
     int8 = deployment(load_recipe("w8a8-int8-dynamic-sq"))
     assert int8.cells() == ("yes", "AVX-512", "close") and int8.vllm_cpu["avx2"].status == WRONG
+    w8a16 = deployment(load_recipe("w8a16"))  # vLLM CPU's weight-only GEMM: 4-bit only (make test-vllm checks it)
+    assert w8a16.cells() == ("yes", "no", "yes") and "4-bit weights only" in w8a16.vllm_cpu["avx512"].why
+    w4afp8 = deployment(load_recipe("w4afp8-gptq"))  # vLLM's W4A8-FP8 kernel: Hopper only; nothing on CPU
+    assert w4afp8.cells() == ("Hopper", "no", "yes") and not w4afp8.everywhere
+    assert "W4A8-FP8" in w4afp8.vllm_cpu["avx512"].why and "W4A8-FP8" in w4afp8.vllm_cpu["avx2"].why
+    nvfp4a16 = deployment(load_recipe("nvfp4a16-gptq"))  # FP4 weight-only kernels on most GPUs, none on CPU
+    assert nvfp4a16.cells() == ("yes", "no", "no") and "NVFP4" in nvfp4a16.vllm_cpu["avx512"].why
 
 
 def test_the_verdicts_of_recipes_beyond_the_shipped_ones(tmp_path):

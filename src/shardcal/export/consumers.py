@@ -16,9 +16,14 @@ kernel requirements.
 * **asymmetric int weights** (zero points): vLLM reads them; transformers refuses to load them (compressed-tensors
   up to 0.20 builds the zero-point parameters unpacked, and the packed ones do not fit);
 * **static FP8 input scales**: vLLM's GPU builds; its CPU build has no static FP8 activation kernel;
-* **NVFP4**: vLLM's NVFP4 kernels need a Blackwell GPU (elsewhere only its emulation); vLLM CPU has none;
-  transformers fails in the first forward of a float32 model (compressed-tensors decompresses NVFP4 weights to
-  bfloat16);
+* **NVFP4**: vLLM's NVFP4 kernels for FP4 activations need a Blackwell GPU (elsewhere only its emulation); NVFP4
+  weights with 16-bit activations (NVFP4A16) run on its FP4 weight-only kernels (Marlin) on other GPUs too; vLLM
+  CPU has no NVFP4 kernel; transformers fails in the first forward of a float32 model (compressed-tensors
+  decompresses NVFP4 weights to bfloat16);
+* **INT4 weights with FP8 activations (W4AFP8)**: vLLM's W4A8-FP8 kernel is built for Hopper GPUs only (elsewhere,
+  CPU included, it finds no compressed-tensors scheme for the export);
+* **INT8 weights, 16-bit activations (W8A16)**: vLLM's GPU builds (Marlin); vLLM CPU's weight-only GEMM takes 4-bit
+  weights only;
 * **INT4 weights, 16-bit activations**: vLLM CPU's W4A16 GEMM is built into its AVX-512 library only (and computes in
   bfloat16: no float32 path);
 * **INT8 activations**: vLLM CPU's int8 GEMM (oneDNN) on a CPU without VNNI sums pairs of u8 x s8 products in
@@ -48,12 +53,16 @@ CPU_ISAS: tuple[str, ...] = ("avx512", "avx2")
 
 @dataclass(frozen=True, kw_only=True)
 class Features:
-    """What decides where an export runs: online input rotations, the weight formats, INT4 weights with 16-bit
-    activations, asymmetric INT weights (zero points), static FP8 inputs, INT8 inputs, an FP8 KV cache."""
+    """What decides where an export runs: online input rotations, the weight formats, INT4 / INT8 weights with
+    16-bit activations, INT4 weights with FP8 activations, NVFP4 activations, asymmetric INT weights (zero points),
+    static FP8 inputs, INT8 inputs, an FP8 KV cache."""
 
     online_rotation: bool = False
     weight_formats: frozenset[str] = frozenset()
     int4_weight_only: bool = False
+    int8_weight_only: bool = False
+    int4_fp8_input: bool = False
+    nvfp4_input: bool = False
     asymmetric_int_weights: bool = False
     static_fp8_input: bool = False
     int8_input: bool = False
@@ -87,6 +96,9 @@ def _features(pairs: list[tuple[object, object]], *, online_rotation: bool, kv_c
         online_rotation=online_rotation,
         weight_formats=frozenset(w.format for w, _ in pairs),
         int4_weight_only=any(w.format == "int4" and i is None for w, i in pairs),
+        int8_weight_only=any(w.format == "int8" and i is None for w, i in pairs),
+        int4_fp8_input=any(w.format == "int4" and i is not None and i.format == "fp8_e4m3" for w, i in pairs),
+        nvfp4_input=any(i.format == "nvfp4" for i in inputs),
         asymmetric_int_weights=any(w.format in ("int4", "int8") and not w.symmetric for w, _ in pairs),
         static_fp8_input=any(i.format == "fp8_e4m3" and not i.dynamic for i in inputs),
         int8_input=any(i.format == "int8" for i in inputs),
@@ -174,19 +186,22 @@ class Deployment:
 
 TP1 = "tensor parallel 1 only (online Hadamard transforms)"
 BLACKWELL = "NVFP4 kernels on Blackwell GPUs (elsewhere vLLM's emulation)"
+HOPPER = "Hopper GPUs only (its W4A8-FP8 kernel; elsewhere it finds no scheme for the export)"
 KV_FP8 = "serve with --kv-cache-dtype fp8"
 KV_FP8_CPU = "serve with --kv-cache-dtype fp8; it rounds the cached values toward zero"
 BF16_ONLY = "bfloat16 activations only (its W4A16 GEMM has no float32 path)"
 #: The chooser's short tag of each limit (a limit without one shows as ``yes``).
-SHORT_LIMITS = {TP1: "TP 1", BLACKWELL: "Blackwell", KV_FP8: "fp8 KV", KV_FP8_CPU: "fp8 KV"}
+SHORT_LIMITS = {TP1: "TP 1", BLACKWELL: "Blackwell", HOPPER: "Hopper", KV_FP8: "fp8 KV", KV_FP8_CPU: "fp8 KV"}
 
 
 def _vllm_gpu(f: Features) -> Runtime:
     limits = []
     if f.online_rotation:
         limits.append(TP1)
-    if "nvfp4" in f.weight_formats:
+    if f.nvfp4_input:
         limits.append(BLACKWELL)
+    if f.int4_fp8_input:
+        limits.append(HOPPER)
     if f.kv_cache:
         limits.append(KV_FP8)
     return Runtime(name="vLLM GPU", status=RUNS, limits=tuple(limits))
@@ -201,6 +216,10 @@ def _vllm_cpu(f: Features, isa: str) -> Runtime:
         refused = "fails: it has no NVFP4 kernel"
     elif f.static_fp8_input:
         refused = "fails: it has no static FP8 activation kernel (static_scaled_fp8_quant)"
+    elif f.int4_fp8_input:
+        refused = "fails: it has no W4A8-FP8 kernel (no compressed-tensors scheme matches the export)"
+    elif f.int8_weight_only:
+        refused = "fails: its weight-only GEMM (cpu_gemm_wna16) takes 4-bit weights only"
     elif isa == "avx2" and "int4" in f.weight_formats:
         refused = "fails: its W4A16 GEMM (cpu_gemm_wna16) is built for AVX-512 only"
     elif isa == "avx2" and f.kv_cache:

@@ -36,6 +36,9 @@ SCHEMES: dict[str, str] = {
     "INT8": "INT8 weights and activations (W8A8-INT8): most GPUs, also CPUs",
     "INT4": "INT4 weights, 16-bit activations (W4A16): memory-bound serving, small batches",
     "NVFP4": "NVFP4 weights and activations (W4A4): Blackwell GPUs",
+    "W8A16": "INT8 weights, 16-bit activations (W8A16): where activations cannot be quantized",
+    "W4AFP8": "INT4 weights, FP8 activations (W4AFP8): Hopper GPUs",
+    "NVFP4A16": "NVFP4 weights, 16-bit activations (NVFP4A16): most GPUs (FP4 weight-only kernels)",
 }
 
 
@@ -47,9 +50,18 @@ def algorithm_summary(recipe: Recipe) -> str:
 
 
 def scheme_of(recipe: Recipe) -> str:
-    """The scheme a recipe belongs to (a key of :data:`SCHEMES`), from its weight format."""
-    weight = recipe.weight.format if recipe.weight is not None else None
-    return {"fp8_e4m3": "FP8", "int8": "INT8", "int4": "INT4", "nvfp4": "NVFP4"}.get(weight or "", "other")
+    """The scheme a recipe belongs to (a key of :data:`SCHEMES`), from its weight and input formats."""
+    weight = recipe.weight.format if recipe.weight is not None else ""
+    inputs = recipe.input.format if recipe.input is not None else None
+    return {
+        ("fp8_e4m3", "fp8_e4m3"): "FP8",
+        ("int8", "int8"): "INT8",
+        ("int8", None): "W8A16",
+        ("int4", None): "INT4",
+        ("int4", "fp8_e4m3"): "W4AFP8",
+        ("nvfp4", "nvfp4"): "NVFP4",
+        ("nvfp4", None): "NVFP4A16",
+    }.get((weight, inputs), "other")
 
 
 def results_dir() -> Path | None:
@@ -155,8 +167,9 @@ def recipe_table(folder: Path | None = None) -> str:
     lines += [
         "",
         "* recommended for its scheme. vLLM GPU, vLLM CPU, transformers: where the export computes what shardcal",
-        "measured (TP 1: tensor parallel 1 only; Blackwell: NVFP4 GPUs; fp8 KV: --kv-cache-dtype fp8; AVX-512: not on",
-        "AVX2-only CPUs; close: its own activation rounding; wrong: loads, computes something else). SmolLM2, Gemma 3:",
+        "measured (TP 1: tensor parallel 1 only; Blackwell: NVFP4 GPUs; Hopper: Hopper GPUs only; fp8 KV:",
+        "--kv-cache-dtype fp8; AVX-512: not on AVX2-only CPUs; close: its own activation rounding; wrong: loads,",
+        "computes something else). SmolLM2, Gemma 3:",
         "the export's mean KL divergence from the bf16 model per token (lower is better), SmolLM2-135M and Gemma-3-270M",
         "run as a user runs them (the CLI, 2 ranks, the export read from disk; `shardcal eval OUT --kl --num-samples",
         "64`: 64 x 256 held-out tokens); time: the SmolLM2 calibrate command, start to end, on 2 CPU cores",

@@ -99,10 +99,15 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
 
 
 def infer_format(weight: QuantizerSpec, input: QuantizerSpec | None) -> str:
-    """The compression format compressed-tensors infers for a scheme (``compressors/format.py``'s priority)."""
+    """The compression format of a scheme: compressed-tensors' inference (``compressors/format.py``'s priority),
+    except int4 weights with FP8 inputs (W4AFP8), which compressed-tensors infers as int-quantized (one int8 per
+    value) where vLLM's W4A8-FP8 scheme reads only pack-quantized tensors (``weight_packed``): those are written
+    pack-quantized, the format named in their config group as compressed-tensors' own ``scheme.format`` override."""
     if weight.format == "nvfp4":
         return NVFP4_PACK_QUANTIZED
     w_int = weight.format.startswith("int")
+    if w_int and weight.num_bits == 4 and input is not None and input.format == "fp8_e4m3":
+        return PACK_QUANTIZED
     if input is not None and w_int:
         return INT_QUANTIZED
     if w_int and (input is None or input.format.startswith("int")):
