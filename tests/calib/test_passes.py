@@ -39,6 +39,7 @@ DATA = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0)
 #: Every shipped recipe's plan for a dense layer (what `describe()` says).
 PLANS = {
     "fp8": "observe, sqnr -> next inputs: observe",
+    "fp8-block": "observe, sqnr -> next inputs: observe",
     "fp8-dynamic": "observe, sqnr -> next inputs: observe",
     "fp8-dynamic-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
     "fp8-dynamic-kv": "observe, sqnr -> next inputs: observe",

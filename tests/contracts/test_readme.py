@@ -140,7 +140,16 @@ def test_the_recommended_table_is_the_recipes():
     named = re.findall(r"^\| [^|]+ \| `([\w-]+)` \|", table, flags=re.M)
     recommended = [n for n in shipped_recipes() if load_recipe(n).recommended]
     assert sorted(named) == sorted(recommended)
-    assert [scheme_of(load_recipe(n)) for n in named] == ["FP8", "INT8", "INT4", "NVFP4", "W8A16", "W4AFP8", "NVFP4A16"]
+    assert [scheme_of(load_recipe(n)) for n in named] == [
+        "FP8",
+        "INT8",
+        "INT4",
+        "NVFP4",
+        "FP8 block",
+        "W8A16",
+        "W4AFP8",
+        "NVFP4A16",
+    ]
     from shardcal.export.consumers import deployment
 
     for row in re.findall(r"^\| [^|]+ \| `[\w-]+` \|.*$", table, flags=re.M):  # where it runs: the chooser's cells

@@ -111,6 +111,9 @@ def test_the_deployment_cells_and_notes():
     w4afp8 = deployment(load_recipe("w4afp8-gptq"))  # vLLM's W4A8-FP8 kernel: Hopper only; nothing on CPU
     assert w4afp8.cells() == ("Hopper", "no", "yes") and not w4afp8.everywhere
     assert "W4A8-FP8" in w4afp8.vllm_cpu["avx512"].why and "W4A8-FP8" in w4afp8.vllm_cpu["avx2"].why
+    block = deployment(load_recipe("fp8-block"))  # vLLM CPU: AMX only (make test-vllm checks the refusal)
+    assert block.cells() == ("yes", "no", "yes") and "AMX" in block.vllm_cpu["avx512"].why
+    assert any("whole blocks" in n for n in block.notes()) and not block.everywhere
     nvfp4a16 = deployment(load_recipe("nvfp4a16-gptq"))  # FP4 weight-only kernels on most GPUs, none on CPU
     assert nvfp4a16.cells() == ("yes", "no", "no") and "NVFP4" in nvfp4a16.vllm_cpu["avx512"].why
 

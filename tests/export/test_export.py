@@ -39,6 +39,7 @@ RECIPES = (
     "w8a16",
     "nvfp4a16",
     "w4afp8-gptq",
+    "fp8-block",
 )
 #: Not shipped: a shipped recipe with asymmetric weights (``[weight] symmetric = false``).
 ASYMMETRIC = {"w4a16-asym": {}, "w8a16-asym": {"format": "int8", "granularity": "channel", "axis": 0}}
@@ -58,6 +59,7 @@ FORMAT = {
     "w8a16": "pack-quantized",
     "nvfp4a16": "nvfp4-pack-quantized",
     "w4afp8-gptq": "pack-quantized",
+    "fp8-block": "float-quantized",
 }
 
 
@@ -191,6 +193,7 @@ def test_export_layout(recipe, exported):
         "w8a16": {"weight_packed", "weight_shape"},
         "nvfp4a16": {"weight_packed", "weight_global_scale"},
         "w4afp8-gptq": {"weight_packed", "weight_shape"},
+        "fp8-block": {"weight"},
     }[recipe]
     input_keys = {
         "w8a8-int8": {"input_scale"},
@@ -206,6 +209,7 @@ def test_export_layout(recipe, exported):
         "w8a16": set(),
         "nvfp4a16": set(),
         "w4afp8-gptq": set(),
+        "fp8-block": set(),
     }[recipe]
     for name in quantized:
         keys = {k[len(name) + 1 :] for k in tensors if k.rpartition(".")[0] == name}
@@ -273,7 +277,7 @@ def test_compressed_tensors_reads_config_and_produces_same_tensors(recipe, expor
     _check_against_compressed_tensors(*exported(recipe))
 
 
-@pytest.mark.parametrize("recipe", ["w8a8-int8", "fp8", "w4a16", "fp8-dynamic", "w8a16", "w4afp8-gptq"])
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "fp8", "w4a16", "fp8-dynamic", "w8a16", "w4afp8-gptq", "fp8-block"])
 def test_transformers_loads_export_with_same_logits(recipe, exported):
     """transformers + compressed-tensors load the directory and compute exactly our logits (float32)."""
     transformers = pytest.importorskip("transformers")
@@ -741,3 +745,59 @@ def test_two_rank_export_equals_single_process(tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = {key.rsplit(".", 2)[0]: f for key, f in index["weight_map"].items()}
     assert files["model.layers.0.self_attn"] != files["model.layers.1.self_attn"]  # written by different ranks
+
+
+@pytest.mark.parametrize("weight_only", [False, True], ids=["fp8-block", "block-weights-only"])
+def test_fp8_block_with_partial_blocks_is_compressed_tensors_and_transformers_own(tmp_path, weight_only):
+    """Widths that are not multiples of the 128 x 128 blocks: the last blocks are partial, as compressed-tensors pads
+    and crops them; its compressor gives the same bytes from our scales, transformers computes our logits exactly,
+    and every block's scale is its own amax / 448 (a plain loop). fp8-block's inputs are quantized in groups of 128,
+    so its in_features are multiples of 128 (k / v have 64 rows: partial row blocks); FP8 block weights alone
+    (naive-quantized, vLLM's W8A16-FP8) also take partial column blocks (hidden 192, MLP 320)."""
+    pytest.importorskip("compressed_tensors")
+    transformers = pytest.importorskip("transformers")
+    if weight_only:
+        cfg = dict(
+            CFG, hidden_size=192, intermediate_size=320, head_dim=32, num_attention_heads=6, num_key_value_heads=2
+        )
+        from shardcal.calib.recipes import recipe_from_dict
+
+        recipe = recipe_from_dict(
+            {
+                "name": "fp8-block-a16",
+                "weight": {"format": "fp8_e4m3", "granularity": "block", "block_size": [128, 128]},
+            },
+            source="fp8-block-a16",
+            default_name="fp8-block-a16",
+        )
+    else:
+        cfg = dict(
+            CFG, hidden_size=256, intermediate_size=384, head_dim=32, num_attention_heads=8, num_key_value_heads=2
+        )
+        recipe = "fp8-block"
+    model = _model(cfg)
+    report = calibrate(model, _data(), recipe, batch_size=2, progress=False)
+    out = tmp_path / "export"
+    export_checkpoint(model, out, report=report)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == ("naive-quantized" if weight_only else "float-quantized")
+    _check_against_compressed_tensors(model, out)
+    tensors = _tensors(out)
+    partial = 0
+    for name, module in quantized_modules(model):
+        w, scale = module.weight.detach(), tensors[f"{name}.weight_scale"]
+        rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+        assert scale.shape == (rows, cols), name
+        partial += w.shape[0] % 128 != 0 or w.shape[1] % 128 != 0
+        for i in range(rows):
+            for j in range(cols):
+                block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+                assert scale[i, j] == block.abs().max() / 448, (name, i, j)
+    assert partial >= 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    data = _data(2, seed=5)
+    with torch.no_grad():
+        assert torch.equal(hf(data).logits, model(data))
+    reloaded = from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(reloaded(data), model(data))

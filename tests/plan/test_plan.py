@@ -290,7 +290,14 @@ def test_planned_export_size_is_the_written_exports_for_every_shipped_recipe(tmp
     from shardcal.models import from_pretrained
 
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    for dtype, recipe in _export_variants(load_recipe(name)):
+    shipped = load_recipe(name)
+    if shipped.weight.granularity == "block":  # the tiny Llama's 64-wide inputs: blocks of 48 x 32 (partial rows)
+        shipped = replace(
+            shipped,
+            weight=replace(shipped.weight, block_size=(48, 32)),
+            input=replace(shipped.input, group_size=32),
+        )
+    for dtype, recipe in _export_variants(shipped):
         model = from_pretrained(tied_bf16_llama, dtype=dtype)
         calibrate(model, ids, recipe, batch_size=2, progress=False)
         for stored in sorted({"bfloat16", dtype}):

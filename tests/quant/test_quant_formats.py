@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from shardcal.quant import (
     QuantizerSpec,
+    TensorQuantizer,
     decode,
     encode,
     fake_quantize,
@@ -442,3 +443,69 @@ def test_nvfp4_fake_quant_is_the_same_under_autograd():
     assert torch.equal(plain.view(torch.int32), tracked.detach().view(torch.int32))
     tracked.sum().backward()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+# ------------------------------------------------------------------------------------------- FP8 block
+
+
+def _fp8_block_by_loop(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 per block of ``rows x cols``, block by block: (the dequantized weight, the scales)."""
+    out = torch.empty_like(w)
+    scales = torch.empty(-(-w.shape[0] // rows), -(-w.shape[1] // cols))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = w[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
+            s = block.abs().max() / 448
+            scales[i, j] = s
+            out[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = (block / s).to(torch.float8_e4m3fn).float() * s
+    return out, scales
+
+
+@pytest.mark.parametrize("shape", [(600, 300), (256, 384), (100, 130)])
+def test_fp8_block_weights_are_the_per_block_loop(shape):
+    """Block scales of a weight large enough to be quantized in row chunks otherwise (600 x 300), exact multiples,
+    and smaller than a block (100 x 130): fake quantization, encode and decode equal a plain loop over the blocks."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3.0, shape[1])
+    spec = QuantizerSpec(format="fp8_e4m3", granularity="block", block_size=(128, 64))
+    q = TensorQuantizer(spec, shape)
+    q.calibrate_from(w)
+    want, scales = _fp8_block_by_loop(w, 128, 64)
+    assert torch.equal(q.amax / 448, scales)
+    assert torch.equal(q(w), want)
+    enc = q.encode(w)
+    assert enc["values"].dtype == torch.float8_e4m3fn and enc["values"].shape == shape
+    assert torch.equal(enc["scale"], scales) and torch.equal(decode(enc, spec), want)
+    assert torch.equal(q(w.to(torch.bfloat16)), fake_quantize(w.to(torch.bfloat16), q.amax, spec))
+
+
+def test_fp8_group_inputs_take_each_tokens_groups_at_run_time():
+    """A dynamic per-group input (FP8 block's activations): each token's groups of 128 get their own amax / 448."""
+    spec = QuantizerSpec(format="fp8_e4m3", granularity="group", group_size=128, dynamic=True)
+    q = TensorQuantizer(spec, (384,))
+    x = torch.randn(2, 7, 384, generator=torch.Generator().manual_seed(1))
+    x[0, 3, 200] = 40.0  # one outlier: only its own token's second group is coarser
+    want = torch.empty_like(x)
+    for g in range(3):
+        part = x[..., g * 128 : (g + 1) * 128]
+        s = part.abs().amax(-1, keepdim=True) / 448
+        want[..., g * 128 : (g + 1) * 128] = (part / s).to(torch.float8_e4m3fn).float() * s
+    assert torch.equal(q(x), want)
+    assert spec.describe() == "fp8_e4m3, groups of 128 per token, dynamic"
+
+
+def test_block_specs_refuse_what_they_cannot_be():
+    from shardcal.runtime.params import SpecError
+
+    for kwargs in (
+        {"block_size": (128,)},
+        {"block_size": (0, 128)},
+        {"block_size": None},
+        {"block_size": (128, 128), "dynamic": True},
+    ):
+        with pytest.raises(SpecError):
+            QuantizerSpec(format="fp8_e4m3", granularity="block", **kwargs)
+    with pytest.raises(SpecError, match="only valid with granularity 'block'"):
+        QuantizerSpec(format="fp8_e4m3", granularity="channel", axis=0, block_size=(128, 128))
+    spec = QuantizerSpec(format="fp8_e4m3", granularity="block", block_size=[128, 64])
+    assert spec.block_size == (128, 64) and QuantizerSpec.from_dict(spec.to_dict()) == spec
+    assert "block_size" not in QuantizerSpec(format="int8").to_dict()  # other specs' dicts unchanged

@@ -16,9 +16,10 @@
 
     [weight]                     # [input] and [output] take the same keys; at least one of the three
     format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4
-    granularity = "channel"      # tensor | channel | group | token (dynamic activations only)
+    granularity = "channel"      # tensor | channel | group | token (dynamic activations only) | block (weights)
     axis = 0                     # channel only (default 0 for weights, -1 for activations)
-    group_size = 128             # group only
+    group_size = 128             # group only (with dynamic = true: per token, for activations)
+    block_size = [128, 128]      # block only: rows x columns of a weight per scale
     observer = "max"             # max | percentile | mse, or a table: { name = "mse", max_shrink = 0.3 }
     symmetric = true             # false: asymmetric (zero points; int weights only, max or mse observer)
     dynamic = false              # activations only: amax from each tensor at run time
@@ -89,7 +90,7 @@ ROTATION_TYPES: tuple[str, ...] = ("hadamard",)
 RESIDUAL_ROTATIONS: tuple[str, ...] = ("hadamard", "random-hadamard")
 _FALLBACK_KEYS = ("min_layer_sqnr_db", "full_precision", "weight", "input")
 _TARGET_KEYS = ("include", "exclude", "default_excludes")
-_QUANT_KEYS = ("format", "granularity", "axis", "group_size", "observer", "symmetric", "dynamic")
+_QUANT_KEYS = ("format", "granularity", "axis", "group_size", "block_size", "observer", "symmetric", "dynamic")
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -215,6 +216,7 @@ def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -
         ("granularity", (str,), "a string"),
         ("axis", (int,), "an integer"),
         ("group_size", (int,), "an integer"),
+        ("block_size", (list,), "a list of two integers, [rows, cols]"),
         ("symmetric", (bool,), "true or false"),
         ("dynamic", (bool,), "true or false"),
     ):
@@ -228,6 +230,8 @@ def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -
         raise _error(source, f"{where}.symmetric", "asymmetric quantization is for weights only ([weight])")
     if role == "weight" and kwargs.get("granularity") == "token":
         raise _error(source, f"{where}.granularity", "'token' is for activations ([input] with dynamic = true)")
+    if role != "weight" and kwargs.get("granularity") == "block":
+        raise _error(source, f"{where}.granularity", "'block' is for weights ([weight])")
     if "observer" in table:
         obs = table["observer"]
         if isinstance(obs, dict):

@@ -22,6 +22,9 @@ kernel requirements.
   decompresses NVFP4 weights to bfloat16);
 * **INT4 weights with FP8 activations (W4AFP8)**: vLLM's W4A8-FP8 kernel is built for Hopper GPUs only (elsewhere,
   CPU included, it finds no compressed-tensors scheme for the export);
+* **FP8 block weights** (FP8_BLOCK): vLLM's GPU builds, where each fused layer's members but the last and each
+  tensor-parallel shard span whole 128-row / 128-column blocks (vLLM refuses the checkpoint otherwise, naming the
+  layer); vLLM CPU's FP8 block GEMMs need AMX tiles (Sapphire Rapids or newer): on the CPUs judged here it fails;
 * **INT8 weights, 16-bit activations (W8A16)**: vLLM's GPU builds (Marlin); vLLM CPU's weight-only GEMM takes 4-bit
   weights only;
 * **INT4 weights, 16-bit activations**: vLLM CPU's W4A16 GEMM is built into its AVX-512 library only (and computes in
@@ -63,6 +66,7 @@ class Features:
     int8_weight_only: bool = False
     int4_fp8_input: bool = False
     nvfp4_input: bool = False
+    fp8_block_weights: bool = False
     asymmetric_int_weights: bool = False
     static_fp8_input: bool = False
     int8_input: bool = False
@@ -99,6 +103,7 @@ def _features(pairs: list[tuple[object, object]], *, online_rotation: bool, kv_c
         int8_weight_only=any(w.format == "int8" and i is None for w, i in pairs),
         int4_fp8_input=any(w.format == "int4" and i is not None and i.format == "fp8_e4m3" for w, i in pairs),
         nvfp4_input=any(i.format == "nvfp4" for i in inputs),
+        fp8_block_weights=any(w.format == "fp8_e4m3" and w.granularity == "block" for w, _ in pairs),
         asymmetric_int_weights=any(w.format in ("int4", "int8") and not w.symmetric for w, _ in pairs),
         static_fp8_input=any(i.format == "fp8_e4m3" and not i.dynamic for i in inputs),
         int8_input=any(i.format == "int8" for i in inputs),
@@ -187,6 +192,7 @@ class Deployment:
 TP1 = "tensor parallel 1 only (online Hadamard transforms)"
 BLACKWELL = "NVFP4 kernels on Blackwell GPUs (elsewhere vLLM's emulation)"
 HOPPER = "Hopper GPUs only (its W4A8-FP8 kernel; elsewhere it finds no scheme for the export)"
+BLOCKS = "a fused layer's members but the last, and each tensor-parallel shard, must span whole blocks (else refused)"
 KV_FP8 = "serve with --kv-cache-dtype fp8"
 KV_FP8_CPU = "serve with --kv-cache-dtype fp8; it rounds the cached values toward zero"
 BF16_ONLY = "bfloat16 activations only (its W4A16 GEMM has no float32 path)"
@@ -202,6 +208,8 @@ def _vllm_gpu(f: Features) -> Runtime:
         limits.append(BLACKWELL)
     if f.int4_fp8_input:
         limits.append(HOPPER)
+    if f.fp8_block_weights:
+        limits.append(BLOCKS)
     if f.kv_cache:
         limits.append(KV_FP8)
     return Runtime(name="vLLM GPU", status=RUNS, limits=tuple(limits))
@@ -218,6 +226,8 @@ def _vllm_cpu(f: Features, isa: str) -> Runtime:
         refused = "fails: it has no static FP8 activation kernel (static_scaled_fp8_quant)"
     elif f.int4_fp8_input:
         refused = "fails: it has no W4A8-FP8 kernel (no compressed-tensors scheme matches the export)"
+    elif f.fp8_block_weights:
+        refused = "fails: its FP8 block GEMMs need AMX tiles (Sapphire Rapids or newer), unchecked there"
     elif f.int8_weight_only:
         refused = "fails: its weight-only GEMM (cpu_gemm_wna16) takes 4-bit weights only"
     elif isa == "avx2" and "int4" in f.weight_formats:

@@ -36,6 +36,7 @@ SCHEMES: dict[str, str] = {
     "INT8": "INT8 weights and activations (W8A8-INT8): most GPUs, also CPUs",
     "INT4": "INT4 weights, 16-bit activations (W4A16): memory-bound serving, small batches",
     "NVFP4": "NVFP4 weights and activations (W4A4): Blackwell GPUs",
+    "FP8 block": "FP8 weights per 128 x 128 block, FP8 activations per group of 128 (FP8_BLOCK): DeepSeek-V3's format",
     "W8A16": "INT8 weights, 16-bit activations (W8A16): where activations cannot be quantized",
     "W4AFP8": "INT4 weights, FP8 activations (W4AFP8): Hopper GPUs",
     "NVFP4A16": "NVFP4 weights, 16-bit activations (NVFP4A16): most GPUs (FP4 weight-only kernels)",
@@ -53,6 +54,8 @@ def scheme_of(recipe: Recipe) -> str:
     """The scheme a recipe belongs to (a key of :data:`SCHEMES`), from its weight and input formats."""
     weight = recipe.weight.format if recipe.weight is not None else ""
     inputs = recipe.input.format if recipe.input is not None else None
+    if recipe.weight is not None and recipe.weight.granularity == "block" and (weight, inputs) == ("fp8_e4m3",) * 2:
+        return "FP8 block"
     return {
         ("fp8_e4m3", "fp8_e4m3"): "FP8",
         ("int8", "int8"): "INT8",

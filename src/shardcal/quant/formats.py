@@ -385,7 +385,7 @@ def fake_quantize(
     """
     lay = _layout(spec, x, layout)
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
-    if _by_rows(x, amax_b, amin_b):
+    if lay.block is None and _by_rows(x, amax_b, amin_b):  # 2-D blocks span rows: a block layout goes whole
         return _fake_quantize_by_rows(x, lay, amax_b, amin_b, spec.format)
     return lay.restore(qdq_arranged(lay.arrange(x.float()), amax_b, spec.format, amin_b)).to(x.dtype)
 
@@ -399,7 +399,8 @@ def encode(
 ) -> dict[str, torch.Tensor]:
     """The real quantized encoding of ``x`` (a weight) in compressed-tensors conventions.
 
-    - int8: ``values`` int8 (``x``'s shape), ``scale`` float32 (amax shape: ``[1]``, ``[out, 1]``, ``[out, in/g]``)
+    - int8: ``values`` int8 (``x``'s shape), ``scale`` float32 (amax shape: ``[1]``, ``[out, 1]``, ``[out, in/g]``;
+      ``[ceil(out/r), ceil(in/c)]`` per block)
     - int4: ``values`` int8 in [-8, 7] (pack with :func:`pack_int4_to_int32`), ``scale`` as above
     - asymmetric int8 / int4: also ``zero_point`` int8 (amax shape); ``values`` include it
     - fp8_e4m3: ``values`` float8_e4m3fn, ``scale`` as above
@@ -409,7 +410,7 @@ def encode(
     lay = _layout(spec, x, layout)
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
     kind = FORMATS[spec.format].kind
-    by_rows = _by_rows(x, amax_b, amin_b)
+    by_rows = lay.block is None and _by_rows(x, amax_b, amin_b)
     if kind == "nvfp4":
         if not by_rows:
             return _encode_nvfp4(lay.arrange(x.float()), amax_b)

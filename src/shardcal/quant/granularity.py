@@ -9,14 +9,18 @@ granularity   amax shape (weight [o, i])   amax shape (activation [..., h])
 ============  ===========================  =====================================================
 tensor        ``[1]``                      ``[1]``
 channel       ``[o, 1]`` (axis 0)          ``[h]`` (axis -1)
-group (g)     ``[o, i / g]``               ``[h / g]`` (one amax per group, over all tokens)
+group (g)     ``[o, i / g]``               ``[h / g]`` (one amax per group, over all tokens);
+                                           dynamic: ``[..., h / g, 1]``, per token, at run time
 token         —                            ``[..., 1]``: one per token, taken at run time (dynamic)
+block (r, c)  ``[ceil(o / r), ceil(i / c)]``  —
 ============  ===========================  =====================================================
 
 ``arrange`` reshapes a tensor so that the amax broadcasts against it (group: the last dim is split into
 ``[n_groups, g]``); ``reduce`` folds a per-element statistic of an arranged tensor down to the amax shape, so
 observers accumulate exactly what the quantizer will use. nvfp4 calibrates one amax per tensor (its global scale);
-its 16-element blocks are handled inside the format.
+its 16-element blocks are handled inside the format. A block layout arranges a weight ``[..., o, i]`` as
+``[..., ceil(o / r), r, ceil(i / c), c]``, zero-padded where ``o`` or ``i`` is not a multiple (a zero changes no block's
+amax and quantizes to zero exactly; ``restore`` drops the padding), as compressed-tensors pads FP8 block weights.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Layout:
         shape = tuple(int(d) for d in observed_shape) if observed_shape is not None else None
         self.observed_shape = shape
         self.group_size: int | None = None
+        self.block: tuple[int, int] | None = None
         if spec.format == "nvfp4" and shape is not None and shape[-1] % spec.group_size:
             raise ValueError(
                 f"{name}: nvfp4 blocks of {spec.group_size} do not divide the last dimension {shape[-1]} (shape {list(shape)})"
@@ -60,6 +65,13 @@ class Layout:
         if self.kind == "token":  # dynamic only: the amax follows the tensor (``[..., 1]``), nothing is calibrated
             self.amax_shape: tuple[int, ...] = (1,)
             self.bshape: tuple[int, ...] = (1,)
+        elif self.kind == "block":
+            if shape is None or len(shape) < 2:
+                raise ValueError(f"{name}: block granularity needs a weight's shape (at least 2 dims), got {shape}")
+            r, c = spec.block_size
+            self.block = (r, c)
+            self.amax_shape = shape[:-2] + (-(-shape[-2] // r), -(-shape[-1] // c))
+            self.bshape = shape[:-2] + (self.amax_shape[-2], 1, self.amax_shape[-1], 1)
         elif self.kind == "tensor":
             self.amax_shape = (1,)
             self.bshape = (1,)
@@ -83,6 +95,9 @@ class Layout:
             self.group_size = g
             self.amax_shape = shape[:-1] + (shape[-1] // g,)
             self.bshape = self.amax_shape + (1,)
+            if spec.dynamic:  # per token: the amax follows the tensor (``[..., groups, 1]``)
+                self.kind = "token_group"
+                self.amax_shape, self.bshape = (1,), (1,)
 
     @property
     def num_slots(self) -> int:
@@ -94,8 +109,10 @@ class Layout:
         shape = self.observed_shape
         if shape is None or (self.kind == "tensor" and self.spec.format != "nvfp4"):
             return
-        if self.kind == "token":
+        if self.kind in ("token", "token_group"):
             ok = x.ndim >= 1 and x.shape[-1] == shape[-1]
+        elif self.kind == "block":
+            ok = tuple(x.shape[x.ndim - len(shape) :]) == shape
         elif self.kind == "tensor":  # nvfp4: only the block dim matters
             ok = x.ndim >= 1 and x.shape[-1] % self.spec.group_size == 0
         else:
@@ -107,19 +124,30 @@ class Layout:
             )
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` viewed so that an amax reshaped with :meth:`broadcast` broadcasts against it."""
+        """``x`` viewed so that an amax reshaped with :meth:`broadcast` broadcasts against it (a block layout: a
+        zero-padded copy where the last two dims are not multiples of the block)."""
+        if self.block is not None:
+            (r, c), (nr, nc) = self.block, self.amax_shape[-2:]
+            pad_rows, pad_cols = nr * r - x.shape[-2], nc * c - x.shape[-1]
+            if pad_rows or pad_cols:
+                x = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))
+            return x.reshape(x.shape[:-2] + (nr, r, nc, c))
         if self.group_size is None:
             return x
         return x.unflatten(-1, (x.shape[-1] // self.group_size, self.group_size))
 
     def restore(self, a: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`arrange`."""
+        if self.block is not None:
+            rows, cols = self.observed_shape[-2:]
+            a = a.reshape(a.shape[:-4] + (a.shape[-4] * a.shape[-3], a.shape[-2] * a.shape[-1]))
+            return a if a.shape[-2:] == (rows, cols) else a[..., :rows, :cols]
         return a if self.group_size is None else a.flatten(-2)
 
     def broadcast(self, amax: torch.Tensor) -> torch.Tensor:
         """The amax (of :attr:`amax_shape`) reshaped to broadcast against an arranged tensor (per token: as it is,
-        ``[..., 1]`` from :meth:`amax_of`)."""
-        return amax if self.kind == "token" else amax.reshape(self.bshape)
+        ``[..., 1]`` or ``[..., groups, 1]`` from :meth:`amax_of`)."""
+        return amax if self.kind in ("token", "token_group") else amax.reshape(self.bshape)
 
     def reduce(self, a: torch.Tensor, op: str = "amax") -> torch.Tensor:
         """Fold a per-element statistic of an arranged tensor to :attr:`amax_shape` (``op``: ``amax``, or ``sum``
@@ -167,6 +195,8 @@ class Layout:
             return torch.maximum(x.amax(dim=-1, keepdim=True), x.amin(dim=-1, keepdim=True).neg_()).float()
         if self.kind == "token":
             return x.abs().amax(dim=-1, keepdim=True).float()
+        if self.kind == "token_group":
+            return self.arrange(x).abs().amax(dim=-1, keepdim=True).float()
         if self.kind == "tensor" and one_pass:
             lo, hi = torch.aminmax(x)
             return torch.maximum(lo.abs(), hi.abs()).reshape(1).float()

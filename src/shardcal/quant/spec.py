@@ -17,8 +17,9 @@ from ..runtime.params import Schema, SpecError, check_params, integer, number
 #: Number formats, in the names recipes use.
 FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")
 #: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim,
-#: or per token (each row of the last dim; dynamic activations only: the scales are taken at run time).
-GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
+#: per token (each row of the last dim; dynamic activations only: the scales are taken at run time), or per 2-D
+#: block of ``block_size`` (rows, columns) of a weight's last two dims (FP8 block, as DeepSeek-V3 publishes).
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token", "block")
 #: NVFP4's block size: every 16 consecutive elements of the last dim share one FP8 E4M3 scale.
 NVFP4_BLOCK_SIZE = 16
 
@@ -74,8 +75,11 @@ class QuantizerSpec:
 
     - ``format``: one of :data:`FORMATS`.
     - ``granularity``: ``"tensor"``, ``"channel"`` (``axis`` required: 0 = output channels of a weight,
-      -1 = the last dim of an activation), ``"group"`` (``group_size`` consecutive elements of the last dim) or
-      ``"token"`` (one scale per token, i.e. per row of the last dim; only with ``dynamic``).
+      -1 = the last dim of an activation), ``"group"`` (``group_size`` consecutive elements of the last dim; with
+      ``dynamic``, per token: each token's groups take their scales at run time), ``"token"`` (one scale per token,
+      i.e. per row of the last dim; only with ``dynamic``) or ``"block"`` (``block_size = (rows, cols)``: one scale
+      per block of a weight's last two dims, the last blocks partial where the dims are not multiples; static
+      symmetric weights only).
       ``nvfp4`` is always ``"group"`` with ``group_size`` 16 (its FP8 block scales) and one calibrated global
       amax per tensor; a spec built with ``format="nvfp4"`` and nothing else gets those values.
     - ``observer`` and ``observer_params``: how the amax is calibrated (see :mod:`shardcal.quant.observers`).
@@ -93,6 +97,7 @@ class QuantizerSpec:
     observer_params: Mapping[str, Any] = field(default_factory=dict)
     symmetric: bool = True
     dynamic: bool = False
+    block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -122,6 +127,7 @@ class QuantizerSpec:
             raise SpecError(
                 "group_size", f"group_size is only valid with granularity 'group' (granularity is {self.granularity!r})"
             )
+        self._check_block()
         if self.format == "nvfp4" and (self.granularity != "group" or self.group_size != NVFP4_BLOCK_SIZE):
             raise SpecError(
                 "granularity",
@@ -146,6 +152,26 @@ class QuantizerSpec:
             self._check_asymmetric()
         params = validate_observer(self.observer, dict(self.observer_params))
         object.__setattr__(self, "observer_params", params)
+
+    def _check_block(self) -> None:
+        if self.granularity != "block":
+            if self.block_size is not None:
+                raise SpecError(
+                    "block_size",
+                    f"block_size is only valid with granularity 'block' (granularity is {self.granularity!r})",
+                )
+            return
+        size = self.block_size
+        if not isinstance(size, (tuple, list)) or len(size) != 2 or not all(_is_int(v) and v >= 1 for v in size):
+            raise SpecError(
+                "block_size", f"granularity 'block' needs block_size = [rows, cols] (positive integers), got {size!r}"
+            )
+        object.__setattr__(self, "block_size", (int(size[0]), int(size[1])))
+        if self.dynamic or not self.symmetric or self.format == "nvfp4":
+            raise SpecError(
+                "granularity",
+                "granularity 'block' is for static symmetric int / fp8 weights (dynamic = false, symmetric = true)",
+            )
 
     def _check_asymmetric(self) -> None:
         if not self.format.startswith("int"):
@@ -172,6 +198,7 @@ class QuantizerSpec:
                 tuple(sorted(self.observer_params.items())),
                 self.symmetric,
                 self.dynamic,
+                self.block_size,
             )
         )
 
@@ -194,7 +221,9 @@ class QuantizerSpec:
         if self.format == "nvfp4":
             where = "16-blocks"
         elif self.granularity == "group":
-            where = f"groups of {self.group_size}"
+            where = f"groups of {self.group_size}" + (" per token" if self.dynamic else "")
+        elif self.granularity == "block":
+            where = f"blocks of {self.block_size[0]} x {self.block_size[1]}"
         elif self.granularity == "channel":
             where = "per channel"
         else:
@@ -213,11 +242,15 @@ class QuantizerSpec:
             "observer_params": dict(self.observer_params),
             "symmetric": self.symmetric,
             "dynamic": self.dynamic,
+            **({"block_size": list(self.block_size)} if self.block_size is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizerSpec:
-        return cls(**dict(data))
+        data = dict(data)
+        if data.get("block_size") is not None:
+            data["block_size"] = tuple(data["block_size"])
+        return cls(**data)
 
 
 def _is_int(value: Any) -> bool:

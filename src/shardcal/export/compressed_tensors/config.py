@@ -48,8 +48,10 @@ class UnsupportedSpec(ValueError):
 def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
     """The ``QuantizationArgs`` dict (as compressed-tensors' ``model_dump`` writes it) for a weight or input spec.
 
-    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: per-channel or
-    per-group activations, output quantizers. Dynamic inputs are per tensor or per token (``strategy: token``).
+    Raises :class:`UnsupportedSpec` for what compressed-tensors cannot express the same way: per-channel or static
+    per-group activations, output quantizers. Dynamic inputs are per tensor, per token (``strategy: token``) or per
+    token in groups (``strategy: group``, ``dynamic: true``: FP8 block's activations). Block weights are ``strategy:
+    block`` with ``block_structure: [rows, cols]``.
     """
     if role not in ("weight", "input", "kv_cache"):
         raise UnsupportedSpec(role, f"{role} quantizers have no compressed-tensors export (weights and inputs only)")
@@ -80,6 +82,9 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
     if role == "weight":
         if spec.granularity == "tensor":
             return {**base, "group_size": None, "strategy": "tensor", "dynamic": False}
+        if spec.granularity == "block":
+            return {**base, "group_size": None, "strategy": "block", "block_structure": list(spec.block_size),
+                    "dynamic": False}  # fmt: skip
         if spec.granularity == "channel":
             if spec.axis not in (0, -2):
                 raise UnsupportedSpec(
@@ -89,11 +94,13 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
         return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": False}
     if spec.granularity == "token":  # dynamic per token (the spec refuses a static one)
         return {**base, "group_size": None, "strategy": "token", "dynamic": True}
+    if spec.granularity == "group" and spec.dynamic:  # per token, in groups of the last dim
+        return {**base, "group_size": spec.group_size, "strategy": "group", "dynamic": True}
     if spec.granularity != "tensor":
         raise UnsupportedSpec(
             "granularity",
             f"{'dynamic' if spec.dynamic else 'static'} per-{spec.granularity} input activations have no compressed-tensors "
-            "equivalent (use granularity 'tensor', or 'token' with dynamic = true)",
+            "equivalent (use granularity 'tensor', or 'token' or 'group' with dynamic = true)",
         )
     return {**base, "group_size": None, "strategy": "tensor", "dynamic": bool(spec.dynamic)}
 
@@ -281,8 +288,16 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
     symmetric = args.get("symmetric", True)
     if symmetric is not True and (symmetric is not False or role != "weight" or kind != "int"):
         raise UnsupportedSpec("symmetric", "asymmetric quantization is supported for int weights only")
-    if args.get("block_structure") is not None:
-        raise UnsupportedSpec("block_structure", "block quantization is not supported")
+    block = args.get("block_structure")
+    if (block is not None) != (strategy == "block"):
+        raise UnsupportedSpec("block_structure", "block_structure goes with strategy 'block', and only with it")
+    if block is not None and (
+        role != "weight"
+        or not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block)
+    ):
+        raise UnsupportedSpec("block_structure", f"must be [rows, cols] (positive integers) of a weight, got {block!r}")
     if (kind, num_bits) == ("float", 4):
         if strategy != "tensor_group" or group_size != NVFP4_BLOCK_SIZE:
             raise UnsupportedSpec(
@@ -307,15 +322,23 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
             return QuantizerSpec(format=fmt, granularity="channel", axis=0, symmetric=symmetric)
         if strategy == "group":
             return QuantizerSpec(format=fmt, granularity="group", group_size=int(group_size), symmetric=symmetric)
-        raise UnsupportedSpec("strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group)")
+        if strategy == "block" and symmetric:
+            return QuantizerSpec(format=fmt, granularity="block", block_size=(block[0], block[1]))
+        raise UnsupportedSpec(
+            "strategy", f"weight strategy {strategy!r} is not supported (tensor, channel, group, symmetric block)"
+        )
     if strategy == "token":
         if dynamic is not True:
             raise UnsupportedSpec(
                 "dynamic", "per-token input scales are taken at run time: strategy 'token' needs dynamic true"
             )
         return QuantizerSpec(format=fmt, granularity="token", dynamic=True)
+    if strategy == "group" and dynamic is True and isinstance(group_size, int) and group_size >= 1:
+        return QuantizerSpec(format=fmt, granularity="group", group_size=group_size, dynamic=True)
     if strategy != "tensor":
-        raise UnsupportedSpec("strategy", f"input strategy {strategy!r} is not supported (tensor, token)")
+        raise UnsupportedSpec(
+            "strategy", f"input strategy {strategy!r} is not supported (tensor, token, group with dynamic true)"
+        )
     return QuantizerSpec(format=fmt, granularity="tensor", dynamic=bool(dynamic))
 
 
@@ -432,6 +455,9 @@ def tensor_layout(
             scale_shape: tuple[int, ...] = (1,)
         elif weight.granularity == "channel":
             scale_shape = (out_f, 1)
+        elif weight.granularity == "block":
+            rows, cols = weight.block_size
+            scale_shape = (-(-out_f // rows), -(-in_f // cols))
         else:
             scale_shape = (out_f, in_f // weight.group_size)
         if fmt == PACK_QUANTIZED:
