@@ -68,6 +68,11 @@ KNOWN_LIMITS = {
     "builds: Marlin); the export's weights are checked against compressed-tensors' decompressor and transformers",
     "Marlin FP4 not available": "vLLM CPU has no NVFP4 weight-only kernel (vLLM's GPU builds run Marlin FP4); the "
     "export's weights are checked against compressed-tensors' decompressor and transformers",
+    "implement the MXFP4 linear layer": "vLLM CPU has no MXFP4 kernel, and its MXFP4 emulation needs the amd-quark "
+    "package; the export's weights are checked against compressed-tensors and transformers",
+    "implement the MXFP8 linear layer": "vLLM CPU has no MXFP8 kernel (its MXFP8 emulation runs bf16 weights without "
+    "quantizing activations: no check of the scheme); the export is checked against compressed-tensors and "
+    "transformers",
     "requires AMX tile support": "vLLM CPU's FP8 block GEMMs need AMX tiles (Sapphire Rapids or newer; not this "
     "machine): unchecked on CPU; the export is checked against compressed-tensors and transformers",
     "No compressed-tensors compatible scheme": "vLLM has a W4A8-FP8 kernel for Hopper GPUs only (elsewhere, its CPU "

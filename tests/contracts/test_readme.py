@@ -149,6 +149,9 @@ def test_the_recommended_table_is_the_recipes():
         "W8A16",
         "W4AFP8",
         "NVFP4A16",
+        "MXFP4",
+        "MXFP4A16",
+        "MXFP8",
     ]
     from shardcal.export.consumers import deployment
 

@@ -114,6 +114,9 @@ def test_the_deployment_cells_and_notes():
     block = deployment(load_recipe("fp8-block"))  # vLLM CPU: AMX only (make test-vllm checks the refusal)
     assert block.cells() == ("yes", "no", "yes") and "AMX" in block.vllm_cpu["avx512"].why
     assert any("whole blocks" in n for n in block.notes()) and not block.everywhere
+    for name, gpu in (("mxfp4", "Blackwell"), ("mxfp8", "Blackwell"), ("mxfp4a16", "yes")):  # MX: no CPU kernel
+        mx = deployment(load_recipe(name))
+        assert mx.cells() == (gpu, "no", "no") and "MX" in mx.vllm_cpu["avx2"].why and "MX" in mx.transformers.why
     nvfp4a16 = deployment(load_recipe("nvfp4a16-gptq"))  # FP4 weight-only kernels on most GPUs, none on CPU
     assert nvfp4a16.cells() == ("yes", "no", "no") and "NVFP4" in nvfp4a16.vllm_cpu["avx512"].why
 

@@ -40,6 +40,9 @@ RECIPES = (
     "nvfp4a16",
     "w4afp8-gptq",
     "fp8-block",
+    "mxfp4",
+    "mxfp4a16",
+    "mxfp8",
 )
 #: Not shipped: a shipped recipe with asymmetric weights (``[weight] symmetric = false``).
 ASYMMETRIC = {"w4a16-asym": {}, "w8a16-asym": {"format": "int8", "granularity": "channel", "axis": 0}}
@@ -60,6 +63,9 @@ FORMAT = {
     "nvfp4a16": "nvfp4-pack-quantized",
     "w4afp8-gptq": "pack-quantized",
     "fp8-block": "float-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "mxfp4a16": "mxfp4-pack-quantized",
+    "mxfp8": "mxfp8-quantized",
 }
 
 
@@ -194,6 +200,9 @@ def test_export_layout(recipe, exported):
         "nvfp4a16": {"weight_packed", "weight_global_scale"},
         "w4afp8-gptq": {"weight_packed", "weight_shape"},
         "fp8-block": {"weight"},
+        "mxfp4": {"weight_packed"},
+        "mxfp4a16": {"weight_packed"},
+        "mxfp8": {"weight"},
     }[recipe]
     input_keys = {
         "w8a8-int8": {"input_scale"},
@@ -210,6 +219,9 @@ def test_export_layout(recipe, exported):
         "nvfp4a16": set(),
         "w4afp8-gptq": set(),
         "fp8-block": set(),
+        "mxfp4": set(),
+        "mxfp4a16": set(),
+        "mxfp8": set(),
     }[recipe]
     for name in quantized:
         keys = {k[len(name) + 1 :] for k in tensors if k.rpartition(".")[0] == name}
@@ -250,7 +262,9 @@ def _check_against_compressed_tensors(model: nn.Module, out: Path) -> None:
         params = dict(ref.named_parameters())
         with torch.no_grad():  # our calibrated scales, in compressed-tensors' parameters
             enc = module.weight_quantizer.encode(module.weight.detach())
-            if qc.format == "nvfp4-pack-quantized":
+            if qc.format in ("mxfp4-pack-quantized", "mxfp8-quantized"):  # E8M0 exponents: compressed-tensors
+                params["weight_scale"].data = torch.ldexp(torch.ones(enc["scale"].shape), enc["scale"].int() - 127)
+            elif qc.format == "nvfp4-pack-quantized":
                 params["weight_scale"].data = enc["scale"].float()
                 params["weight_global_scale"].copy_(enc["global_scale"])
                 if module.input_quantizer is not None:  # NVFP4A16 has none
@@ -337,9 +351,10 @@ def test_transformers_loads_int8_dynamic_weights_exactly(exported):
     assert (theirs - ours).abs().max() < 0.05 * ours.abs().max()
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4a16"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4a16", "mxfp4", "mxfp4a16", "mxfp8"])
 def test_transformers_loads_nvfp4_weights_exactly(exported, recipe):
-    """compressed-tensors decompresses nvfp4 to bf16 only (its unpack_fp4_from_uint8 default), so compare weights."""
+    """compressed-tensors decompresses nvfp4 and MX weights to bf16 only (its unpack_fp4_from_uint8 default, MX scales
+    as bf16 powers of two), so compare weights."""
     transformers = pytest.importorskip("transformers")
     model, out = exported(recipe)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)

@@ -509,3 +509,55 @@ def test_block_specs_refuse_what_they_cannot_be():
     spec = QuantizerSpec(format="fp8_e4m3", granularity="block", block_size=[128, 64])
     assert spec.block_size == (128, 64) and QuantizerSpec.from_dict(spec.to_dict()) == spec
     assert "block_size" not in QuantizerSpec(format="int8").to_dict()  # other specs' dicts unchanged
+
+
+# ------------------------------------------------------------------------------------------- MX
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_weights_are_compressed_tensors_own(fmt):
+    """MXFP4 / MXFP8 weights: compressed-tensors' own qparams and fake quantization of the same weight give our
+    values and scales (its E8M0 exponents); rows with zeros, tiny and huge blocks, and a block amax of exactly 1.75
+    times a power of two (where the power rounds up) included."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fq
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = preset_name_to_scheme(fmt.upper(), ["Linear"]).weights
+    w = torch.randn(48, 512, generator=torch.Generator().manual_seed(3)) * torch.logspace(-30, 30, 512)
+    w[3, :32] = 0.0
+    w[5, 32:64] = 1.75 * 2.0**-3
+    w[6, 64:96] = 1.7499 * 2.0**-3
+    spec = QuantizerSpec(format=fmt)
+    q = TensorQuantizer(spec, w.shape)
+    q.calibrate_from(w)
+    blocks = w.unflatten(-1, (16, 32))
+    scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+    assert torch.equal(q(w), ct_fq(w, scale, zp, args))
+    enc = q.encode(w)
+    assert enc["scale"].dtype == torch.uint8 and torch.equal(
+        torch.ldexp(torch.ones(()), enc["scale"].int() - 127), scale
+    )
+    assert torch.equal(decode(enc, spec), q(w))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_inputs_take_each_tokens_blocks_at_run_time(fmt):
+    """Dynamic MX inputs: each token's blocks of 32 get their own power of two, as compressed-tensors' dynamic
+    per-group quantization computes it for that token alone."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fq
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = preset_name_to_scheme(fmt.upper(), ["Linear"]).input_activations
+    x = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(4)) * 5
+    q = TensorQuantizer(QuantizerSpec(format=fmt, dynamic=True), (128,))
+    ours = q(x)
+    for b in range(3):
+        for t in range(4):
+            row = x[b, t : t + 1]
+            blocks = row.unflatten(-1, (4, 32))
+            scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+            assert torch.equal(ours[b, t : t + 1], ct_fq(row, scale, zp, args)), (b, t)

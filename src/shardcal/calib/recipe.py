@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RecipeError
-from ..quant.spec import QuantizerSpec
+from ..quant.spec import MX_FORMATS, QuantizerSpec
+
+#: Formats whose block of the last dim is part of the format (nvfp4's 16, MX's 32): never fitted per Linear.
+FIXED_BLOCKS = ("nvfp4", *MX_FORMATS)
 
 #: Modules never quantized unless ``default_excludes = false``: the LM head, MoE routers, vision towers.
 DEFAULT_EXCLUDES: tuple[str, ...] = (
@@ -155,7 +158,12 @@ class Recipe:
         :data:`VLLM_GROUP_SIZES` below the recipe's that divides it, else per-channel scales. With
         ``group_size_fallback = false`` a group size that does not fit is a :class:`RecipeError` naming the Linear."""
         spec = self.weight
-        if spec is None or spec.granularity != "group" or spec.format == "nvfp4" or in_features % spec.group_size == 0:
+        if (
+            spec is None
+            or spec.granularity != "group"
+            or spec.format in FIXED_BLOCKS
+            or in_features % spec.group_size == 0
+        ):
             return spec
         if not self.group_size_fallback:
             raise RecipeError(

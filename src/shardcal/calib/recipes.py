@@ -15,7 +15,7 @@
     default_excludes = true      # lm_head, MoE router gates, vision towers
 
     [weight]                     # [input] and [output] take the same keys; at least one of the three
-    format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4
+    format = "int8"              # int8 | int4 | fp8_e4m3 | nvfp4 | mxfp4 | mxfp8
     granularity = "channel"      # tensor | channel | group | token (dynamic activations only) | block (weights)
     axis = 0                     # channel only (default 0 for weights, -1 for activations)
     group_size = 128             # group only (with dynamic = true: per token, for activations)
@@ -209,7 +209,7 @@ def _spec(table: dict[str, Any], role: str, source: str, key_prefix: str = "") -
     where = key_prefix + role
     _check_keys(table, _QUANT_KEYS, source, f"{where}.")
     if "format" not in table:
-        raise _error(source, f"{where}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4)")
+        raise _error(source, f"{where}.format", "missing (one of int8, int4, fp8_e4m3, nvfp4, mxfp4, mxfp8)")
     kwargs: dict[str, Any] = {}
     for key, types, what in (
         ("format", (str,), "a string"),

@@ -20,6 +20,9 @@ kernel requirements.
   weights with 16-bit activations (NVFP4A16) run on its FP4 weight-only kernels (Marlin) on other GPUs too; vLLM
   CPU has no NVFP4 kernel; transformers fails in the first forward of a float32 model (compressed-tensors
   decompresses NVFP4 weights to bfloat16);
+* **MXFP4 / MXFP8** (OCP microscaling): vLLM's MX kernels with MX activations need Blackwell-class GPUs (elsewhere its
+  emulation); MXFP4 weights with 16-bit activations run on its weight-only kernels (Marlin) on other GPUs too; vLLM
+  CPU has no MX kernel; transformers, as for NVFP4, decompresses MX weights to bfloat16 and fails in a float32 model;
 * **INT4 weights with FP8 activations (W4AFP8)**: vLLM's W4A8-FP8 kernel is built for Hopper GPUs only (elsewhere,
   CPU included, it finds no compressed-tensors scheme for the export);
 * **FP8 block weights** (FP8_BLOCK): vLLM's GPU builds, where each fused layer's members but the last and each
@@ -66,6 +69,7 @@ class Features:
     int8_weight_only: bool = False
     int4_fp8_input: bool = False
     nvfp4_input: bool = False
+    mx_input: bool = False
     fp8_block_weights: bool = False
     asymmetric_int_weights: bool = False
     static_fp8_input: bool = False
@@ -103,6 +107,7 @@ def _features(pairs: list[tuple[object, object]], *, online_rotation: bool, kv_c
         int8_weight_only=any(w.format == "int8" and i is None for w, i in pairs),
         int4_fp8_input=any(w.format == "int4" and i is not None and i.format == "fp8_e4m3" for w, i in pairs),
         nvfp4_input=any(i.format == "nvfp4" for i in inputs),
+        mx_input=any(i.format in ("mxfp4", "mxfp8") for i in inputs),
         fp8_block_weights=any(w.format == "fp8_e4m3" and w.granularity == "block" for w, _ in pairs),
         asymmetric_int_weights=any(w.format in ("int4", "int8") and not w.symmetric for w, _ in pairs),
         static_fp8_input=any(i.format == "fp8_e4m3" and not i.dynamic for i in inputs),
@@ -191,13 +196,21 @@ class Deployment:
 
 TP1 = "tensor parallel 1 only (online Hadamard transforms)"
 BLACKWELL = "NVFP4 kernels on Blackwell GPUs (elsewhere vLLM's emulation)"
+MX_BLACKWELL = "MX kernels on Blackwell-class GPUs (elsewhere vLLM's emulation)"
 HOPPER = "Hopper GPUs only (its W4A8-FP8 kernel; elsewhere it finds no scheme for the export)"
 BLOCKS = "a fused layer's members but the last, and each tensor-parallel shard, must span whole blocks (else refused)"
 KV_FP8 = "serve with --kv-cache-dtype fp8"
 KV_FP8_CPU = "serve with --kv-cache-dtype fp8; it rounds the cached values toward zero"
 BF16_ONLY = "bfloat16 activations only (its W4A16 GEMM has no float32 path)"
 #: The chooser's short tag of each limit (a limit without one shows as ``yes``).
-SHORT_LIMITS = {TP1: "TP 1", BLACKWELL: "Blackwell", HOPPER: "Hopper", KV_FP8: "fp8 KV", KV_FP8_CPU: "fp8 KV"}
+SHORT_LIMITS = {
+    TP1: "TP 1",
+    BLACKWELL: "Blackwell",
+    MX_BLACKWELL: "Blackwell",
+    HOPPER: "Hopper",
+    KV_FP8: "fp8 KV",
+    KV_FP8_CPU: "fp8 KV",
+}
 
 
 def _vllm_gpu(f: Features) -> Runtime:
@@ -206,6 +219,8 @@ def _vllm_gpu(f: Features) -> Runtime:
         limits.append(TP1)
     if f.nvfp4_input:
         limits.append(BLACKWELL)
+    if f.mx_input:
+        limits.append(MX_BLACKWELL)
     if f.int4_fp8_input:
         limits.append(HOPPER)
     if f.fp8_block_weights:
@@ -222,6 +237,8 @@ def _vllm_cpu(f: Features, isa: str) -> Runtime:
         refused = "fails: it has no hadacore_transform (online Hadamard transforms run on GPUs only)"
     elif "nvfp4" in f.weight_formats:
         refused = "fails: it has no NVFP4 kernel"
+    elif f.weight_formats & {"mxfp4", "mxfp8"}:
+        refused = "fails: it has no MXFP4 / MXFP8 kernel"
     elif f.static_fp8_input:
         refused = "fails: it has no static FP8 activation kernel (static_scaled_fp8_quant)"
     elif f.int4_fp8_input:
@@ -250,8 +267,9 @@ def _transformers(f: Features) -> Runtime:
     if f.online_rotation:
         why = "loads it without an error but ignores its transform_config (online rotations): wrong outputs"
         return Runtime(name="transformers", status=WRONG, why=why)
-    if "nvfp4" in f.weight_formats:
-        why = "fails in the first forward of a float32 model (compressed-tensors decompresses NVFP4 to bfloat16)"
+    if f.weight_formats & {"nvfp4", "mxfp4", "mxfp8"}:
+        kind = "NVFP4" if "nvfp4" in f.weight_formats else "MX"
+        why = f"fails in the first forward of a float32 model (compressed-tensors decompresses {kind} to bfloat16)"
         return Runtime(name="transformers", status=REFUSES, why=why)
     if f.kv_cache:
         why = "does not quantize the KV cache as vLLM does: close, not equal"

@@ -40,6 +40,9 @@ SCHEMES: dict[str, str] = {
     "W8A16": "INT8 weights, 16-bit activations (W8A16): where activations cannot be quantized",
     "W4AFP8": "INT4 weights, FP8 activations (W4AFP8): Hopper GPUs",
     "NVFP4A16": "NVFP4 weights, 16-bit activations (NVFP4A16): most GPUs (FP4 weight-only kernels)",
+    "MXFP4": "MXFP4 weights and activations (OCP microscaling, W4A4): Blackwell and MI355 GPUs",
+    "MXFP4A16": "MXFP4 weights, 16-bit activations (MXFP4A16): GPT-OSS's format, most GPUs",
+    "MXFP8": "MXFP8 weights and activations (OCP microscaling, W8A8): Blackwell and MI355 GPUs",
 }
 
 
@@ -64,6 +67,9 @@ def scheme_of(recipe: Recipe) -> str:
         ("int4", "fp8_e4m3"): "W4AFP8",
         ("nvfp4", "nvfp4"): "NVFP4",
         ("nvfp4", None): "NVFP4A16",
+        ("mxfp4", "mxfp4"): "MXFP4",
+        ("mxfp4", None): "MXFP4A16",
+        ("mxfp8", "mxfp8"): "MXFP8",
     }.get((weight, inputs), "other")
 
 

@@ -47,8 +47,8 @@ SQNR_BYTES = 32
 #: calibrating a weight's scales (``max``: one copy in the weight's dtype); fake-quantizing a weight in a forward;
 #: encoding it for export (the encoded tensors included).
 OBSERVER_BYTES = {"mse": 22, "percentile": 44}
-FAKE_QUANT_BYTES = {"int": 9, "fp8": 9, "nvfp4": 25}
-ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25}
+FAKE_QUANT_BYTES = {"int": 9, "fp8": 9, "nvfp4": 25, "mx": 13}
+ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25, "mx": 14}
 #: What fake-quantizing or encoding a weight that is not float32 adds per element (its float32 copy).
 NOT_FLOAT32_BYTES = 4
 

@@ -14,6 +14,7 @@ import torch
 from ..algorithms.memory import PlannedLinear
 from ..calib.recipe import Recipe, compile_pattern
 from ..errors import RecipeError
+from ..quant.formats import FORMATS as NUMBER_FORMATS
 from ..quant.granularity import Layout
 from ..quant.spec import QuantizerSpec
 from .costs import ENCODE_BYTES, FAKE_QUANT_BYTES, NOT_FLOAT32_BYTES, OBSERVER_BYTES
@@ -120,7 +121,7 @@ def observer_bytes(layout: Layout | None) -> int:
 
 
 def _kind(spec: QuantizerSpec) -> str:
-    return {"int8": "int", "int4": "int", "fp8_e4m3": "fp8", "nvfp4": "nvfp4"}[spec.format]
+    return NUMBER_FORMATS[spec.format].kind
 
 
 def _weight_numel(target: QuantTarget) -> int:

@@ -15,6 +15,12 @@ deterministic, computed in float32 whatever the input dtype, and fake quantizati
   ``global_scale = 448 * 6 / amax`` (float32; the calibrated amax is per tensor), each block's scale
   ``s = float8_e4m3fn(global_scale * block_amax / 6)`` (block amax taken at run time), effective scale
   ``s / global_scale``, values rounded to the nearest E2M1 value (ties to even), saturating at ±6.
+- ``mxfp4`` / ``mxfp8`` (OCP microscaling): E2M1 / E4M3 values in blocks of 32 along the last dim, each block with a
+  power-of-two scale ``2 ** (e - 127)`` stored as its E8M0 exponent ``e`` (uint8). compressed-tensors' rule:
+  the block amax rounded to a power of two ``p`` (up where its mantissa is at least 1.75, else down), then
+  ``e = 127 + log2(p) - k`` with ``k = floor(log2(element max))`` (2 for E2M1's 6, 8 for E4M3's 448), clamped to
+  [0, 255]; values ``x / 2 ** (e - 127)`` rounded as E2M1 (saturating at ±6) or E4M3 (at ±448). Weights' block
+  amax are calibrated per block; inputs take theirs per token at run time.
 
 A zero scale (amax 0) is replaced by the smallest step of its dtype (float32 eps; 0.125 for FP8 block scales) as
 compressed-tensors does, so nothing divides by zero; an all-zero tensor stays all-zero.
@@ -58,7 +64,16 @@ FORMATS: dict[str, Format] = {
     "int4": Format("int4", "int", 4, -8.0, 7.0),
     "fp8_e4m3": Format("fp8_e4m3", "fp8", 8, -E4M3_MAX, E4M3_MAX),
     "nvfp4": Format("nvfp4", "nvfp4", 4, -E2M1_MAX, E2M1_MAX),
+    "mxfp4": Format("mxfp4", "mx", 4, -E2M1_MAX, E2M1_MAX),
+    "mxfp8": Format("mxfp8", "mx", 8, -E4M3_MAX, E4M3_MAX),
 }
+#: ``floor(log2(element max))`` of each MX format's values: the block amax's power of two maps to ``2 ** k``.
+MX_ELEMENT_EXPONENT = {"mxfp4": 2, "mxfp8": 8}
+
+
+def _fp8_valued(fmt: str) -> bool:
+    """Whether ``fmt``'s values are float8_e4m3fn (fp8_e4m3, mxfp8)."""
+    return fmt in ("fp8_e4m3", "mxfp8")
 
 
 # ----------------------------------------------------------------------------------------------- scales
@@ -87,9 +102,28 @@ def round_to_fp8_e4m3(t: torch.Tensor) -> torch.Tensor:
     return fp8_e4m3_to_float32(t.to(torch.float8_e4m3fn))
 
 
+def mx_exponents(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The E8M0 exponents (int32, 0..255, bias 127) of MX block amax values (compressed-tensors' rule, see the module
+    docstring): the float32 amax's bits plus half of its mantissa's top-two-bits step, masked to the exponent field
+    (a power of two, rounded up from a mantissa of 1.75), minus the element format's ``k``."""
+    bits = amax.float().abs().view(torch.int32)
+    rounded = (bits + (1 << 21)) & 0x7F800000
+    return ((rounded >> 23) - MX_ELEMENT_EXPONENT[fmt]).clamp_(0, 255)
+
+
+def mx_scales_of_exponents(exponents: torch.Tensor) -> torch.Tensor:
+    """``2 ** (e - 127)`` (float32, exact) of E8M0 exponents."""
+    return torch.ldexp(
+        torch.ones(exponents.shape, dtype=torch.float32, device=exponents.device), exponents.to(torch.int32) - 127
+    )
+
+
 def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """int / fp8 scale ``amax / qmax`` in float32, a zero scale replaced by float32 eps."""
+    """int / fp8 scale ``amax / qmax`` in float32, a zero scale replaced by float32 eps; MX: the block's power of
+    two (:func:`mx_exponents`)."""
     f = FORMATS[fmt]
+    if f.kind == "mx":
+        return mx_scales_of_exponents(mx_exponents(amax, fmt))
     if f.kind == "nvfp4":
         raise ValueError("nvfp4 has a global scale and per-block scales: use nvfp4_global_scale / nvfp4_block_scales")
     scale = amax.float() / f.qmax
@@ -268,7 +302,7 @@ def _quantize_arranged(
             round_e2m1_(torch.div(xb, eff, out=q).clamp_(-E2M1_MAX, E2M1_MAX))
         return {"q": q, "eff": eff, "block_scale": s, "global_scale": gs}
     q, scale, zp = _scaled(a, amax_b, fmt, amin_b)
-    if FORMATS[fmt].kind == "fp8":
+    if _fp8_valued(fmt):
         q = fp8_e4m3_to_float32(q.to(torch.float8_e4m3fn))
     return {"q": q, "eff": scale} if zp is None else {"q": q, "eff": scale, "zp": zp}
 
@@ -276,9 +310,9 @@ def _quantize_arranged(
 def _scaled(
     a: torch.Tensor, amax_b: torch.Tensor, fmt: str, amin_b: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(q, scale, zero point or None)`` of an int / fp8 format: ``q = a / scale`` (a new tensor, or ``out``, which
-    may be ``a`` itself), then rounded and clamped in place (fp8: clamped to +-448, ready for the cast, which rounds
-    to nearest even)."""
+    """``(q, scale, zero point or None)`` of an int / fp8 / MX format: ``q = a / scale`` (a new tensor, or ``out``,
+    which may be ``a`` itself), then rounded and clamped in place (fp8 and mxfp8: clamped to +-448, ready for the
+    cast, which rounds to nearest even; mxfp4: rounded to E2M1)."""
     f = FORMATS[fmt]
     scale, zp = qparams(amax_b, amin_b, fmt)
     q = a / scale if out is None else torch.div(a, scale, out=out)
@@ -286,6 +320,8 @@ def _scaled(
         q.round_().clamp_(f.qmin - zp, f.qmax - zp)
     elif f.kind == "int":
         q.clamp_(f.qmin, f.qmax).round_()
+    elif fmt == "mxfp4":
+        round_e2m1_(q.clamp_(-E2M1_MAX, E2M1_MAX))
     else:
         q.clamp_(-E4M3_MAX, E4M3_MAX)
     return q, scale, zp
@@ -359,7 +395,7 @@ def _fake_quantize_by_rows(
             out[rows] = lay.restore(qdq_arranged(a, amax_c, fmt, amin_c))
             continue
         _, scale, _ = _scaled(a, amax_c, fmt, amin_c, out=a)
-        if kind == "fp8":  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
+        if _fp8_valued(fmt):  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
             if codes is None:  # sized by the first chunk, the largest
                 codes = torch.empty(a.shape, dtype=torch.float8_e4m3fn)
                 index = torch.empty(a.numel(), dtype=torch.int32)
@@ -406,6 +442,8 @@ def encode(
     - fp8_e4m3: ``values`` float8_e4m3fn, ``scale`` as above
     - nvfp4: ``packed`` uint8 ``[..., in/2]`` (two E2M1 codes per byte), ``scale`` float8_e4m3fn
       ``[..., in/16]`` (block scales), ``global_scale`` float32 ``[1]`` (``448 * 6 / amax``)
+    - mxfp4: ``packed`` as nvfp4's, ``scale`` uint8 ``[..., in/32]`` (E8M0 exponents); mxfp8: ``values``
+      float8_e4m3fn, ``scale`` uint8 as mxfp4's
     """
     lay = _layout(spec, x, layout)
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
@@ -417,7 +455,10 @@ def encode(
         parts = [_encode_nvfp4(a, amax_c) for _, a, amax_c, _ in _row_chunks(x, lay, amax_b, amin_b)]
         joined = {k: torch.cat([p[k] for p in parts]) for k in ("packed", "scale")}
         return {**joined, "global_scale": parts[0]["global_scale"]}  # one per tensor: every chunk's is the same
-    values = torch.empty(x.shape, dtype=torch.int8 if kind == "int" else torch.float8_e4m3fn, device=x.device)
+    if spec.format == "mxfp4":
+        values = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # E2M1 values, packed below
+    else:
+        values = torch.empty(x.shape, dtype=torch.int8 if kind == "int" else torch.float8_e4m3fn, device=x.device)
     if by_rows:
         chunks = _row_chunks(x, lay, amax_b, amin_b)
     else:  # computed in place: in a copy, whatever x's dtype
@@ -425,6 +466,11 @@ def encode(
     for rows, a, amax_c, amin_c in chunks:
         _, _, zp = _scaled(a, amax_c, spec.format, amin_c, out=a)
         values[rows] = lay.restore(a if zp is None else a.add_(zp))  # cast to the codes' dtype as .to() casts
+    if kind == "mx":
+        exponents = mx_exponents(amax_b, spec.format).expand(lay.bshape).reshape(lay.amax_shape).to(torch.uint8)
+        if spec.format == "mxfp4":
+            return {"packed": pack_fp4_to_uint8(e2m1_codes(values)), "scale": exponents.contiguous()}
+        return {"values": values, "scale": exponents.contiguous()}
     scale, zero_point = qparams(amax_b, amin_b, spec.format)
     enc = {"values": values, "scale": scale.expand(lay.bshape).reshape(lay.amax_shape).contiguous()}
     if zero_point is not None:
@@ -449,6 +495,11 @@ def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype
         gs = enc["global_scale"].float()
         eff = enc["scale"].float().unsqueeze(-1) / gs
         return (_nvfp4_blocks(q) * eff).flatten(-2).to(dtype)
+    if kind == "mx":
+        q = e2m1_values(unpack_fp4_from_uint8(enc["packed"])) if spec.format == "mxfp4" else enc["values"]
+        lay = Layout(spec, tuple(q.shape))
+        codes = lay.arrange(fp8_e4m3_to_float32(q) if q.dtype == torch.float8_e4m3fn else q)
+        return lay.restore(codes * lay.broadcast(mx_scales_of_exponents(enc["scale"]))).to(dtype)
     values = enc["values"]
     lay = Layout(spec, tuple(values.shape))
     codes = lay.arrange(fp8_e4m3_to_float32(values) if values.dtype == torch.float8_e4m3fn else values.float())

@@ -15,13 +15,16 @@ from typing import Any
 from ..runtime.params import Schema, SpecError, check_params, integer, number
 
 #: Number formats, in the names recipes use.
-FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4")
+FORMATS: tuple[str, ...] = ("int8", "int4", "fp8_e4m3", "nvfp4", "mxfp4", "mxfp8")
 #: Granularities: one scale per tensor, per channel (along ``axis``), per group of ``group_size`` on the last dim,
 #: per token (each row of the last dim; dynamic activations only: the scales are taken at run time), or per 2-D
 #: block of ``block_size`` (rows, columns) of a weight's last two dims (FP8 block, as DeepSeek-V3 publishes).
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token", "block")
 #: NVFP4's block size: every 16 consecutive elements of the last dim share one FP8 E4M3 scale.
 NVFP4_BLOCK_SIZE = 16
+#: The OCP microscaling formats (E2M1 or E4M3 values, one E8M0 power-of-two scale per 32 of the last dim).
+MX_FORMATS: tuple[str, ...] = ("mxfp4", "mxfp8")
+MX_BLOCK_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class QuantizerSpec:
         if self.format == "nvfp4" and self.granularity == "tensor" and self.group_size is None:
             object.__setattr__(self, "granularity", "group")
             object.__setattr__(self, "group_size", NVFP4_BLOCK_SIZE)
+        if self.format in MX_FORMATS and self.granularity == "tensor" and self.group_size is None:
+            object.__setattr__(self, "granularity", "group")
+            object.__setattr__(self, "group_size", MX_BLOCK_SIZE)
         if self.granularity not in GRANULARITIES:
             raise SpecError(
                 "granularity", f"unknown granularity {self.granularity!r} (known: {', '.join(GRANULARITIES)})"
@@ -132,6 +138,12 @@ class QuantizerSpec:
             raise SpecError(
                 "granularity",
                 f"nvfp4 always uses blocks of {NVFP4_BLOCK_SIZE} (granularity 'group', group_size {NVFP4_BLOCK_SIZE}); "
+                f"got granularity {self.granularity!r}, group_size {self.group_size!r}",
+            )
+        if self.format in MX_FORMATS and (self.granularity != "group" or self.group_size != MX_BLOCK_SIZE):
+            raise SpecError(
+                "granularity",
+                f"{self.format} always uses blocks of {MX_BLOCK_SIZE} (granularity 'group', group_size {MX_BLOCK_SIZE}); "
                 f"got granularity {self.granularity!r}, group_size {self.group_size!r}",
             )
         if not isinstance(self.symmetric, bool):
@@ -204,7 +216,7 @@ class QuantizerSpec:
 
     @property
     def num_bits(self) -> int:
-        return {"int8": 8, "int4": 4, "fp8_e4m3": 8, "nvfp4": 4}[self.format]
+        return {"int8": 8, "int4": 4, "fp8_e4m3": 8, "nvfp4": 4, "mxfp4": 4, "mxfp8": 8}[self.format]
 
     @property
     def type(self) -> str:
@@ -220,6 +232,8 @@ class QuantizerSpec:
         """A short human description: ``int4, groups of 128, mse``, ``fp8_e4m3, per token, dynamic``."""
         if self.format == "nvfp4":
             where = "16-blocks"
+        elif self.format in MX_FORMATS:
+            where = "32-blocks (E8M0 scales)" + (" per token" if self.dynamic else "")
         elif self.granularity == "group":
             where = f"groups of {self.group_size}" + (" per token" if self.dynamic else "")
         elif self.granularity == "block":

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...quant.spec import NVFP4_BLOCK_SIZE, QuantizerSpec, SpecError
+from ...quant.spec import MX_BLOCK_SIZE, MX_FORMATS, NVFP4_BLOCK_SIZE, QuantizerSpec, SpecError
 
 QUANT_METHOD = "compressed-tensors"
 STATUS_COMPRESSED = "compressed"
@@ -24,10 +24,20 @@ INT_QUANTIZED = "int-quantized"
 FLOAT_QUANTIZED = "float-quantized"
 PACK_QUANTIZED = "pack-quantized"
 NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
+MXFP8_QUANTIZED = "mxfp8-quantized"
 NAIVE_QUANTIZED = "naive-quantized"
 MIXED_PRECISION = "mixed-precision"
 #: The formats this package writes and reads.
-FORMATS: tuple[str, ...] = (INT_QUANTIZED, FLOAT_QUANTIZED, PACK_QUANTIZED, NVFP4_PACK_QUANTIZED, NAIVE_QUANTIZED)
+FORMATS: tuple[str, ...] = (
+    INT_QUANTIZED,
+    FLOAT_QUANTIZED,
+    PACK_QUANTIZED,
+    NVFP4_PACK_QUANTIZED,
+    MXFP4_PACK_QUANTIZED,
+    MXFP8_QUANTIZED,
+    NAIVE_QUANTIZED,
+)
 
 #: Scales (``weight_scale``, ``input_scale``) are written in float32: the exact values the stored integers were
 #: computed with. compressed-tensors keeps them in the model dtype; vLLM and compressed-tensors cast on load.
@@ -77,6 +87,13 @@ def spec_to_args(spec: QuantizerSpec, role: str) -> dict[str, Any]:
             "scale_dtype": "torch.float8_e4m3fn",
         }
         return args
+    if spec.format in MX_FORMATS:  # E8M0 scales per 32; inputs per token at run time
+        if role == "input" and not spec.dynamic:
+            raise UnsupportedSpec(
+                "dynamic", f"{spec.format} inputs take their block scales at run time (dynamic = true)"
+            )
+        return {"num_bits": spec.num_bits, "type": "float", "symmetric": True, "group_size": MX_BLOCK_SIZE,
+                "strategy": "group", "dynamic": role == "input", "scale_dtype": "torch.uint8"}  # fmt: skip
     kind = "int" if spec.format.startswith("int") else "float"
     base = {"num_bits": spec.num_bits, "type": kind, "symmetric": spec.symmetric}
     if role == "weight":
@@ -112,6 +129,10 @@ def infer_format(weight: QuantizerSpec, input: QuantizerSpec | None) -> str:
     pack-quantized, the format named in their config group as compressed-tensors' own ``scheme.format`` override."""
     if weight.format == "nvfp4":
         return NVFP4_PACK_QUANTIZED
+    if weight.format == "mxfp4":
+        return MXFP4_PACK_QUANTIZED
+    if weight.format == "mxfp8":
+        return MXFP8_QUANTIZED
     w_int = weight.format.startswith("int")
     if w_int and weight.num_bits == 4 and input is not None and input.format == "fp8_e4m3":
         return PACK_QUANTIZED
@@ -298,6 +319,12 @@ def args_to_spec(args: Mapping[str, Any], role: str) -> QuantizerSpec:
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block)
     ):
         raise UnsupportedSpec("block_structure", f"must be [rows, cols] (positive integers) of a weight, got {block!r}")
+    if kind == "float" and args.get("scale_dtype") in ("torch.uint8", "uint8"):  # MX: E8M0 scales
+        if num_bits not in (4, 8) or strategy != "group" or group_size != MX_BLOCK_SIZE:
+            raise UnsupportedSpec("scale_dtype", "E8M0 (uint8) scales are read as mxfp4 / mxfp8 (group_size 32) only")
+        if dynamic is not (role == "input"):
+            raise UnsupportedSpec("dynamic", f"mx {role}s need dynamic = {role == 'input'}, got {dynamic!r}")
+        return QuantizerSpec(format=f"mxfp{num_bits}", dynamic=role == "input")
     if (kind, num_bits) == ("float", 4):
         if strategy != "tensor_group" or group_size != NVFP4_BLOCK_SIZE:
             raise UnsupportedSpec(
@@ -446,6 +473,13 @@ def tensor_layout(
     (float32 ``[1]``, nvfp4 inputs).
     """
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if fmt in (MXFP4_PACK_QUANTIZED, MXFP8_QUANTIZED):
+        if fmt == MXFP4_PACK_QUANTIZED:
+            out["weight_packed"] = (torch.uint8, (out_f, in_f // 2))
+        else:
+            out["weight"] = (torch.float8_e4m3fn, (out_f, in_f))
+        out["weight_scale"] = (torch.uint8, (out_f, in_f // MX_BLOCK_SIZE))
+        return out
     if fmt == NVFP4_PACK_QUANTIZED:
         out["weight_packed"] = (torch.uint8, (out_f, in_f // 2))
         out["weight_scale"] = (torch.float8_e4m3fn, (out_f, in_f // NVFP4_BLOCK_SIZE))

@@ -14,6 +14,7 @@ import torch
 from ...quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
+    MX_ELEMENT_EXPONENT,
     asymmetric_qparams,
     decode,
     nvfp4_global_scale,
@@ -26,8 +27,8 @@ from ...quant.formats import (
     FORMATS as NUMBER_FORMATS,
 )
 from ...quant.quantizer import TensorQuantizer
-from ...quant.spec import QuantizerSpec
-from .config import NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
+from ...quant.spec import MX_FORMATS, QuantizerSpec
+from .config import MXFP4_PACK_QUANTIZED, MXFP8_QUANTIZED, NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
 
 # ----------------------------------------------------------------------------------------------- int8 packing
 
@@ -50,6 +51,10 @@ def unpack_int8_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
 def encode_weight(quantizer: TensorQuantizer, weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     """The stored tensors of a (full, unsharded) weight, as compressed-tensors' compressor for ``fmt`` names them."""
     enc = quantizer.encode(weight.detach())
+    if fmt == MXFP4_PACK_QUANTIZED:  # E8M0 exponents as uint8, no global scale
+        return {"weight_packed": enc["packed"], "weight_scale": enc["scale"]}
+    if fmt == MXFP8_QUANTIZED:
+        return {"weight": enc["values"], "weight_scale": enc["scale"]}
     if fmt == NVFP4_PACK_QUANTIZED:
         return {
             "weight_packed": enc["packed"],
@@ -104,6 +109,10 @@ def decode_weight(
 ) -> torch.Tensor:
     """The dequantized weight (in ``dtype``) of a module's stored tensors; exactly what the fake-quant model used."""
     out_f, in_f = shape
+    if fmt == MXFP4_PACK_QUANTIZED:
+        return decode({"packed": tensors["weight_packed"], "scale": tensors["weight_scale"]}, spec, dtype)
+    if fmt == MXFP8_QUANTIZED:
+        return decode({"values": tensors["weight"], "scale": tensors["weight_scale"]}, spec, dtype)
     if fmt == NVFP4_PACK_QUANTIZED:
         enc = {
             "packed": tensors["weight_packed"],
@@ -150,7 +159,10 @@ def _float32_preimage(target: torch.Tensor, guess: torch.Tensor, fn, span: int =
 
 
 def amax_for_scale(scale: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor:
-    """An amax whose ``amax / qmax`` (shardcal's int / fp8 scale rule) equals the stored ``scale`` bit for bit."""
+    """An amax whose ``amax / qmax`` (shardcal's int / fp8 scale rule) equals the stored ``scale`` bit for bit; MX:
+    the power of two ``2 ** (e - 127 + k)`` whose E8M0 exponent (``formats.mx_exponents``) is the stored ``e``."""
+    if spec.format in MX_FORMATS:
+        return torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127 + MX_ELEMENT_EXPONENT[spec.format])
     qmax = NUMBER_FORMATS[spec.format].qmax
     scale = scale.float()
     return _float32_preimage(scale, scale * qmax, lambda a: scale_from_amax(a, spec.format))
