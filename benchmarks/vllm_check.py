@@ -111,12 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     if abs(float_ppl - _eval(model_dir)) > 0:
         raise RuntimeError("the held-out file is not shardcal eval's default data")
     exports = {"float32 model": model_dir}
+    unfit: dict[str, str] = {}  # recipes the model's widths do not fit: shardcal's refusal, in a line
     for recipe in recipes:
         out = work / recipe
         if not (args.reuse and (out / "config.json").is_file()):
             print(f"calibrating {recipe} ...", flush=True)
-            _shardcal("calibrate", str(model_dir), "--recipe", recipe, "--out", str(out), "--overwrite",
-                      "--nproc-per-node", str(args.nproc_per_node))  # fmt: skip
+            try:
+                _shardcal("calibrate", str(model_dir), "--recipe", recipe, "--out", str(out), "--overwrite",
+                          "--nproc-per-node", str(args.nproc_per_node))  # fmt: skip
+            except RuntimeError as exc:
+                if "does not fit module" not in str(exc):
+                    raise
+                unfit[recipe] = next(line for line in str(exc).splitlines() if "does not fit module" in line)
+                continue
         exports[recipe] = out
     runs = [{"name": n, "model": str(d), "dtype": "float32", "wna16_dtype": "bfloat16"} for n, d in exports.items()]
     results = {}
@@ -147,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if name != "float32 model":
             status_rows.append([name, status, vllm_run.verdict(run), vllm_run.verdict(on_avx2), note])
         print(rows[-1], flush=True)
+    for name, why in unfit.items():  # refused before any export: nothing for vLLM to load
+        why = why.split("error: ", 1)[-1].strip()
+        rows.append([name, None, None, None, None, None, f"not run: {why}"])
+        status_rows.append([name, "unchecked", None, None, f"SmolLM2-135M's widths do not fit it: {why}"])
     probe = ", ".join(k for k, needed in result["machine"].items() if needed and k != "avx512") or "none"
     probe_avx2 = ", ".join(k for k, needed in results["avx2"]["machine"].items() if needed and k != "avx512")
     subset = "--recipes leaves out shipped recipes" if set(recipes) != set(shipped_recipes()) else None
