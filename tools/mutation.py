@@ -172,6 +172,13 @@ TESTS: dict[str, list[str]] = {
     "runtime/fsutil.py": ["tests/runtime/test_fsutil.py", "tests/export/test_export.py"],
     "io/gguf/importer.py": ["tests/io/test_gguf_tokenizer.py"],
     "export/consumers.py": ["tests/export/test_consumers.py"],
+    "calib/recipes.py": ["tests/calib/test_quant_recipe.py"],
+    "quant/spec.py": ["tests/calib/test_quant_recipe.py", "tests/quant/test_quant_formats.py"],
+    "pipeline/chooser.py": [
+        "tests/pipeline/test_chooser.py",
+        "tests/cli/test_cli.py",
+        "tests/contracts/test_readme.py",
+    ],
     "pipeline/streamed.py": ["tests/pipeline/test_streamed.py"],
     "pipeline/calibrate.py": ["tests/pipeline/test_streamed.py", "tests/cli/test_cli.py"],
     "cli/commands.py": ["tests/runtime/test_distributed_plumbing.py", "tests/cli/test_cli.py"],

@@ -936,3 +936,31 @@ def test_a_fold_into_a_gemma_norm_keeps_the_function_in_16_bits(dtype, stored):
         naive.source.weight.copy_(((1.0 + naive.source.weight.float()) / s - 1.0).to(dtype))
         naive.consumers[0].weight.copy_((naive.consumers[0].weight.float() * s[None, :]).to(dtype))
     assert ((outputs(naive, x) - before).norm() / before.norm()).item() > 10 * error
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_gptq_beats_round_to_nearest_on_its_calibrated_blocks(fmt):
+    """MX GPTQ rounds each column to the format's values with the block scales calibrated from the weight (powers of
+    two, kept: the quantizer reproduces the result), and beats round to nearest; every value is a code of the format
+    times its block's power of two (checked by hand: E2M1 magnitudes, or an exact float8 cast)."""
+    from shardcal.algorithms.gptq_solve import gptq_quantize
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 256, generator=g) * 0.05
+    x = _correlated_inputs(4096, 256)
+    quantizer = TensorQuantizer(QuantizerSpec(fmt), (64, 256))
+    quantizer.calibrate_from(weight)
+    amax = quantizer.amax.clone()
+    q = gptq_quantize(weight, x.double().T @ x.double(), quantizer)
+    err = lambda w: (x @ (w - weight).T).pow(2).sum().item()
+    assert err(q) < 0.8 * err(quantizer(weight)), (err(q), err(quantizer(weight)))
+    assert torch.equal(quantizer(q), q) and torch.equal(quantizer.amax, amax)
+    blocks = weight.reshape(64, 8, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.floor(torch.log2(blocks)) - (2 if fmt == "mxfp4" else 8))
+    scale = torch.where(blocks >= 1.75 * torch.exp2(torch.floor(torch.log2(blocks))), 2 * scale, scale)
+    codes = q.reshape(64, 8, 32) / scale
+    if fmt == "mxfp4":
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        assert torch.equal(codes.abs(), grid[(codes.abs().unsqueeze(-1) - grid).abs().argmin(-1)])
+    else:
+        assert torch.equal(codes, codes.to(torch.float8_e4m3fn).float()) and codes.abs().max() <= 448

@@ -46,6 +46,8 @@ PLANS = {
     "fp8-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
     "mxfp4": "observe, sqnr -> next inputs: observe",
     "mxfp4a16": "observe, sqnr -> next inputs: observe",
+    "mxfp4-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
+    "mxfp4a16-gptq": "sqnr-reference, algorithm, sqnr, propagate -> next inputs: propagate",
     "mxfp8": "observe, sqnr -> next inputs: observe",
     "nvfp4": "observe, sqnr -> next inputs: observe",
     "nvfp4-gptq": "sqnr-reference, algorithm, observe, sqnr, propagate -> next inputs: propagate",

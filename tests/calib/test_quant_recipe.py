@@ -82,6 +82,20 @@ def test_default_excludes_and_patterns():
 
 BAD = [
     ('name = "x"\ncolour = "red"\n[weight]\nformat = "int8"\n', "'colour': unknown key"),
+    (
+        '[weight]\nformat = "fp8_e4m3"\n[output]\nformat = "fp8_e4m3"\ngranularity = "block"\nblock_size = [128, 128]\n',
+        "'output.granularity': 'block' is for weights",
+    ),
+    (
+        '[weight]\nformat = "fp8_e4m3"\n[input]\nformat = "fp8_e4m3"\ngranularity = "block"\nblock_size = [128, 128]\n',
+        "'input.granularity': 'block' is for weights",
+    ),
+    (
+        '[weight]\nformat = "int8"\ngranularity = "block"\nblock_size = [128, 128]\nsymmetric = false\n',
+        "'weight.granularity': granularity 'block' is for static symmetric",
+    ),
+    ('[weight]\nformat = "fp8_e4m3"\ngranularity = "block"\nblock_size = 128\n', "'weight.block_size': must be"),
+    ('[weight]\nformat = "mxfp4"\ngranularity = "group"\ngroup_size = 16\n', "'weight.granularity': mxfp4 always"),
     ('[weight]\nformat = "int8"\nfomat = "int8"\n', "'weight.fomat': unknown key"),
     ('[weight]\nformat = "int3"\n', "'weight.format': unknown format 'int3'"),
     ('[weight]\ngranularity = "tensor"\n', "'weight.format': missing"),

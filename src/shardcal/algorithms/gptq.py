@@ -59,6 +59,7 @@ from ..quant.formats import FORMATS
 from ..quant.fused import range_groups, share_range
 from ..quant.linear import QuantLinear
 from ..quant.quantizer import TensorQuantizer
+from ..quant.spec import MX_FORMATS
 from ..runtime.distributed import all_gather_strings, broadcast_, group_rank_size
 from ..runtime.params import SpecError, boolean, integer, number, one_of, table_or_none
 from .awq import AWQ
@@ -357,7 +358,12 @@ class GPTQ(LayerAlgorithm):
         damping GPTQ needed."""
         wq = m.weight_quantizer
         weight = (m.weight if weight is None else weight).detach()
-        fixed = self.params["static_groups"] or self.params["act_order"] or wq.layout.kind != "group"
+        fixed = (
+            self.params["static_groups"]
+            or self.params["act_order"]
+            or wq.layout.kind != "group"
+            or wq.spec.format in MX_FORMATS
+        )
         h = hessian.to(device=weight.device, dtype=torch.float32)
         if self.params["scale_search"] == "hessian" and fixed:
             found = clip_search_amax(weight.float(), wq, h, self.params["scale_max_shrink"], self.params["scale_grid"])

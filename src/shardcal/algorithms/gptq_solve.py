@@ -29,10 +29,10 @@ DEFAULTS: dict[str, Any] = {"block_size": 128, "percdamp": 0.01, "act_order": Fa
 
 
 def check_quantizer(q: TensorQuantizer, name: str) -> None:
-    """GPTQ needs a calibrated weight amax and a format it can round column by column: int, fp8 or nvfp4."""
+    """GPTQ needs a calibrated weight amax and a format it can round column by column: int, fp8, nvfp4 or MX."""
     spec = q.spec
-    if FORMATS[spec.format].kind not in ("int", "fp8", "nvfp4"):
-        raise RecipeError(f"{name}: gptq supports int8, int4, fp8_e4m3 and nvfp4 weights, not {spec.format!r}")
+    if FORMATS[spec.format].kind not in ("int", "fp8", "nvfp4", "mx"):
+        raise RecipeError(f"{name}: gptq supports int8, int4, fp8_e4m3, nvfp4 and MX weights, not {spec.format!r}")
     if not q.calibrated or q.amax is None:
         raise RecipeError(f"{name}: gptq needs a calibrated static weight quantizer")
 
@@ -46,7 +46,7 @@ def _quantize_column(
     if zero_point is not None:
         return torch.clamp(torch.round(w / scale), f.qmin - zero_point, f.qmax - zero_point) * scale
     scaled = torch.clamp(w / scale, f.qmin, f.qmax)
-    if f.kind == "nvfp4":  # ``scale``: the element's block scale over the global scale
+    if f.kind == "nvfp4" or fmt == "mxfp4":  # ``scale``: the element's block scale (nvfp4: over the global scale)
         return round_e2m1(scaled) * scale
     q = torch.round(scaled) if f.kind == "int" else round_to_fp8_e4m3(scaled)
     return q * scale
@@ -154,7 +154,7 @@ def gptq_quantize(
     fmt = quantizer.spec.format
     nvfp4 = FORMATS[fmt].kind == "nvfp4"
     w = weight.detach().float()
-    fixed = static_groups or act_order
+    fixed = static_groups or act_order or FORMATS[fmt].kind == "mx"  # MX: the calibrated block scales, kept
     group = None if fixed else NVFP4_BLOCK_SIZE if nvfp4 else quantizer.layout.group_size
     if group is not None:
         block_size = -(-block_size // group) * group  # whole groups per block: a group's columns are all current
