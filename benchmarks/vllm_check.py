@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     for name, why in unfit.items():  # refused before any export: nothing for vLLM to load
         why = why.split("error: ", 1)[-1].strip()
+        why = why[why.find(f"recipe {name!r}") :] if f"recipe {name!r}" in why else why  # no local file path
         rows.append([name, None, None, None, None, None, f"not run: {why}"])
         status_rows.append([name, "unchecked", None, None, f"SmolLM2-135M's widths do not fit it: {why}"])
     probe = ", ".join(k for k, needed in result["machine"].items() if needed and k != "avx512") or "none"
