@@ -163,7 +163,7 @@ def test_version_and_recipes_chooser(capsys):
     marked = [name for line, name in zip(rows, names) if line.startswith("* ")]
     assert marked == [  # first of each group
         "fp8-dynamic", "w8a8-int8-dynamic-sq", "w4a16-awq-gptq", "nvfp4-sq-gptq", "fp8-block", "w8a16",
-        "w4afp8-gptq", "nvfp4a16-gptq", "mxfp4", "mxfp4a16", "mxfp8",
+        "w4afp8-gptq", "nvfp4a16-gptq", "mxfp4-gptq", "mxfp4a16-gptq", "mxfp8",
     ]  # fmt: skip
     status, out, _ = run_cli(capsys, "recipes", "w4a16-gptq-rot")
     text = (shipped_recipes_dir() / "w4a16-gptq-rot.toml").read_text()

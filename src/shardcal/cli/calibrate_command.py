@@ -35,8 +35,8 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="NAME|FILE",
         help="a shipped recipe name or a .toml file; `shardcal recipes` helps choose (recommended: fp8-dynamic, "
-        "w8a8-int8-dynamic-sq, w4a16-awq-gptq, nvfp4-sq-gptq, fp8-block, w8a16, w4afp8-gptq, nvfp4a16-gptq, mxfp4, "
-        "mxfp4a16, mxfp8)",
+        "w8a8-int8-dynamic-sq, w4a16-awq-gptq, nvfp4-sq-gptq, fp8-block, w8a16, w4afp8-gptq, nvfp4a16-gptq, "
+        "mxfp4-gptq, mxfp4a16-gptq, mxfp8)",
     )
     parser.add_argument(
         "--out",
