@@ -48,7 +48,7 @@ SQNR_BYTES = 32
 #: encoding it for export (the encoded tensors included).
 OBSERVER_BYTES = {"mse": 22, "percentile": 44}
 FAKE_QUANT_BYTES = {"int": 9, "fp8": 9, "nvfp4": 25, "mx": 13}
-ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25, "mx": 14}
+ENCODE_BYTES = {"int": 20, "fp8": 9, "nvfp4": 25, "mx": 16}
 #: What fake-quantizing or encoding a weight that is not float32 adds per element (its float32 copy).
 NOT_FLOAT32_BYTES = 4
 
