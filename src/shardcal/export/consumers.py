@@ -197,7 +197,10 @@ class Deployment:
 TP1 = "tensor parallel 1 only (online Hadamard transforms)"
 BLACKWELL = "NVFP4 kernels on Blackwell GPUs (elsewhere vLLM's emulation)"
 MX_BLACKWELL = "MX kernels on Blackwell-class GPUs (elsewhere vLLM's emulation)"
-HOPPER = "Hopper GPUs only (its W4A8-FP8 kernel; elsewhere it finds no scheme for the export)"
+HOPPER = (
+    "Hopper GPUs only (its W4A8-FP8 kernel, which rounds each row's group scales to FP8 at load: within 1/16 of the "
+    "stored ones, not equal; elsewhere it finds no scheme for the export)"
+)
 BLOCKS = "a fused layer's members but the last, and each tensor-parallel shard, must span whole blocks (else refused)"
 KV_FP8 = "serve with --kv-cache-dtype fp8"
 KV_FP8_CPU = "serve with --kv-cache-dtype fp8; it rounds the cached values toward zero"
