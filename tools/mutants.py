@@ -1427,8 +1427,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "mx-reload-amax-sign",
         "export/compressed_tensors/tensors.py",
-        "        return torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127 + MX_ELEMENT_EXPONENT[spec.format])\n",
-        "        return torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127 - MX_ELEMENT_EXPONENT[spec.format])\n",
+        "        return mx_scales_of_exponents(scale.to(torch.int32) + MX_ELEMENT_EXPONENT[spec.format])\n",
+        "        return mx_scales_of_exponents(scale.to(torch.int32) - MX_ELEMENT_EXPONENT[spec.format])\n",
         "the amax rebuilt from a stored MX exponent is off by 2 ** (2k)",
         tests=("tests/export/test_export.py",),
     ),

@@ -495,17 +495,16 @@ def decode(enc: dict[str, torch.Tensor], spec: QuantizerSpec, dtype: torch.dtype
         gs = enc["global_scale"].float()
         eff = enc["scale"].float().unsqueeze(-1) / gs
         return (_nvfp4_blocks(q) * eff).flatten(-2).to(dtype)
-    if kind == "mx":
-        q = e2m1_values(unpack_fp4_from_uint8(enc["packed"])) if spec.format == "mxfp4" else enc["values"]
-        lay = Layout(spec, tuple(q.shape))
-        codes = lay.arrange(fp8_e4m3_to_float32(q) if q.dtype == torch.float8_e4m3fn else q)
-        return lay.restore(codes * lay.broadcast(mx_scales_of_exponents(enc["scale"]))).to(dtype)
-    values = enc["values"]
+    if kind == "mx":  # E2M1 or E4M3 values; the scales stored as E8M0 exponents
+        values = e2m1_values(unpack_fp4_from_uint8(enc["packed"])) if spec.format == "mxfp4" else enc["values"]
+        scale = mx_scales_of_exponents(enc["scale"])
+    else:
+        values, scale = enc["values"], enc["scale"].float()
     lay = Layout(spec, tuple(values.shape))
     codes = lay.arrange(fp8_e4m3_to_float32(values) if values.dtype == torch.float8_e4m3fn else values.float())
     if "zero_point" in enc:
         codes = codes - lay.broadcast(enc["zero_point"].float())
-    out = codes * lay.broadcast(enc["scale"].float())
+    out = codes * lay.broadcast(scale)
     return lay.restore(out).to(dtype)
 
 

@@ -17,6 +17,7 @@ from ...quant.formats import (
     MX_ELEMENT_EXPONENT,
     asymmetric_qparams,
     decode,
+    mx_scales_of_exponents,
     nvfp4_global_scale,
     pack_int4_to_int32,
     pack_to_int32,
@@ -162,7 +163,7 @@ def amax_for_scale(scale: torch.Tensor, spec: QuantizerSpec) -> torch.Tensor:
     """An amax whose ``amax / qmax`` (shardcal's int / fp8 scale rule) equals the stored ``scale`` bit for bit; MX:
     the power of two ``2 ** (e - 127 + k)`` whose E8M0 exponent (``formats.mx_exponents``) is the stored ``e``."""
     if spec.format in MX_FORMATS:
-        return torch.ldexp(torch.ones(scale.shape), scale.to(torch.int32) - 127 + MX_ELEMENT_EXPONENT[spec.format])
+        return mx_scales_of_exponents(scale.to(torch.int32) + MX_ELEMENT_EXPONENT[spec.format])
     qmax = NUMBER_FORMATS[spec.format].qmax
     scale = scale.float()
     return _float32_preimage(scale, scale * qmax, lambda a: scale_from_amax(a, spec.format))
