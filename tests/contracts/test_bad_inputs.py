@@ -952,17 +952,83 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
-@case("data-jsonl-no-text", ".jsonl record without a text field", DataError, "line 1 has no 'text' field")
+@case(
+    "data-jsonl-no-column",
+    ".jsonl record with none of the columns read by default",
+    DataError,
+    "line 1: has none of the columns messages, text, input_ids (found: body); name the one to read with --data-column",
+)
 def _(env: Env):
     path = env.file("docs.jsonl", json.dumps({"body": TEXT}) + "\n")
     return env.calibrate(data=path), str(path)
+
+
+@case("data-jsonl-no-text", ".jsonl record without the first record's field", DataError, "line 2 has no 'text' field")
+def _(env: Env):
+    path = env.file("docs.jsonl", json.dumps({"text": "hi"}) + "\n" + json.dumps({"body": TEXT}) + "\n")
+    return env.calibrate(data=path), str(path)
+
+
+@case("data-column-missing", "--data-column naming no column", DataError, "has no column 'prompt' (found: text)")
+def _(env: Env):
+    path = env.file("docs.jsonl", json.dumps({"text": TEXT}) + "\n")
+    return env.calibrate("--data-column", "prompt", data=path), str(path)
+
+
+@case(
+    "data-chat-no-role",
+    "a chat message without a role",
+    DataError,
+    "line 1: field 'messages': message 1 has no string 'role' (keys: ['content'])",
+)
+def _(env: Env):
+    messages = [{"role": "user", "content": TEXT}, {"content": TEXT}]
+    path = env.file("chat.jsonl", json.dumps({"messages": messages}) + "\n")
+    return env.calibrate(data=path), str(path)
+
+
+@case("data-chat-no-template", "chat data for a model without a chat template", DataError,
+      "has no chat template (no chat_template.jinja, and no 'chat_template' in chat_template.json or "
+      "tokenizer_config.json); chat data need one: pass --chat-template FILE")  # fmt: skip
+def _(env: Env):
+    path = env.file("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": TEXT}]}) + "\n")
+    return env.calibrate(data=path), str(env.model)
+
+
+@case("data-chat-template-raises", "a chat template that raises on a conversation", DataError,
+      "fails: only users may speak")  # fmt: skip
+def _(env: Env):
+    template = env.file("t.jinja", "{{ raise_exception('only users may speak') }}")
+    path = env.file("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": TEXT}]}) + "\n")
+    return env.calibrate("--chat-template", template, data=path), str(path)
+
+
+@case("data-chat-template-syntax", "--chat-template that is not valid Jinja", DataError,
+      "the chat template is not valid Jinja (line 1: ")  # fmt: skip
+def _(env: Env):
+    template = env.file("t.jinja", "{% for m in messages %}")
+    path = env.file("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": TEXT}]}) + "\n")
+    return env.calibrate("--chat-template", template, data=path), str(template)
+
+
+@case("data-parquet-corrupt", "a .parquet file that is not parquet", DataError, "not a readable parquet file")
+def _(env: Env):
+    path = env.file("data.parquet", "PAR1 not parquet")
+    return env.calibrate(data=path), str(path)
+
+
+@case("data-mix-without-counts", "two --data sources, one without its count", DataError,
+      "with several sources, give each its number of samples")  # fmt: skip
+def _(env: Env):
+    path = env.file("docs.jsonl", json.dumps({"text": TEXT}) + "\n")
+    return env.calibrate("--data", str(path), data=f"{path}:2"), f"--data {path}"
 
 
 @case(
     "data-jsonl-ids-not-text",
     ".jsonl whose text is a list of ids (ragged rows)",
     DataError,
-    "line 1: field 'text' must be a string, got list",
+    "line 1: field 'text': expected a string, got list",
 )
 def _(env: Env):
     path = env.file("docs.jsonl", '{"text": [1, 2, 3]}\n{"text": [4, 5]}\n')

@@ -17,11 +17,13 @@ from .commands import (
     cli_warnings,
     command,
     data_arguments,
+    data_options,
     model_impl_argument,
     run_ranks,
 )
 
 if TYPE_CHECKING:
+    from ..data.sources import SampleOptions
     from ..pipeline.calibrate import PipelineResult
     from ..pipeline.inputs import CalibrationInputs
 
@@ -132,7 +134,7 @@ class CalibrateRequest:
     model_dir: str
     out_dir: str
     recipe: str
-    data: str | None
+    data: list[str] | None
     num_samples: int
     seq_len: int | None
     options: CalibrationOptions
@@ -145,6 +147,7 @@ class CalibrateRequest:
     format: str
     export_dtype: str
     stream: str = "auto"
+    data_options: SampleOptions | None = None
     input_names: Mapping[str, str] = field(default_factory=lambda: dict(CLI_INPUT_NAMES))
 
     def arguments(self) -> dict[str, Any]:
@@ -162,7 +165,7 @@ def calibrate_request(args: argparse.Namespace) -> CalibrateRequest:
         model_dir=args.model_dir, out_dir=args.out, recipe=args.recipe, data=args.data, num_samples=args.num_samples,
         seq_len=args.seq_len, options=options, keep_checkpoint=args.keep_checkpoint, overwrite=args.overwrite,
         model_impl=args.model_impl, force=args.force, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload,
-        format=args.format, export_dtype=args.export_dtype, stream=args.stream,
+        format=args.format, export_dtype=args.export_dtype, stream=args.stream, data_options=data_options(args),
     )  # fmt: skip
 
 
@@ -175,6 +178,7 @@ def check_request(request: CalibrateRequest) -> CalibrationInputs:
         request.model_dir, request.out_dir, request.recipe, data=request.data,
         checkpoint_dir=request.options.checkpoint_dir, overwrite=request.overwrite, model_impl=request.model_impl,
         format=request.format, export_dtype=request.export_dtype, input_names=request.input_names,
+        data_options=request.data_options,
     )  # fmt: skip
 
 

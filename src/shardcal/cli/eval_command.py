@@ -24,7 +24,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_dir", metavar="MODEL_DIR", help="Hugging Face-format model directory (also a shardcal export)"
     )
-    data_arguments(parser, num_samples=8, seq_len=None, batch_size=4)
+    data_arguments(parser, num_samples=8, seq_len=None, batch_size=4, packing=False)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument(
         "--kl",

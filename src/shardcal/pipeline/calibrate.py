@@ -27,6 +27,7 @@ from ..calib.calibration_checkpoint import remove_checkpoint
 from ..calib.recipe import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
+from ..data.sources import SampleOptions, data_shape
 from ..errors import (
     CalibrationInterrupted,
     InsufficientMemoryError,
@@ -40,7 +41,7 @@ from ..layerwise.options import CalibrationOptions
 from ..runtime.distributed import all_gather_floats, init_distributed
 from ..runtime.fsutil import missing_ancestors, remove_empty_dirs
 from .chooser import damage_warning
-from .inputs import CalibrationInputs, check_calibration_inputs, input_name, read_token_data
+from .inputs import CalibrationInputs, DataArgument, check_calibration_inputs, input_name, read_token_data
 from .streamed import STREAM_MODES, calibrate_streamed, streaming_refusal
 
 #: The SQNR plot written into the export directory (rank 0; needs matplotlib).
@@ -108,7 +109,7 @@ def calibrate_to_checkpoint(
     out_dir: str | Path,
     recipe: str | Path | Recipe,
     *,
-    data: str | Path | None = None,
+    data: DataArgument = None,
     num_samples: int = 32,
     seq_len: int | None = None,
     options: CalibrationOptions | None = None,
@@ -122,12 +123,14 @@ def calibrate_to_checkpoint(
     export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
     stream: str = "auto",
+    data_options: SampleOptions | None = None,
 ) -> PipelineResult:
     """Calibrate the Hugging Face-format model in ``model_dir`` with ``recipe``, sharded over the ranks, and export it
     to ``out_dir`` — what ``shardcal calibrate`` does, with the same checks, files and numbers.
 
-    - ``data`` / ``num_samples`` / ``seq_len``: the token data (:func:`~.inputs.read_token_data`; None: the
-      calibration half of the Wikipedia summaries).
+    - ``data`` / ``num_samples`` / ``seq_len`` / ``data_options``: the token data (:func:`~.inputs.read_token_data`:
+      one source or several, ``PATH:COUNT``, records read as ``data_options`` says; None: the calibration half of
+      the Wikipedia summaries).
     - ``options``: how :func:`shardcal.calibrate` runs (batch size, propagation, SQNR tokens, ``checkpoint_dir``
       ...); ``keep_checkpoint``: leave ``options.checkpoint_dir`` after a successful export (else rank 0 removes it).
     - ``overwrite``: replace a non-empty ``out_dir``; ``model_impl``: ``"auto"``, ``"shardcal"`` or
@@ -155,7 +158,7 @@ def calibrate_to_checkpoint(
             model_dir, out_dir, recipe, data=data, num_samples=num_samples, seq_len=seq_len, options=options,
             keep_checkpoint=keep_checkpoint, overwrite=overwrite, model_impl=model_impl, force=force,
             shard_root=shard_root, cpu_offload=cpu_offload, format=format, export_dtype=export_dtype,
-            input_names=input_names, stream=stream,
+            input_names=input_names, stream=stream, data_options=data_options,
         )  # fmt: skip
     finally:
         if rank == 0:  # the directories this call created for the export or the checkpoint, when left empty
@@ -167,7 +170,7 @@ def _calibrate_to_checkpoint(
     out_dir: str | Path,
     recipe: str | Path | Recipe,
     *,
-    data: str | Path | None,
+    data: DataArgument,
     num_samples: int,
     seq_len: int | None,
     options: CalibrationOptions,
@@ -181,6 +184,7 @@ def _calibrate_to_checkpoint(
     export_dtype: str | None,
     input_names: Mapping[str, str] | None,
     stream: str,
+    data_options: SampleOptions | None,
 ) -> PipelineResult:
     """:func:`calibrate_to_checkpoint` once the process group is joined."""
     called = time.perf_counter()
@@ -189,14 +193,15 @@ def _calibrate_to_checkpoint(
     inputs = check_calibration_inputs(
         model_dir, out_dir, recipe, data=data, checkpoint_dir=options.checkpoint_dir, overwrite=overwrite,
         model_impl=model_impl, format=format, export_dtype=export_dtype, input_names=input_names,
+        data_options=data_options,
     )  # fmt: skip
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     with interrupted_as(f"interrupted before calibrating {model_dir}: nothing was written"):
         ids, source = read_token_data(
             model_dir, inputs.vocab_size, data=data, num_samples=num_samples, seq_len=seq_len, split="calib",
-            input_names=input_names,
+            input_names=input_names, data_options=data_options,
         )  # fmt: skip
-        streamed, planned = _streaming_decision(stream, model_dir, inputs, tuple(ids.shape), options, shard_root,
+        streamed, planned = _streaming_decision(stream, model_dir, inputs, data_shape(ids), options, shard_root,
                                                 cpu_offload, force, input_names)  # fmt: skip
         start = time.perf_counter()
         if not streamed:
@@ -241,7 +246,7 @@ def _calibrate_to_checkpoint(
                 removed = remove_checkpoint(options.checkpoint_dir)
     return PipelineResult(
         out_dir=out_dir, report=report, recipe=inputs.recipe, rank=rank, world_size=world,
-        data_shape=(int(ids.shape[0]), int(ids.shape[1])), data_source=source, seconds=phases.load + phases.calibration,
+        data_shape=data_shape(ids), data_source=source, seconds=phases.load + phases.calibration,
         phases=phases, wall_seconds=time.perf_counter() - called, peak_memory_mb=peaks,
         checkpoint_dir=options.checkpoint_dir, plot=plot, checkpoint_removed_bytes=removed,
         memory_growth_mib=growth, memory_baseline_mib=baselines, planned_growth_mib=planned, streamed=streamed,

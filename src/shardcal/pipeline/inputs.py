@@ -6,7 +6,7 @@ command line by its flags (``--out``, ``--num-samples``), through ``input_names`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,8 @@ import torch
 
 from ..calib.recipe import Recipe
 from ..calib.recipes import load_recipe
+from ..data.records import is_record_source
+from ..data.sources import DataSource, SampleOptions, data_shape, is_token_file, load_sources, model_tools, parse_source
 from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
 from ..export.export import export_dtype as dtype_of_export
@@ -23,6 +25,11 @@ from ..models.checkpoint import CheckpointReader
 from ..models.config import load_config
 from ..plan.preflight import check_recipe_fits, meta_skeleton
 from ..runtime.fsutil import check_apart
+
+#: What ``data`` may be: None (the Wikipedia summaries), one source (a path, or ``PATH:COUNT``) or several.
+DataArgument = str | Path | Sequence[str | Path] | None
+#: Token data: ``[N, L]`` ids, or a dict of right-padded ``input_ids`` and their ``attention_mask``.
+TokenData = torch.Tensor | dict[str, torch.Tensor]
 
 #: How errors name each input of a library call (``input_names`` overrides some or all of them).
 PARAMETER_NAMES: dict[str, str] = {
@@ -61,18 +68,20 @@ def check_calibration_inputs(
     out_dir: str | Path,
     recipe: str | Path | Recipe,
     *,
-    data: str | Path | None = None,
+    data: DataArgument = None,
     checkpoint_dir: str | Path | None = None,
     overwrite: bool = False,
     model_impl: str = "auto",
     format: str | ExportFormat = DEFAULT_FORMAT,
     export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
+    data_options: SampleOptions | None = None,
 ) -> CalibrationInputs:
     """Everything a calibration can refuse before loading weights or data, in this order: the recipe, the export
     format, where outputs go (``out_dir`` and ``checkpoint_dir`` never over an input), the model's config, its
     tensors' names and shapes (the safetensors headers) and the recipe (and its ``[fallback]``) against every decoder
-    layer (:mod:`shardcal.plan.preflight`), and ``out_dir`` itself (non-empty without ``overwrite``, unwritable).
+    layer (:mod:`shardcal.plan.preflight`), the data's tokenizer and chat template (:func:`check_data_tokenizer`),
+    and ``out_dir`` itself (non-empty without ``overwrite``, unwritable).
 
     Not collective; reads no weight. Raises a :class:`~shardcal.errors.ShardcalError` naming the input (as
     ``input_names`` says: :data:`PARAMETER_NAMES` by default).
@@ -82,7 +91,7 @@ def check_calibration_inputs(
     export_format = get_format(format, input_name(input_names, "format"))
     if export_dtype != "auto":
         dtype_of_export(export_dtype, input_name(input_names, "export_dtype"))
-    protected = {"the model directory": model_dir, "the data file": data}
+    protected = protected_inputs(model_dir, data, data_options)
     check_apart(out_dir, input_name(input_names, "out_dir"), protected, ExportError)
     if checkpoint_dir is not None:
         check_apart(
@@ -102,7 +111,7 @@ def check_calibration_inputs(
     check_recipe_fits(meta_skeleton(model_dir, impl), recipe)  # headers and shapes: no weight is read
     if recipe.fallback is not None and recipe.fallback.quantizes_linears:  # [fallback]'s scheme must fit as well
         check_recipe_fits(meta_skeleton(model_dir, impl), recipe.fallback)
-    check_data_tokenizer(model_dir, data)
+    check_data_tokenizer(model_dir, data, data_options)
     check_destination(out_dir, overwrite, flag=input_name(input_names, "overwrite"))
     if export_dtype == "auto":
         with CheckpointReader(model_dir) as reader:
@@ -114,50 +123,103 @@ def check_calibration_inputs(
     )
 
 
-def check_data_tokenizer(model_dir: str | Path, data: str | Path | None) -> None:
-    """When the data is text (the default Wikipedia summaries, or a ``.txt`` / ``.jsonl`` file), build the model
-    directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds, before any weight
-    or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the field."""
-    from ..data.token_data import TEXT_SUFFIXES
+def protected_inputs(
+    model_dir: Path, data: DataArgument, data_options: SampleOptions | None
+) -> dict[str, str | Path | None]:
+    """What no output may be, contain or lie inside: the model directory, every data source, the chat template."""
+    protected: dict[str, str | Path | None] = {"the model directory": model_dir}
+    for number, source in enumerate(sources_of(data)):
+        protected["the data file" + (f" (source {number + 1})" if number else "")] = source.path
+    if data_options is not None and data_options.chat_template is not None:
+        protected["the chat template"] = data_options.chat_template
+    return protected
+
+
+def sources_of(data: DataArgument) -> list[DataSource]:
+    """``data`` (None, one path or ``PATH:COUNT``, or several) as data sources."""
+    if data is None:
+        return []
+    specs = [data] if isinstance(data, (str, Path)) else list(data)
+    return [parse_source(spec) for spec in specs]
+
+
+def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options: SampleOptions | None = None) -> None:
+    """When the data is text (the default Wikipedia summaries, a ``.txt`` file, records of text or conversations),
+    build the model directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds,
+    before any weight or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the
+    field; for conversations, compile the chat template as well (a :class:`~shardcal.errors.DataError` naming it)."""
+    from ..data.chat import load_chat_template
+    from ..data.records import is_record_source, read_records
     from ..io.tokenizer.tokenizer import check_tokenizer_file
 
-    if data is None or Path(data).suffix.lower() in TEXT_SUFFIXES:
+    options = data_options or SampleOptions()
+    sources = sources_of(data)
+    kinds = set()
+    for source in sources:
+        if is_record_source(source.path):
+            kinds.add(read_records(source.path, options.column).kind)
+        elif not is_token_file(source.path):
+            kinds.add("text")
+    if not sources or kinds - {"input_ids"}:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir}: no tokenizer.json (needed to tokenize text for this model)")
         check_tokenizer_file(path)
+    if "messages" in kinds:
+        load_chat_template(model_dir, options.chat_template)
 
 
 def read_token_data(
     model_dir: str | Path,
     vocab_size: int | None,
     *,
-    data: str | Path | None = None,
+    data: DataArgument = None,
     num_samples: int | None = 32,
     seq_len: int | None = None,
     split: str = "calib",
     input_names: Mapping[str, str] | None = None,
-) -> tuple[torch.Tensor, str]:
-    """Token blocks ``[N, L]`` (int64) and where they came from, checked before the model is loaded.
+    data_options: SampleOptions | None = None,
+) -> tuple[TokenData, str]:
+    """Token data and where they came from, checked before the model is loaded.
 
-    ``data``: a token-id file (``.safetensors`` with an int ``input_ids`` [N, L], ``.npy``) or a text file
-    (``.txt``, ``.jsonl`` with a ``text`` field, tokenized with ``model_dir``'s tokenizer.json); None: the
-    Wikipedia summaries of ``split`` (``"calib"`` or ``"eval"``). ``num_samples`` rows of ``seq_len`` tokens (a
-    token-id file keeps its own length when ``seq_len`` is None; text defaults to 256). Every id must be below
-    ``vocab_size`` and rows must fit the model's ``max_position_embeddings``; a :class:`~shardcal.errors.DataError`
-    names the file (or the option) otherwise.
+    ``data``: one source or several, each a path with an optional ``:COUNT`` (:mod:`shardcal.data.sources`): a
+    token-id file (``.safetensors`` with an int ``input_ids`` [N, L], ``.npy``), a ``.txt`` document, or records
+    (``.jsonl``, ``.parquet``, a directory of parquet files) of text, conversations (rendered with the model's chat
+    template) or token ids, read as ``data_options`` says (column, chat template, packing, seed); None: the
+    Wikipedia summaries of ``split`` (``"calib"`` or ``"eval"``). ``num_samples`` samples (of a single source) of
+    ``seq_len`` tokens (a token-id file keeps its own length when ``seq_len`` is None; text defaults to 256).
+
+    The result is an int64 ``[N, L]`` tensor, or, when samples are shorter than the longest (conversations one per
+    sample), a dict of ``input_ids`` right-padded and its ``attention_mask``. Every id must be below
+    ``vocab_size`` and samples must fit the model's ``max_position_embeddings``; a
+    :class:`~shardcal.errors.DataError` names the file, the record (or the option) otherwise.
     """
     import shardcal.data.token_data as data_mod
 
     model_dir = Path(model_dir)
+    options = data_options or SampleOptions()
     if num_samples is not None and num_samples < 1:
         raise DataError(f"{input_name(input_names, 'num_samples')} must be >= 1, got {num_samples}")
     if seq_len is not None and seq_len < 2:
         raise DataError(f"{input_name(input_names, 'seq_len')} must be >= 2, got {seq_len}")
-    if data is not None:
-        path = Path(data)
-        tokenizer = _tokenizer(model_dir) if path.suffix.lower() in data_mod.TEXT_SUFFIXES else None
-        ids = data_mod.load_token_data(path, tokenizer, seq_len=seq_len, num_samples=num_samples, vocab_size=vocab_size)
+    sources = sources_of(data)
+    if any(is_record_source(source.path) for source in sources):
+        for source in sources:
+            if not is_record_source(source.path):
+                raise DataError(
+                    f"{source.path}: only records (.jsonl, .parquet, a directory of parquet files) can be mixed "
+                    "with other sources"
+                )
+        tools = model_tools(model_dir, options.chat_template)
+        ids, source = load_sources(sources, tools, num_samples=num_samples, seq_len=seq_len, options=options,
+                                   vocab_size=vocab_size)  # fmt: skip
+    elif sources:
+        if len(sources) > 1:
+            raise DataError(f"{sources[1].path}: several sources must all be records (.jsonl, .parquet)")
+        path = sources[0].path
+        count = sources[0].count if sources[0].count is not None else num_samples
+        tokenizer = _tokenizer(model_dir) if not is_token_file(path) else None
+        ids = data_mod.load_token_data(path, tokenizer, seq_len=seq_len, num_samples=count, vocab_size=vocab_size)
         source = str(path)
     else:
         ids = data_mod.token_blocks(
@@ -169,9 +231,10 @@ def read_token_data(
             )
         source = f"{'held-out' if split == 'eval' else 'calibration'} Wikipedia summaries"
     positions = text_field(raw_config(model_dir), "max_position_embeddings")
-    if isinstance(positions, int) and ids.shape[1] > positions:
+    longest = data_shape(ids)[1]
+    if isinstance(positions, int) and longest > positions:
         raise DataError(
-            f"{source}: sequences of {ids.shape[1]} tokens exceed {model_dir}'s max_position_embeddings={positions} "
+            f"{source}: sequences of {longest} tokens exceed {model_dir}'s max_position_embeddings={positions} "
             f"(pass a shorter {input_name(input_names, 'seq_len')})"
         )
     return ids, source
