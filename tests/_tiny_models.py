@@ -159,15 +159,50 @@ TINY_TEXT = (
 )
 
 
+#: A ChatML template (SmolLM2's and Qwen's turn format) over the tiny tokenizer's <|im_start|> / <|im_end|>.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
 def make_tiny_text_model(tmp_dir: str | Path, model_type: str = "llama", **config_overrides: Any) -> Path:
-    """:func:`make_tiny_checkpoint` with a byte-level ``tokenizer.json`` (vocab 300, positions 512), so that the
-    commands and examples that take text (``.jsonl``, ``.txt``) run on it."""
+    """:func:`make_tiny_checkpoint` with a byte-level ``tokenizer.json`` (vocab 300, positions 512) and a ChatML
+    chat template in ``tokenizer_config.json``, so that the commands and examples that take text (``.jsonl``,
+    ``.txt``, chat messages) run on it."""
     from test_gguf_tokenizer import byte_level_tokenizer_json
 
     overrides = {"vocab_size": 300, "max_position_embeddings": 512, **config_overrides}
     model_dir = make_tiny_checkpoint(tmp_dir, model_type, **overrides)
     (model_dir / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TEMPLATE}))
     return model_dir
+
+
+def write_chat_data(path: str | Path, conversations: int = 12) -> Path:
+    """A ``.jsonl`` file of ``conversations`` lines ``{"messages": [user, assistant]}`` of different lengths."""
+    path = Path(path)
+    words = TINY_TEXT.split()
+    lines = []
+    for i in range(conversations):
+        user, answer = " ".join(words[i : i + 3 + i % 4]), " ".join(words[i + 2 : i + 8 + 2 * i])
+        lines.append(
+            json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_parquet_text(folder: str | Path, documents: int = 40) -> Path:
+    """A Hub-style dataset directory (``data/train-00000-of-00001.parquet``) of ``text`` rows; needs pyarrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = Path(folder)
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    rows = [{"text": f"{i}. {TINY_TEXT}"} for i in range(documents)]
+    pq.write_table(pa.Table.from_pylist(rows), str(folder / "data" / "train-00000-of-00001.parquet"))
+    return folder
 
 
 def write_text_data(path: str | Path, documents: int = 40) -> Path:

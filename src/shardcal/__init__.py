@@ -13,7 +13,9 @@ Public API (see docs/reference/api.md):
   directory in (checked before loading, planned, loaded sharded, calibrated), an export out.
 - :func:`from_pretrained`, :func:`load_pretrained` — load a Hugging Face-format directory (plain or sharded).
 - :func:`init_distributed` (torchrun's process group, or one process), :class:`Tokenizer` (a model directory's
-  ``tokenizer.json``) and :func:`load_token_data` (calibration data from a text or token-id file).
+  ``tokenizer.json``), :func:`load_token_data` (calibration data from a text or token-id file) and
+  :func:`load_calibration_data` with :class:`DataOptions` (chat conversations rendered with the model's template,
+  JSONL and parquet records, several sources mixed).
 
 Names are resolved on first use (PEP 562), so ``import shardcal`` (and ``shardcal --help``) does not import torch.
 """
@@ -29,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "CalibrationOptions": "shardcal.calib.runner",
     "CalibrationReport": "shardcal.calib.report",
     "CollectionOptions": "shardcal.collect.runner",
+    "DataOptions": "shardcal.data.sources",
     "LayerActivationCollector": "shardcal.sharding.registry",
     "LayerStep": "shardcal.layerwise.steps",
     "PipelineResult": "shardcal.pipeline.calibrate",
@@ -44,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "init_distributed": "shardcal.runtime.distributed",
     "layer_steps": "shardcal.layerwise.steps",
     "layer_unsharded": "shardcal.sharding.fsdp2",
+    "load_calibration_data": "shardcal.data.sources",
     "load_pretrained": "shardcal.loading.sharded",
     "load_recipe": "shardcal.calib.recipes",
     "load_token_data": "shardcal.data.token_data",

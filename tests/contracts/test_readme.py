@@ -1,7 +1,7 @@
 """The README is a user's guide that works: at most 12 KB, and every command and snippet in it runs, on a tiny model.
 
-The README's placeholders are filled in (``MODEL_DIR``: a tiny Llama with a byte-level tokenizer; ``calib.jsonl``,
-``eval.jsonl``: text; ``OUT_DIR``, ``CKPT_DIR``: fresh directories) and each shell block runs line by line as a user
+The README's placeholders are filled in (``MODEL_DIR``: a tiny Llama with a byte-level tokenizer and a ChatML chat
+template; ``calib.jsonl``, ``eval.jsonl``: text; ``chat.jsonl``: conversations; ``wiki``: a parquet dataset; ``OUT_DIR``, ``CKPT_DIR``: fresh directories) and each shell block runs line by line as a user
 would type it, each Python block in a fresh interpreter. What cannot run here is named and checked for form: ``git
 clone`` and ``pip install`` (the environment is already installed), ``vllm serve`` (vLLM is not installed: its
 check is ``make test-vllm``). The README's sizes are for a real model: ``num_samples=512, seq_len=2048`` become
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _tiny_models import make_tiny_text_model, write_text_data
+from _tiny_models import make_tiny_text_model, write_chat_data, write_parquet_text, write_text_data
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -49,6 +49,8 @@ def workspace(tmp_path) -> dict[str, str]:
     model_dir = make_tiny_text_model(tmp_path)
     write_text_data(tmp_path / "calib.jsonl")
     write_text_data(tmp_path / "eval.jsonl", documents=10)
+    write_chat_data(tmp_path / "chat.jsonl")
+    write_parquet_text(tmp_path / "wiki")
     return {"MODEL_DIR": str(model_dir), "OUT_DIR": str(tmp_path / "out"), "CKPT_DIR": str(tmp_path / "ckpt"),
             "HOST": "127.0.0.1", "29500": str(_free_port()), "cwd": str(tmp_path)}  # fmt: skip
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardcal.data.sources import DataSource, SampleOptions, load_sources, model_tools, parse_source
+from shardcal.data.sources import DataOptions, DataSource, load_sources, model_tools, parse_source
 from shardcal.errors import DataError
 from shardcal.pipeline.inputs import read_token_data
 
@@ -74,7 +74,7 @@ def _parquet(path: Path, rows: list[dict]) -> Path:
 
 def _load(model_dir, *sources, num_samples=None, seq_len=None, **options):
     return load_sources([parse_source(s) for s in sources], model_tools(model_dir), num_samples=num_samples,
-                        seq_len=seq_len, options=SampleOptions(**options))  # fmt: skip
+                        seq_len=seq_len, options=DataOptions(**options))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- conversations
@@ -194,7 +194,7 @@ def test_bad_records_are_errors_naming_the_file_and_line(model_dir, tmp_path, ro
     data = _jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError) as info:
         read_token_data(model_dir, 300, data=str(data), num_samples=None,
-                        data_options=SampleOptions(column=column, packing="per-sample"))  # fmt: skip
+                        data_options=DataOptions(column=column, packing="per-sample"))  # fmt: skip
     assert str(info.value).startswith(f"{data}") and phrase in str(info.value), str(info.value)
 
 

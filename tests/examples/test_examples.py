@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _tiny_models import make_tiny_text_model, write_text_data
+from _tiny_models import make_tiny_text_model, write_chat_data, write_parquet_text, write_text_data
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -43,7 +43,7 @@ def _quantized_config(out: Path) -> dict:
 
 
 def test_every_example_is_tested():
-    tested = {"fp8_for_vllm.py", "int4_weights.py", "moe.py", "collect_activations.py", "multinode.sh"}
+    tested = {"fp8_for_vllm.py", "int4_weights.py", "moe.py", "collect_activations.py", "multinode.sh", "chat_data.py"}
     assert {p.name for p in EXAMPLES.iterdir()} == tested
 
 
@@ -95,3 +95,16 @@ def test_multinode_script_on_one_node_of_two_ranks(tiny, tmp_path):
     out = _run("bash", EXAMPLES / "multinode.sh", model_dir, tmp_path / "out", tmp_path / "ckpt", data, env=env)
     assert "serve it with: vllm serve" in out and (tmp_path / "out" / "shardcal_export.json").is_file()
     assert not (tmp_path / "ckpt").exists()  # removed after the successful export
+
+
+def test_chat_data(tiny, tmp_path):
+    """Conversations (one masked sample each) mixed with a parquet text dataset, on 2 ranks under torchrun."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("jinja2")
+    model_dir, _ = tiny
+    chat, text = write_chat_data(tmp_path / "chat.jsonl"), write_parquet_text(tmp_path / "wiki")
+    out = _run("torchrun", "--standalone", "--nproc-per-node", 2, EXAMPLES / "chat_data.py", model_dir,
+               tmp_path / "out", "--chat", chat, "--text", text, "--samples", 6, "--seq-len", 32)  # fmt: skip
+    assert f"calibrated on 12 samples of up to 32 tokens: {chat} (6 x messages 'messages') + {text}" in out, out
+    assert "serve it with: vllm serve" in out
+    assert _quantized_config(tmp_path / "out")["config_groups"]

@@ -23,7 +23,7 @@ from .commands import (
 )
 
 if TYPE_CHECKING:
-    from ..data.sources import SampleOptions
+    from ..data.sources import DataOptions
     from ..pipeline.calibrate import PipelineResult
     from ..pipeline.inputs import CalibrationInputs
 
@@ -147,7 +147,7 @@ class CalibrateRequest:
     format: str
     export_dtype: str
     stream: str = "auto"
-    data_options: SampleOptions | None = None
+    data_options: DataOptions | None = None
     input_names: Mapping[str, str] = field(default_factory=lambda: dict(CLI_INPUT_NAMES))
 
     def arguments(self) -> dict[str, Any]:

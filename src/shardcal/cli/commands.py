@@ -93,12 +93,12 @@ def data_arguments(
         )  # fmt: skip
 
 
-def data_options(args: argparse.Namespace) -> SampleOptions:  # noqa: F821
+def data_options(args: argparse.Namespace) -> DataOptions:  # noqa: F821
     """How ``--data-column``, ``--chat-template``, ``--packing`` and ``--data-seed`` read the records."""
-    from ..data.sources import SampleOptions
+    from ..data.sources import DataOptions
 
     template = getattr(args, "chat_template", None)
-    return SampleOptions(
+    return DataOptions(
         column=getattr(args, "data_column", None), chat_template=None if template is None else Path(template),
         packing=getattr(args, "packing", "packed"), seed=getattr(args, "data_seed", None),
     )  # fmt: skip

@@ -44,13 +44,9 @@ class DataSource:
     path: Path
     count: int | None = None
 
-    @property
-    def label(self) -> str:
-        return str(self.path) if self.count is None else f"{self.path}:{self.count}"
-
 
 @dataclass(frozen=True, kw_only=True)
-class SampleOptions:
+class DataOptions:
     """How records become samples: the column read, the chat template file overriding the model's, the packing and
     the seed records are shuffled with (None: file order)."""
 
@@ -144,7 +140,7 @@ def record_ids(records: Records, index: int, tools: Tools) -> list[int]:
 
 
 def source_samples(
-    source: DataSource, count: int | None, seq_len: int | None, options: SampleOptions, tools: Tools
+    source: DataSource, count: int | None, seq_len: int | None, options: DataOptions, tools: Tools
 ) -> tuple[list[torch.Tensor], Records]:
     """Up to ``count`` samples (1-D int64 token ids; all of them when None) from one record source."""
     records = read_records(source.path, options.column)
@@ -216,7 +212,7 @@ def load_sources(
     *,
     num_samples: int | None,
     seq_len: int | None,
-    options: SampleOptions,
+    options: DataOptions,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], str]:
     """The samples of every source, concatenated in order, stacked (:func:`stack_samples`), and a description of
@@ -246,3 +242,25 @@ def _check_ids(samples: list[torch.Tensor], path: Path, vocab_size: int | None) 
         raise DataError(f"{path}: token id {low} is negative")
     if vocab_size is not None and high >= vocab_size:
         raise DataError(f"{path}: token id {high} is out of range for a model with vocab_size {vocab_size}")
+
+
+def load_calibration_data(
+    model_dir: str | Path,
+    *sources: str | Path | DataSource,
+    num_samples: int | None = 32,
+    seq_len: int | None = None,
+    options: DataOptions | None = None,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], str]:
+    """Calibration data for the model in ``model_dir`` from one source or several (``"chat.jsonl:256"``,
+    ``"wiki/:256"``: records of text, chat messages or token ids, read as ``options`` says), with its tokenizer and
+    chat template; what :func:`shardcal.calibrate` takes (a ``[N, L]`` tensor, or a dict of padded ``input_ids``
+    and their ``attention_mask``), and a description of where the samples came from. ``num_samples`` is the count
+    of a single source without its own; ``vocab_size`` (when given) checks every id."""
+    if not sources:
+        raise DataError("load_calibration_data needs at least one source (a .jsonl, .parquet or directory path)")
+    options = options or DataOptions()
+    model_dir = Path(model_dir)
+    parsed = [s if isinstance(s, DataSource) else parse_source(s) for s in sources]
+    return load_sources(parsed, model_tools(model_dir, options.chat_template),
+                        num_samples=num_samples, seq_len=seq_len, options=options, vocab_size=vocab_size)  # fmt: skip

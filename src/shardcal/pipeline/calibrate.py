@@ -27,7 +27,7 @@ from ..calib.calibration_checkpoint import remove_checkpoint
 from ..calib.recipe import Recipe
 from ..calib.report import SQNR_PLOT_NAME, CalibrationReport
 from ..calib.runner import calibrate
-from ..data.sources import SampleOptions, data_shape
+from ..data.sources import DataOptions, data_shape
 from ..errors import (
     CalibrationInterrupted,
     InsufficientMemoryError,
@@ -123,7 +123,7 @@ def calibrate_to_checkpoint(
     export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
     stream: str = "auto",
-    data_options: SampleOptions | None = None,
+    data_options: DataOptions | None = None,
 ) -> PipelineResult:
     """Calibrate the Hugging Face-format model in ``model_dir`` with ``recipe``, sharded over the ranks, and export it
     to ``out_dir`` — what ``shardcal calibrate`` does, with the same checks, files and numbers.
@@ -184,7 +184,7 @@ def _calibrate_to_checkpoint(
     export_dtype: str | None,
     input_names: Mapping[str, str] | None,
     stream: str,
-    data_options: SampleOptions | None,
+    data_options: DataOptions | None,
 ) -> PipelineResult:
     """:func:`calibrate_to_checkpoint` once the process group is joined."""
     called = time.perf_counter()

@@ -15,7 +15,7 @@ import torch
 from ..calib.recipe import Recipe
 from ..calib.recipes import load_recipe
 from ..data.records import is_record_source
-from ..data.sources import DataSource, SampleOptions, data_shape, is_token_file, load_sources, model_tools, parse_source
+from ..data.sources import DataOptions, DataSource, data_shape, is_token_file, load_calibration_data, parse_source
 from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
 from ..export.export import export_dtype as dtype_of_export
@@ -75,7 +75,7 @@ def check_calibration_inputs(
     format: str | ExportFormat = DEFAULT_FORMAT,
     export_dtype: str | None = "auto",
     input_names: Mapping[str, str] | None = None,
-    data_options: SampleOptions | None = None,
+    data_options: DataOptions | None = None,
 ) -> CalibrationInputs:
     """Everything a calibration can refuse before loading weights or data, in this order: the recipe, the export
     format, where outputs go (``out_dir`` and ``checkpoint_dir`` never over an input), the model's config, its
@@ -124,7 +124,7 @@ def check_calibration_inputs(
 
 
 def protected_inputs(
-    model_dir: Path, data: DataArgument, data_options: SampleOptions | None
+    model_dir: Path, data: DataArgument, data_options: DataOptions | None
 ) -> dict[str, str | Path | None]:
     """What no output may be, contain or lie inside: the model directory, every data source, the chat template."""
     protected: dict[str, str | Path | None] = {"the model directory": model_dir}
@@ -143,7 +143,7 @@ def sources_of(data: DataArgument) -> list[DataSource]:
     return [parse_source(spec) for spec in specs]
 
 
-def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options: SampleOptions | None = None) -> None:
+def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options: DataOptions | None = None) -> None:
     """When the data is text (the default Wikipedia summaries, a ``.txt`` file, records of text or conversations),
     build the model directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds,
     before any weight or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the
@@ -152,7 +152,7 @@ def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options
     from ..data.records import is_record_source, read_records
     from ..io.tokenizer.tokenizer import check_tokenizer_file
 
-    options = data_options or SampleOptions()
+    options = data_options or DataOptions()
     sources = sources_of(data)
     kinds = set()
     for source in sources:
@@ -178,7 +178,7 @@ def read_token_data(
     seq_len: int | None = None,
     split: str = "calib",
     input_names: Mapping[str, str] | None = None,
-    data_options: SampleOptions | None = None,
+    data_options: DataOptions | None = None,
 ) -> tuple[TokenData, str]:
     """Token data and where they came from, checked before the model is loaded.
 
@@ -197,7 +197,7 @@ def read_token_data(
     import shardcal.data.token_data as data_mod
 
     model_dir = Path(model_dir)
-    options = data_options or SampleOptions()
+    options = data_options or DataOptions()
     if num_samples is not None and num_samples < 1:
         raise DataError(f"{input_name(input_names, 'num_samples')} must be >= 1, got {num_samples}")
     if seq_len is not None and seq_len < 2:
@@ -210,9 +210,8 @@ def read_token_data(
                     f"{source.path}: only records (.jsonl, .parquet, a directory of parquet files) can be mixed "
                     "with other sources"
                 )
-        tools = model_tools(model_dir, options.chat_template)
-        ids, source = load_sources(sources, tools, num_samples=num_samples, seq_len=seq_len, options=options,
-                                   vocab_size=vocab_size)  # fmt: skip
+        ids, source = load_calibration_data(model_dir, *sources, num_samples=num_samples,
+                                            seq_len=seq_len, options=options, vocab_size=vocab_size)  # fmt: skip
     elif sources:
         if len(sources) > 1:
             raise DataError(f"{sources[1].path}: several sources must all be records (.jsonl, .parquet)")
