@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from _results import ORDER, RESULTS_DIR, save_table  # this folder
@@ -80,11 +81,12 @@ def _run(argv: list[str], log: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def calibrate(source: Path, recipe: str, out: Path, ranks: int, log: Path) -> dict:
-    """``shardcal calibrate`` as a user runs it; its summary's times and SQNR (or the error)."""
+def calibrate(source: Path, recipe: str, out: Path, ranks: int, log: Path, extra: Sequence[str] = ()) -> dict:
+    """``shardcal calibrate`` as a user runs it (``extra``: more flags, such as ``--data``); its summary's times and
+    SQNR (or the error)."""
     start = time.perf_counter()
     proc = _run([*SHARDCAL, "calibrate", str(source), "--recipe", recipe, "--out", str(out), "--nproc-per-node",
-                 str(ranks), "--overwrite"], log)  # fmt: skip
+                 str(ranks), "--overwrite", *extra], log)  # fmt: skip
     process = time.perf_counter() - start
     found = SUMMARY.search(proc.stdout)
     if proc.returncode != 0 or found is None:

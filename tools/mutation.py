@@ -191,6 +191,10 @@ TESTS: dict[str, list[str]] = {
     "layerwise/inputs.py": ["tests/layerwise/test_pass_through.py", "tests/pipeline/test_streamed.py"],
     "loading/build.py": ["tests/loading/test_foreign_models.py", "tests/pipeline/test_streamed.py"],
     "plan/source.py": ["tests/plan/test_plan.py", "tests/loading/test_published_fp8.py"],
+    "data/chat.py": ["tests/io/test_chat_templates.py", "tests/data/test_sources.py"],
+    "data/records.py": ["tests/data/test_sources.py", "tests/contracts/test_bad_inputs.py"],
+    "data/sources.py": ["tests/data/test_sources.py", "tests/io/test_chat_templates.py"],
+    "data/token_data.py": ["tests/data/test_sources.py", "tests/cli/test_cli.py"],
 }
 
 #: Modules only the catalogue mutates: their operator mutants are not part of ``--all``.
@@ -224,6 +228,10 @@ CATALOGUE_ONLY = {
     "layerwise/inputs.py",
     "loading/build.py",
     "plan/source.py",
+    "data/chat.py",
+    "data/records.py",
+    "data/sources.py",
+    "data/token_data.py",
 }
 #: Modules whose operators and constants ``--all`` mutates mechanically (besides the catalogue).
 CORE = [m for m in TESTS if m not in CATALOGUE_ONLY]

@@ -341,3 +341,16 @@ def test_command_line_errors_before_loading(model_dir, tmp_path, capsys):
                    "--chat-template", str(template), "--seq-len", "32", "--batch-size", "2"])  # fmt: skip
     out, err = capsys.readouterr()
     assert status == 0 and "3 x 32" in out, out + err
+
+
+def test_eval_measures_chat_data_packed(model_dir, reference, tmp_path, capsys):
+    """``eval`` has no --packing: conversations are rendered and packed into full blocks, the tokens it reports."""
+    from shardcal.cli.main import main
+
+    conversations = [_conversation(i) for i in range(12)]
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations])
+    stream = [t for c in conversations for t in _chat_ids(reference, c)]
+    assert min(len(_chat_ids(reference, c)) for c in conversations) < 40 < len(stream) // 3
+    status = main(["eval", str(model_dir), "--data", str(data), "--seq-len", "40", "--num-samples", "3"])
+    out, err = capsys.readouterr()
+    assert status == 0 and "3 x 40 tokens of" in out, out + err
