@@ -1528,6 +1528,22 @@ CATALOGUE: list[Mutant] = [
         "eval (no --packing) reads conversations one padded sample each, which perplexity cannot take",
         tests=("tests/data/test_sources.py",),
     ),
+    Mutant(
+        "pack-bytes-stride",
+        "quant/formats.py",
+        "    words = v.contiguous().reshape(-1).view(torch.int32)  # flat first: a size-1 dim's stride may be anything\n"
+        "    return words.reshape(*v.shape[:-1], v.shape[-1] // 4)\n",
+        "    return v.contiguous().view(torch.int32)\n",
+        "a zero point row (a size-1 dim of stride 1) cannot be packed",
+        tests=("tests/quant/test_quant_formats.py",),
+    ),
+    Mutant(
+        "fp8-block-band-offset",
+        "models/published.py",
+        "        for band, start in enumerate(range(-offset, rows, bo)):  # in place, block row by block row\n",
+        "        for band, start in enumerate(range(0, rows, bo)):  # in place, block row by block row\n",
+        "a rank's rows that start inside a block row take the next block row's scales",
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

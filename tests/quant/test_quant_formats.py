@@ -3,7 +3,7 @@ and fake_quantize == decode(encode(...)) bit for bit."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shardcal.quant import (
@@ -313,6 +313,27 @@ def test_pack_int4_matches_compressed_tensors(rows, cols, seed):
     assert torch.equal(packed, pack_to_int32(values, 4))
     assert torch.equal(unpack_int4_from_int32(packed, cols), values)
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size((rows, cols))), values)
+
+
+@settings(max_examples=40, deadline=None)
+@example(rows=1, cols=8, bits=8, seed=0, transposed=True, wide=False)  # a zero point row: strides (1, 1), no padding
+@example(rows=1, cols=16, bits=4, seed=0, transposed=True, wide=False)
+@given(rows=st.integers(1, 5), cols=st.integers(1, 40), bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16),
+       transposed=st.booleans(), wide=st.booleans())  # fmt: skip
+def test_pack_to_int32_matches_compressed_tensors(rows, cols, bits, seed, transposed, wide):
+    """Weights and zero points (packed transposed: a size-1 dim whose stride is not the row length), int8 values
+    and wider integer types holding the same values."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 as reference
+
+    from shardcal.quant.formats import pack_to_int32
+
+    g = torch.Generator().manual_seed(seed)
+    half = 2 ** (bits - 1)
+    values = torch.randint(-half, half, (cols, rows) if transposed else (rows, cols), generator=g, dtype=torch.int8)
+    if transposed:
+        values = values.T.contiguous()
+    ours = pack_to_int32(values.to(torch.int32) if wide else values, bits)
+    assert ours.dtype == torch.int32 and torch.equal(ours, reference(values, bits))
 
 
 def test_pack_fp4_order():

@@ -56,8 +56,11 @@ class BlockFP8:
         rows, cols = q.shape
         bo, bi = self.block
         offset = row_start - (row_start // bo) * bo
-        scales = scale_inv.float().repeat_interleave(bo, 0)[offset : offset + rows].repeat_interleave(bi, 1)[:, :cols]
-        return q.float() * scales
+        column_scales = scale_inv.float().repeat_interleave(bi, 1)[:, :cols]  # one row per block row: small
+        out = q.float()
+        for band, start in enumerate(range(-offset, rows, bo)):  # in place, block row by block row
+            out[max(start, 0) : start + bo].mul_(column_scales[band])
+        return out
 
 
 #: The FP4 E2M1 value of each 4-bit code (the OCP microscaling formats' element type).

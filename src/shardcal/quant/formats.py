@@ -31,6 +31,7 @@ compressed-tensors does, so nothing divides by zero; an all-zero tensor stays al
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -254,6 +255,8 @@ def pack_to_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
     n = values.shape[-1]
     words = -(-n // per)
+    if bits in (4, 8) and sys.byteorder == "little":
+        return _pack_bytes_to_int32(values, bits, words * per - n)
     v = values.to(torch.int64) + 2 ** (bits - 1)
     if words * per != n:
         v = torch.nn.functional.pad(v, (0, words * per - n))
@@ -262,6 +265,22 @@ def pack_to_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     packed = (v << shifts).sum(dim=-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
     return packed.to(torch.int32).contiguous()
+
+
+def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Tensor:
+    """:func:`pack_to_int32` for 4 and 8 bits, in bytes: the offset codes as uint8, two nibbles a byte (the first
+    value low), the bytes read as little-endian int32 words — the same bits, without a 64-bit copy of the tensor."""
+    if values.dtype == torch.int8:  # + 2**(bits-1) modulo 256: the offset codes' bits, read as uint8
+        v = (values + 8).view(torch.uint8) if bits == 4 else values.view(torch.uint8) ^ 0x80
+    else:
+        v = (values.to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    if bits == 4:
+        v = v.unflatten(-1, (v.shape[-1] // 2, 2))
+        v = v[..., 0] | (v[..., 1] << 4)
+    words = v.contiguous().reshape(-1).view(torch.int32)  # flat first: a size-1 dim's stride may be anything
+    return words.reshape(*v.shape[:-1], v.shape[-1] // 4)
 
 
 def unpack_int4_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
