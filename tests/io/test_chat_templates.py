@@ -172,3 +172,21 @@ def test_the_model_directorys_template_files_in_transformers_order(gemma_dir, tm
     assert load_chat_template(folder).render([]) == "J"
     (folder / "chat_template.jinja").write_text("F")
     assert load_chat_template(folder).render([]) == "F"
+
+
+def test_namespaces_work_and_keep_out_of_python_internals(tmp_path):
+    """Templates count with ``namespace`` (Qwen's do); a name starting with ``_`` is refused, as transformers refuses
+    it (a template is untrusted code). Compared with transformers' own rendering."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    counting = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    messages = [{"role": "user", "content": "a"}] * 3
+    template = tmp_path / "t.jinja"
+    template.write_text(counting)
+    ours = load_chat_template(tmp_path, template).render(messages)
+    theirs, _ = render_jinja_template(conversations=[messages], chat_template=counting)
+    assert ours == theirs[0] == "3"
+    for bad in ("{% set ns = namespace(_x=1) %}", "{% set ns = namespace() %}{% set ns.__class__ = 1 %}"):
+        template.write_text(bad)
+        with pytest.raises(ValueError, match="may not store"):
+            load_chat_template(tmp_path, template).render(messages)

@@ -164,6 +164,7 @@ def _compile(source: str, origin: str) -> Any:
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
+    environment.globals["namespace"] = _namespace_class(jinja2)
     try:
         compiled = environment.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -199,6 +200,30 @@ def _generation_extension(jinja2: Any) -> type:
             return caller()
 
     return Generation
+
+
+def _namespace_class(jinja2: Any) -> type:
+    """Jinja's ``namespace`` refusing names that start with ``_`` (a template is untrusted code: no way to reach
+    Python's internals through attributes it stores), as transformers sets it up."""
+    from jinja2.utils import Namespace
+
+    def check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not store {name!r} on a namespace")
+
+    class TemplateNamespace(Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's own signature trick: namespace(self=...) works
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                check(name)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check(name)
+            Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
 
 
 def _raise_exception(message: str) -> None:
