@@ -1544,6 +1544,14 @@ CATALOGUE: list[Mutant] = [
         "        for band, start in enumerate(range(0, rows, bo)):  # in place, block row by block row\n",
         "a rank's rows that start inside a block row take the next block row's scales",
     ),
+    Mutant(
+        "per-sample-text-without-bos",
+        "data/sources.py",
+        "        return tools.lead + list(tools.tokenizer.encode(value))\n",
+        "        return list(tools.tokenizer.encode(value))\n",
+        "text records one per sample lose the BOS the tokenizer's template puts first",
+        tests=("tests/io/test_tokenizer_sentencepiece.py", "tests/data/test_sources.py"),
+    ),
     # ------------------------------------------------------------------ evaluation
     Mutant(
         "eval-shift",

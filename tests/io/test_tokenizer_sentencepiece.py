@@ -770,6 +770,28 @@ def test_text_data_blocks_lead_with_the_bos_the_template_adds(tmp_path, llama2_f
     assert rows[:, 1:].flatten().tolist() == stream[: rows.shape[0] * 15]
 
 
+def test_text_records_one_per_sample_lead_with_the_bos_the_template_adds(tmp_path, llama2_file):
+    """--packing per-sample on text: each document is one sample as the tokenizers library encodes it with its
+    template (<s> first), cut at the sequence length."""
+    pytest.importorskip("jinja2")
+    import torch
+
+    from shardcal.data.sources import DataOptions, DataSource, Tools, load_sources
+
+    texts = CORPUS[:5]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    reference = tokenizers.Tokenizer.from_file(str(llama2_file))
+    ours = Tokenizer.from_file(llama2_file, bos_token="<s>", eos_token="</s>")
+    got, _ = load_sources([DataSource(path=data)], Tools(lambda: ours, None), num_samples=None, seq_len=12,
+                          options=DataOptions(packing="per-sample"))  # fmt: skip
+    rows = got["input_ids"] if isinstance(got, dict) else got
+    mask = got["attention_mask"] if isinstance(got, dict) else torch.ones_like(rows)
+    expected = [reference.encode(t).ids[:12] for t in texts]
+    assert expected[0][0] == reference.token_to_id("<s>")
+    assert [r[m.bool()].tolist() for r, m in zip(rows, mask)] == expected
+
+
 def test_gemma3_rows_lead_with_bos(gemma3_tokenizer_file):
     """Gemma 3 needs <bos> first (its template adds it): calibration and evaluation blocks start with it."""
     from shardcal.data.token_data import leading_special_ids

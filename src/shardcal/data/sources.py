@@ -30,10 +30,9 @@ import torch
 from ..errors import DataError
 from .chat import ChatTemplate, load_chat_template
 from .records import Records, read_records
-from .token_data import leading_special_ids, pack_records
+from .token_data import DEFAULT_SEQ_LEN, leading_special_ids, pack_records
 
 PACKINGS = ("auto", "packed", "per-sample")
-DEFAULT_SEQ_LEN = 256
 _COUNTED = re.compile(r"^(?P<path>.+):(?P<count>\d+)$")
 
 
@@ -102,6 +101,11 @@ class Tools:
     def template(self) -> ChatTemplate:
         return self._template()
 
+    @functools.cached_property
+    def lead(self) -> list[int]:
+        """The tokenizer's leading special tokens (BOS where its template adds one), found once."""
+        return leading_special_ids(self.tokenizer)
+
     def check(self, records: Records) -> None:
         """Refuse records this run has no tokenizer or chat template for, naming them."""
         if records.kind != "input_ids" and self._tokenizer is None:
@@ -131,7 +135,7 @@ def record_ids(records: Records, index: int, tools: Tools) -> list[int]:
     if records.kind == "input_ids":
         return value
     if records.kind == "text":
-        return leading_special_ids(tools.tokenizer) + list(tools.tokenizer.encode(value))
+        return tools.lead + list(tools.tokenizer.encode(value))
     try:
         text = tools.template.render(value, **records.extras(index))
     except ValueError as exc:
