@@ -190,3 +190,13 @@ def test_namespaces_work_and_keep_out_of_python_internals(tmp_path):
         template.write_text(bad)
         with pytest.raises(ValueError, match="may not store"):
             load_chat_template(tmp_path, template).render(messages)
+
+
+def test_a_template_expression_that_raises_is_a_data_error(tmp_path):
+    """Whatever a template's expressions raise (here a division by zero) names the record, never a traceback."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 1 // (messages | length - 1) }}"}))
+    data = _write_records(tmp_path / "chat.jsonl", [CONVERSATIONS[0], CONVERSATIONS[0][:1]])
+    records = read_records(data)
+    tools = model_tools(tmp_path, tokenizer=object())  # the template fails before any tokenizing
+    with pytest.raises(DataError, match=rf"^{data}: line 2: the chat template .* ZeroDivisionError"):
+        record_ids(records, 1, tools)

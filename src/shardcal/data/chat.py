@@ -56,7 +56,7 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template ({self.origin}) fails: {exc}") from None
-        except (TypeError, KeyError, IndexError, AttributeError) as exc:
+        except Exception as exc:  # whatever else a template's expressions raise (it is the user's data's fault)
             raise ValueError(f"the chat template ({self.origin}) fails on it: {type(exc).__name__}: {exc}") from None
 
 
