@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: tuple[str, ...] = (
     "weight_sqnr", "sqnr_sample", "load_memory", "calibration_speed", "foreign_speed", "collect_speed", "ptq_quality",
     "autoround_speed", "plan_accuracy", "scaling", "vs_peers", "vllm_check", "streamed_memory", "streamed_deepseek",
-    "user_path",
+    "user_path", "chat_data",
 )  # fmt: skip
 #: Benchmarks that need a venv of their own: name -> its python (relative to the repository root).
 NEEDS_VENV: dict[str, str] = {"vs_peers": ".venv-peers/bin/python", "vllm_check": ".venv-vllm/bin/python"}
