@@ -1516,9 +1516,9 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "packed-eos-first",
         "data/token_data.py",
-        "        stream: Iterator[int] = chain.from_iterable(chain(tokenizer.encode(records.value(i)), separator) for i in order)\n",
-        "        stream: Iterator[int] = chain.from_iterable(chain(separator, tokenizer.encode(records.value(i))) for i in order)\n",
-        "packed text records put EOS before each document instead of after it",
+        "        yield from tokenizer.encode(text)\n        yield from separator\n",
+        "        yield from separator\n        yield from tokenizer.encode(text)\n",
+        "packed text (records and the Wikipedia summaries) puts EOS before each document instead of after it",
     ),
     Mutant(
         "eval-chat-per-sample",

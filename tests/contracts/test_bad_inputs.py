@@ -1035,6 +1035,13 @@ def _(env: Env):
     return env.calibrate(data=path), str(path)
 
 
+@case("data-mix-token-file", "a token-id file mixed with records", DataError,
+      "only records (.jsonl, .parquet, a directory of parquet files) can be mixed with other sources")  # fmt: skip
+def _(env: Env):
+    path = env.file("docs.jsonl", json.dumps({"text": TEXT}) + "\n")
+    return env.calibrate("--data", f"{path}:2", data=f"{env.ids}:2"), str(env.ids)
+
+
 @case("data-num-samples-zero", "--num-samples 0", DataError, "--num-samples must be >= 1, got 0")
 def _(env: Env):
     argv = env.calibrate()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from ..runtime.fsutil import read_json_object
 
 #: Where a model directory keeps its chat template, in the order transformers reads them.
 TEMPLATE_FILE = "chat_template.jinja"
@@ -82,7 +83,7 @@ def _template_of(model_dir: Path) -> tuple[str, str]:
         path = model_dir / name
         if not path.is_file():
             continue
-        template = _template_field(_read_json(path), path)
+        template = _template_field(read_json_object(path, DataError), path)
         if template is not None:
             return template, f"{path}: chat_template"
     raise DataError(
@@ -118,20 +119,10 @@ def _read_template_file(path: Path) -> str:
     return text
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise DataError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _special_tokens(model_dir: Path) -> dict[str, str]:
     """The special tokens of ``tokenizer_config.json`` as strings (a token may be stored as ``{"content": ...}``)."""
     path = model_dir / TOKENIZER_CONFIG
-    config = _read_json(path) if path.is_file() else {}
+    config = read_json_object(path, DataError) if path.is_file() else {}
     tokens = {}
     for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)

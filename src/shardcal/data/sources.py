@@ -67,6 +67,14 @@ def parse_source(spec: str | Path) -> DataSource:
     return DataSource(path=Path(match["path"]), count=count)
 
 
+def sources_of(data: str | Path | DataSource | Sequence[str | Path | DataSource] | None) -> list[DataSource]:
+    """``data`` (None, one source, or several: each a :class:`DataSource`, a path or ``PATH:COUNT``) as sources."""
+    if data is None:
+        return []
+    specs = [data] if isinstance(data, (str, Path, DataSource)) else list(data)
+    return [spec if isinstance(spec, DataSource) else parse_source(spec) for spec in specs]
+
+
 def counts_of(sources: Sequence[DataSource], num_samples: int | None) -> list[int | None]:
     """How many samples each source gives: its own count, or ``num_samples`` when it is the only source."""
     if len(sources) == 1:
@@ -265,6 +273,5 @@ def load_calibration_data(
         raise DataError("load_calibration_data needs at least one source (a .jsonl, .parquet or directory path)")
     options = options or DataOptions()
     model_dir = Path(model_dir)
-    parsed = [s if isinstance(s, DataSource) else parse_source(s) for s in sources]
-    return load_sources(parsed, model_tools(model_dir, options.chat_template),
+    return load_sources(sources_of(sources), model_tools(model_dir, options.chat_template),
                         num_samples=num_samples, seq_len=seq_len, options=options, vocab_size=vocab_size)  # fmt: skip

@@ -85,15 +85,14 @@ def split_texts(texts: list[str], split: str) -> list[str]:
     return texts[SPLITS.index(split) :: 2]
 
 
-def document_separator(tokenizer: Any) -> list[int]:
-    """What joins two documents in a packed stream: the tokenizer's EOS (else a blank line)."""
+def _separator(tokenizer: Any) -> list[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return [eos] if isinstance(eos, int) else tokenizer.encode("\n\n")
 
 
 def _stream(tokenizer: Any, texts: Iterable[str]) -> Iterator[int]:
     """Token ids of the texts, each followed by the end-of-sequence token."""
-    separator = document_separator(tokenizer)
+    separator = _separator(tokenizer)
     for text in texts:
         yield from tokenizer.encode(text)
         yield from separator
@@ -115,7 +114,7 @@ def leading_special_ids(tokenizer: Any) -> list[int]:
     return []
 
 
-def pack_blocks(
+def _blocks(
     ids: Iterator[int], n_blocks: int | None, seq_len: int, lead: Sequence[int] = ()
 ) -> tuple[torch.Tensor, int]:
     """Consecutive non-overlapping blocks from a token stream, each ``lead`` (the tokenizer's leading special
@@ -166,7 +165,7 @@ def token_blocks(tokenizer: Any, n_blocks: int, seq_len: int, split: str = "cali
     path = wiki_summaries_path()
     texts = split_texts(load_wiki_texts(path), split)
     random.Random(seed).shuffle(texts)
-    blocks, _ = pack_blocks(_stream(tokenizer, texts), n_blocks, seq_len, leading_special_ids(tokenizer))
+    blocks, _ = _blocks(_stream(tokenizer, texts), n_blocks, seq_len, leading_special_ids(tokenizer))
     if blocks.shape[0] < n_blocks:
         raise DataError(
             f"{path}: the {split!r} split has only {blocks.shape[0]} blocks of {seq_len} tokens, {n_blocks} were asked for"
@@ -220,7 +219,7 @@ def load_token_data(
         if suffix != ".txt":
             ids = _packed_records(path, tokenizer, seq_len, num_samples)
         else:
-            ids, dropped = pack_blocks(_text_stream(tokenizer, _read_txt(path)), num_samples, seq_len,
+            ids, dropped = _blocks(_text_stream(tokenizer, _read_txt(path)), num_samples, seq_len,
                                        leading_special_ids(tokenizer))  # fmt: skip
             if ids.shape[0] == 0:
                 raise DataError(
@@ -369,12 +368,11 @@ def pack_records(
     kind (token ids, rendered conversations: ``ids_of(index)``) joined as it is, their own special tokens kept.
     Warns when a partial block at the end is left out."""
     if records.kind == "text":
-        separator = document_separator(tokenizer)
-        stream: Iterator[int] = chain.from_iterable(chain(tokenizer.encode(records.value(i)), separator) for i in order)
+        stream: Iterator[int] = _stream(tokenizer, (records.value(i) for i in order))
         lead = leading_special_ids(tokenizer)
     else:
         stream, lead = chain.from_iterable(ids_of(i) for i in order), []
-    blocks, dropped = pack_blocks(stream, count, seq_len, lead)
+    blocks, dropped = _blocks(stream, count, seq_len, lead)
     if dropped:
         warnings.warn(
             f"{records.path}: the last {dropped} tokens (less than one block of {seq_len}) are left out", stacklevel=3

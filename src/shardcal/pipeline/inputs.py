@@ -15,7 +15,7 @@ import torch
 from ..calib.recipe import Recipe
 from ..calib.recipes import load_recipe
 from ..data.records import is_record_source
-from ..data.sources import DataOptions, DataSource, data_shape, is_token_file, load_calibration_data, parse_source
+from ..data.sources import DataOptions, data_shape, is_token_file, load_calibration_data, sources_of
 from ..errors import CalibrationCheckpointError, ConfigError, DataError, ExportError, TokenizerError
 from ..export import check_destination
 from ..export.export import export_dtype as dtype_of_export
@@ -135,14 +135,6 @@ def protected_inputs(
     return protected
 
 
-def sources_of(data: DataArgument) -> list[DataSource]:
-    """``data`` (None, one path or ``PATH:COUNT``, or several) as data sources."""
-    if data is None:
-        return []
-    specs = [data] if isinstance(data, (str, Path)) else list(data)
-    return [parse_source(spec) for spec in specs]
-
-
 def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options: DataOptions | None = None) -> None:
     """When the data is text (the default Wikipedia summaries, a ``.txt`` file, records of text or conversations),
     build the model directory's tokenizer now, so that a missing or unsupported tokenizer.json fails in seconds,
@@ -203,18 +195,16 @@ def read_token_data(
     if seq_len is not None and seq_len < 2:
         raise DataError(f"{input_name(input_names, 'seq_len')} must be >= 2, got {seq_len}")
     sources = sources_of(data)
-    if any(is_record_source(source.path) for source in sources):
-        for source in sources:
-            if not is_record_source(source.path):
-                raise DataError(
-                    f"{source.path}: only records (.jsonl, .parquet, a directory of parquet files) can be mixed "
-                    "with other sources"
-                )
+    unmixable = [source for source in sources if not is_record_source(source.path)]
+    if len(sources) > 1 and unmixable:
+        raise DataError(
+            f"{unmixable[0].path}: only records (.jsonl, .parquet, a directory of parquet files) can be mixed with "
+            "other sources"
+        )
+    if sources and not unmixable:
         ids, source = load_calibration_data(model_dir, *sources, num_samples=num_samples,
                                             seq_len=seq_len, options=options, vocab_size=vocab_size)  # fmt: skip
     elif sources:
-        if len(sources) > 1:
-            raise DataError(f"{sources[1].path}: several sources must all be records (.jsonl, .parquet)")
         path = sources[0].path
         count = sources[0].count if sources[0].count is not None else num_samples
         tokenizer = _tokenizer(model_dir) if not is_token_file(path) else None
