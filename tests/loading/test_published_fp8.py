@@ -109,6 +109,10 @@ def test_the_readers_hide_the_scales_and_read_rows_inside_a_block(pair):
             for start, stop in ((0, 64), (5, 29), (24, 48), (47, 64), (32, 33)):
                 rows = reader.get_rows(key, start, stop)
                 assert rows.dtype == torch.float32 and torch.equal(rows.bfloat16().float(), want[start:stop])
+                # read as the parameter's dtype: rounded once from the float32 product, so the copy's values
+                rows = reader.get_rows(key, start, stop, torch.bfloat16)
+                assert rows.dtype == torch.bfloat16 and torch.equal(rows.float(), want[start:stop])
+            assert torch.equal(reader.get(key, torch.bfloat16).float(), want)
 
 
 def _sharded(folder: str) -> dict[str, list]:

@@ -57,25 +57,28 @@ class Source:
     def keys(self) -> list[str]:
         return [k for part in self.parts for k in part]
 
-    def rows(self, reader: CheckpointReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0 (experts, for a stacked parameter), reading nothing else."""
+    def rows(self, reader: CheckpointReader, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 (experts, for a stacked parameter), reading nothing else; in ``dtype`` (None:
+        as the reader gives them: a published FP8 weight's in float32)."""
         if not self.stacked:
-            return reader.get_rows(self.parts[0][0], start, stop)
-        # one expert at a time into the result (in the dtype the reader gives: a published FP8 expert's is float32):
-        # a stack of them all would hold the experts twice while it copies
+            return reader.get_rows(self.parts[0][0], start, stop, dtype)
+        # one expert at a time into the result: a stack of them all would hold the experts twice while it copies
         out = None
         for row, expert in enumerate(range(start, stop)):
-            parts = [reader.get(k) for k in self.parts[expert]]
+            parts = [reader.get(k, dtype) for k in self.parts[expert]]
             one = parts[0] if len(parts) == 1 else torch.cat(parts)
             if out is None:
                 out = torch.empty((stop - start, *one.shape), dtype=one.dtype)
             out[row] = one
         if out is None:  # no experts asked for
-            return torch.empty((0, *self.shape(reader)[1:]), dtype=reader.dtype(self.parts[0][0]))
+            return torch.empty((0, *self.shape(reader)[1:]), dtype=dtype or reader.dtype(self.parts[0][0]))
         return out
 
-    def full(self, reader: CheckpointReader) -> torch.Tensor:
-        return self.rows(reader, 0, self.shape(reader)[0]) if self.stacked else reader.get(self.parts[0][0])
+    def full(self, reader: CheckpointReader, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor, in ``dtype`` (None: as :meth:`rows`)."""
+        if self.stacked:
+            return self.rows(reader, 0, self.shape(reader)[0], dtype)
+        return reader.get(self.parts[0][0], dtype)
 
 
 def _candidates(name: str, name_map: NameMap | None) -> list[str]:

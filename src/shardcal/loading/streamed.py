@@ -104,11 +104,10 @@ class StreamedLayers(ResidentLayers):
         for name, _, _, p in names:
             source = self.sources[name]
             if self.reads_whole or not p.dim():
-                rows = source.full(self.reader)
+                rows = source.full(self.reader, p.dtype)
             else:
-                rows = source.rows(self.reader, *row_range(p.shape[0], rank, size))
+                rows = source.rows(self.reader, *row_range(p.shape[0], rank, size), p.dtype)
             self.bytes_read += rows.numel() * rows.element_size()
-            rows = rows.to(p.dtype)
             out[name] = rows.pin_memory() if self.device.type == "cuda" else rows  # copied to the GPU asynchronously
         return out
 

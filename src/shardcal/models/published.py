@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -46,9 +47,11 @@ class BlockFP8:
         """The rows of the scale tensor that weight rows ``start:stop`` need."""
         return start // self.block[0], math.ceil(stop / self.block[0])
 
-    def dequantize(self, q: torch.Tensor, scale_inv: torch.Tensor, row_start: int = 0) -> torch.Tensor:
-        """Weight rows ``row_start : row_start + len(q)`` in float32, from their FP8 values ``q`` and the scale rows
-        :meth:`scale_rows` names."""
+    def dequantize(
+        self, q: torch.Tensor, scale_inv: torch.Tensor, row_start: int = 0, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Weight rows ``row_start : row_start + len(q)`` from their FP8 values ``q`` and the scale rows
+        :meth:`scale_rows` names: computed in float32, then rounded once to ``dtype`` (float32: kept)."""
         if q.dim() != 2 or scale_inv.dim() != 2:
             raise ValueError(
                 f"block-scaled FP8 weights are 2-D, got {list(q.shape)} with scales {list(scale_inv.shape)}"
@@ -57,10 +60,31 @@ class BlockFP8:
         bo, bi = self.block
         offset = row_start - (row_start // bo) * bo
         column_scales = scale_inv.float().repeat_interleave(bi, 1)[:, :cols]  # one row per block row: small
-        out = q.float()
-        for band, start in enumerate(range(-offset, rows, bo)):  # in place, block row by block row
-            out[max(start, 0) : start + bo].mul_(column_scales[band])
+        codes = q.contiguous().view(torch.uint8)
+        out = torch.empty((rows, cols), dtype=dtype)
+        # block row by block row, through band-sized buffers (the values in ``out`` itself when it is float32)
+        height = min(bo, rows)
+        index = torch.empty((height, cols), dtype=torch.int64)
+        band_buffer = None if dtype == torch.float32 else torch.empty((height, cols), dtype=torch.float32)
+        for band, start in enumerate(range(-offset, rows, bo)):
+            lo, hi = max(start, 0), min(start + bo, rows)
+            values = out[lo:hi] if band_buffer is None else band_buffer[: hi - lo]
+            _fp8_values(index[: hi - lo].copy_(codes[lo:hi]), out=values).mul_(column_scales[band])
+            if band_buffer is not None:
+                out[lo:hi].copy_(values)
         return out
+
+
+def _fp8_values(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The float32 values of float8_e4m3fn codes (their bytes as int64, contiguous: numpy would otherwise convert
+    them into a new array) written into ``out``: torch's own conversion, value for value, from a table of the 256
+    values that numpy looks up (faster on CPU than the conversion itself)."""
+    np.take(_E4M3_TABLE, codes.numpy(), out=out.numpy(), mode="clip")  # "raise" would buffer ``out``
+    return out
+
+
+#: float8_e4m3fn's 256 values by code, as torch converts them.
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 #: The FP4 E2M1 value of each 4-bit code (the OCP microscaling formats' element type).
@@ -210,27 +234,32 @@ class PublishedReads:
         parts = self._packed.get(key) or (key, *((self._scales[key],) if key in self._scales else ()))
         return sum(math.prod(self._raw_shape(k)) * self._raw_dtype(k).itemsize for k in parts)
 
-    def _dequantized(self, key: str, stored: torch.Tensor, start: int) -> torch.Tensor:
-        """``stored`` (rows ``start:`` of ``key``) as the weight it stands for: float32 where it is block-scaled."""
+    def _dequantized(self, key: str, stored: torch.Tensor, start: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """``stored`` (rows ``start:`` of ``key``) as the weight it stands for, in ``dtype`` (None: float32 where it is
+        block-scaled, else as stored)."""
         scale_key = self._scales.get(key)
         if scale_key is None or not isinstance(self.published, BlockFP8):
-            return stored
+            return stored if dtype is None else stored.to(dtype)
         first, stop = self.published.scale_rows(start, start + stored.shape[0])
-        return self.published.dequantize(stored, self._raw_get_rows(scale_key, first, stop), start)
+        scales = self._raw_get_rows(scale_key, first, stop)
+        return self.published.dequantize(stored, scales, start, dtype or torch.float32)
 
-    def get(self, key: str) -> torch.Tensor:
-        """The whole tensor (a published quantized one: dequantized, float32)."""
+    def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor, in ``dtype`` (None: as stored, a published quantized one dequantized in float32)."""
         if key in self._packed and isinstance(self.published, MXFP4):
             blocks, scales = self._packed[key]
-            return self.published.dequantize(self._raw_get(blocks), self._raw_get(scales))
-        return self._dequantized(key, self._raw_get(key), 0)
+            values = self.published.dequantize(self._raw_get(blocks), self._raw_get(scales))
+            return values if dtype is None else values.to(dtype)
+        return self._dequantized(key, self._raw_get(key), 0, dtype)
 
-    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0, nothing else read (a block-scaled FP8 weight: dequantized, float32, with the
-        scale rows those rows need; an MXFP4 tensor: those experts, dequantized)."""
+    def get_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0, nothing else read, in ``dtype`` (None: as :meth:`get`); a block-scaled FP8
+        weight is dequantized with the scale rows those rows need (rounded once to ``dtype``), an MXFP4 tensor's
+        rows are its experts."""
         if key in self._packed and isinstance(self.published, MXFP4):
             blocks, scales = self._packed[key]
-            return self.published.dequantize(
+            values = self.published.dequantize(
                 self._raw_get_rows(blocks, start, stop), self._raw_get_rows(scales, start, stop)
             )
-        return self._dequantized(key, self._raw_get_rows(key, start, stop), start)
+            return values if dtype is None else values.to(dtype)
+        return self._dequantized(key, self._raw_get_rows(key, start, stop), start, dtype)
