@@ -129,8 +129,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "stream-whole-read-takes-rows",
         "loading/streamed.py",
-        "            if self.reads_whole or not p.dim():\n                rows = source.full(self.reader)\n",
-        "            if not p.dim():\n                rows = source.full(self.reader)\n",
+        "            if self.reads_whole or not p.dim():\n                rows = source.full(self.reader, p.dtype)\n",
+        "            if not p.dim():\n                rows = source.full(self.reader, p.dtype)\n",
         "a rank of a CPU streamed run reads only its rows of a layer it then holds as if whole",
     ),
     Mutant(
@@ -383,8 +383,8 @@ CATALOGUE: list[Mutant] = [
         "sources-all-experts",
         "loading/sources.py",
         "        for row, expert in enumerate(range(start, stop)):\n"
-        "            parts = [reader.get(k) for k in self.parts[expert]]\n",
-        "        every = [[reader.get(k) for k in part] for part in self.parts]\n"
+        "            parts = [reader.get(k, dtype) for k in self.parts[expert]]\n",
+        "        every = [[reader.get(k, dtype) for k in part] for part in self.parts]\n"
         "        for row, expert in enumerate(range(start, stop)):\n"
         "            parts = every[expert]\n",
         "fused experts: every expert read, then the rank's experts kept",
@@ -1540,8 +1540,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fp8-block-band-offset",
         "models/published.py",
-        "        for band, start in enumerate(range(-offset, rows, bo)):  # in place, block row by block row\n",
-        "        for band, start in enumerate(range(0, rows, bo)):  # in place, block row by block row\n",
+        "        for band, start in enumerate(range(-offset, rows, bo)):\n",
+        "        for band, start in enumerate(range(0, rows, bo)):\n",
         "a rank's rows that start inside a block row take the next block row's scales",
     ),
     Mutant(
