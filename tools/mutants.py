@@ -1545,6 +1545,22 @@ CATALOGUE: list[Mutant] = [
         "a rank's rows that start inside a block row take the next block row's scales",
     ),
     Mutant(
+        "stream-whole-read-drops-dtype",
+        "loading/streamed.py",
+        "                rows = source.full(self.reader, p.dtype)\n",
+        "                rows = source.full(self.reader)\n",
+        "a CPU rank reading the layer whole holds it in the stored dtype (FP8 dequantized: float32), not the model's",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "stacked-experts-drop-dtype",
+        "loading/sources.py",
+        "            parts = [reader.get(k, dtype) for k in self.parts[expert]]\n",
+        "            parts = [reader.get(k) for k in self.parts[expert]]\n",
+        "fused experts read from per-expert keys come in the stored dtype, not the parameter's",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
         "per-sample-text-without-bos",
         "data/sources.py",
         "        return tools.lead + list(tools.tokenizer.encode(value))\n",

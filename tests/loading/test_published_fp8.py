@@ -115,6 +115,53 @@ def test_the_readers_hide_the_scales_and_read_rows_inside_a_block(pair):
             assert torch.equal(reader.get(key, torch.bfloat16).float(), want)
 
 
+def test_sources_read_in_the_parameters_dtype(pair):
+    """A parameter's source read as its dtype: experts stacked from per-expert keys (none asked for: an empty stack of
+    that dtype too), and a tensor the checkpoint stores unquantized, cast."""
+    from shardcal.loading.sources import Source
+    from shardcal.models.reads import ReadingReader
+
+    fp8, copy = pair
+    want = load_file(str(copy / "model.safetensors"))
+    keys = [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
+    with ReadingReader(fp8) as reader:
+        experts = Source([[k] for k in keys], stacked=True)
+        got = experts.full(reader, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, torch.stack([want[k] for k in keys]))
+        got = experts.rows(reader, 1, 2, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got[0], want[keys[1]])
+        none = experts.rows(reader, 1, 1, torch.bfloat16)
+        assert none.dtype == torch.bfloat16 and none.shape == (0, *want[keys[0]].shape)
+        norm = Source([["model.norm.weight"]])
+        got = norm.full(reader, torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, want["model.norm.weight"].float())
+        got = norm.rows(reader, 3, 9, torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, want["model.norm.weight"][3:9].float())
+
+
+def _held_layer(folder: str) -> dict[str, tuple[str, list]]:
+    """Decoder layer 1 of a streamed load, held: each parameter's dtype and values."""
+    from shardcal.loading.streamed import load_streamed
+    from shardcal.sharding.residency import RESIDENCY_ATTR
+
+    residency = getattr(load_streamed(folder), RESIDENCY_ATTR)
+    try:
+        with residency.held(1, residency.layers[1]) as layer:
+            return {n: (str(p.dtype), p.float().tolist()) for n, p in layer.named_parameters()}
+    finally:
+        residency.close()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_streamed_layer_is_held_in_its_parameters_dtype(pair, ranks):
+    """On 2 CPU ranks each rank reads the layer whole, on 1 its rows: both hold the dequantized copy's bf16 values."""
+    fp8, copy = pair
+    want = run_on_ranks(1, _held_layer, str(copy))[0]
+    assert {dtype for dtype, _ in want.values()} == {"torch.bfloat16"}
+    for got in run_on_ranks(ranks, _held_layer, str(fp8)):
+        assert got == want
+
+
 def _sharded(folder: str) -> dict[str, list]:
     """This rank's rows of every parameter, loaded sharded."""
     from shardcal.loading.sharded import load_pretrained

@@ -81,6 +81,9 @@ def test_the_readers_give_transformers_dequantization(published):
             for name in (key, "model.layers.0.mlp.experts.down_proj"):
                 assert torch.equal(reader.get(name), want[name]), name
                 assert torch.equal(reader.get_rows(name, 1, 3), want[name][1:3]), name  # experts 1 and 2 only
+                got = reader.get_rows(name, 1, 3, torch.bfloat16)  # read as a bf16 parameter: cast once
+                assert got.dtype == torch.bfloat16 and torch.equal(got, want[name][1:3].bfloat16()), name
+                assert torch.equal(reader.get(name, torch.bfloat16), want[name].bfloat16()), name
 
 
 def _sharded(folder: str) -> dict[str, list]:
