@@ -139,6 +139,24 @@ def test_sources_read_in_the_parameters_dtype(pair):
         assert got.dtype == torch.float32 and torch.equal(got, want["model.norm.weight"][3:9].float())
 
 
+@pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_block_dequantization_is_the_published_formula(stored):
+    """Rows from inside a block to the end, in float32 and rounded once to bf16: ``q * scale_inv[i // bo, j // bi]``
+    computed here by indexing (e4m3 looked up in a table, other stored dtypes converted)."""
+    from shardcal.models.published import BlockFP8
+
+    block = BlockFP8(block=BLOCK)
+    q = (torch.randn(70, 90, generator=torch.Generator().manual_seed(0)) * 10).to(stored)
+    scale = torch.rand(3, 3, generator=torch.Generator().manual_seed(1)) + 0.5
+    rows, cols = torch.arange(70)[:, None] // BLOCK[0], torch.arange(90)[None, :] // BLOCK[1]
+    want = q.float() * scale[rows, cols]
+    for start in (0, 5, 30):
+        first, stop = block.scale_rows(start, 70)
+        assert torch.equal(block.dequantize(q[start:], scale[first:stop], start), want[start:])
+        got = block.dequantize(q[start:], scale[first:stop], start, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want[start:].bfloat16())
+
+
 def _held_layer(folder: str) -> dict[str, tuple[str, list]]:
     """Decoder layer 1 of a streamed load, held: each parameter's dtype and values."""
     from shardcal.loading.streamed import load_streamed

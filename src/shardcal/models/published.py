@@ -60,7 +60,8 @@ class BlockFP8:
         bo, bi = self.block
         offset = row_start - (row_start // bo) * bo
         column_scales = scale_inv.float().repeat_interleave(bi, 1)[:, :cols]  # one row per block row: small
-        codes = q.contiguous().view(torch.uint8)
+        e4m3 = q.dtype == torch.float8_e4m3fn  # looked up in a table; any other stored dtype converted by torch
+        codes = q.contiguous().view(torch.uint8) if e4m3 else q
         out = torch.empty((rows, cols), dtype=dtype)
         # block row by block row, through band-sized buffers (the values in ``out`` itself when it is float32)
         height = min(bo, rows)
@@ -69,7 +70,11 @@ class BlockFP8:
         for band, start in enumerate(range(-offset, rows, bo)):
             lo, hi = max(start, 0), min(start + bo, rows)
             values = out[lo:hi] if band_buffer is None else band_buffer[: hi - lo]
-            _fp8_values(index[: hi - lo].copy_(codes[lo:hi]), out=values).mul_(column_scales[band])
+            if e4m3:
+                _fp8_values(index[: hi - lo].copy_(codes[lo:hi]), out=values)
+            else:
+                values.copy_(codes[lo:hi])
+            values.mul_(column_scales[band])
             if band_buffer is not None:
                 out[lo:hi].copy_(values)
         return out
