@@ -11,6 +11,7 @@ problem is a :class:`~shardcal.errors.DataError` naming the file, the line or ro
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -227,7 +228,7 @@ def _parquet_records(root: Path, files: list[Path], column: str | None) -> Recor
     tools: dict[int, list[Any] | None] = {}
 
     def locate(index: int) -> tuple[int, int]:
-        file_index = max(i for i, start in enumerate(starts) if start <= index)
+        file_index = bisect.bisect_right(starts, index) - 1  # the last file starting at or before it (empty: skipped)
         return file_index, index - starts[file_index]
 
     def load(file_index: int) -> None:

@@ -30,7 +30,7 @@ import torch
 from ..errors import DataError
 from .chat import ChatTemplate, load_chat_template
 from .records import Records, read_records
-from .token_data import DEFAULT_SEQ_LEN, leading_special_ids, pack_records
+from .token_data import DEFAULT_SEQ_LEN, check_id_range, leading_special_ids, pack_records
 
 PACKINGS = ("auto", "packed", "per-sample")
 _COUNTED = re.compile(r"^(?P<path>.+):(?P<count>\d+)$")
@@ -248,12 +248,8 @@ def load_sources(
 
 
 def _check_ids(samples: list[torch.Tensor], path: Path, vocab_size: int | None) -> None:
-    low = min(int(sample.min()) for sample in samples)
-    high = max(int(sample.max()) for sample in samples)
-    if low < 0:
-        raise DataError(f"{path}: token id {low} is negative")
-    if vocab_size is not None and high >= vocab_size:
-        raise DataError(f"{path}: token id {high} is out of range for a model with vocab_size {vocab_size}")
+    low, high = min(int(sample.min()) for sample in samples), max(int(sample.max()) for sample in samples)
+    check_id_range(path, low, high, vocab_size)
 
 
 def load_calibration_data(

@@ -234,11 +234,7 @@ def load_token_data(
     if ids.numel() == 0:
         raise DataError(f"{path}: holds no tokens")
 
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0:
-        raise DataError(f"{path}: token id {low} is negative")
-    if vocab_size is not None and high >= vocab_size:
-        raise DataError(f"{path}: token id {high} is out of range for a model with vocab_size {vocab_size}")
+    check_id_range(path, int(ids.min()), int(ids.max()), vocab_size)
     if num_samples is not None and ids.shape[0] < num_samples:
         warnings.warn(
             f"{path}: holds {ids.shape[0]} samples of {ids.shape[1]} tokens, fewer than the {num_samples} asked for; "
@@ -353,6 +349,15 @@ def _packed_records(path: Path, tokenizer: Any, seq_len: int, num_samples: int |
             f"{path}: its records give fewer than {seq_len} tokens, not even one block of the sequence length"
         )
     return ids
+
+
+def check_id_range(path: Path, low: int, high: int, vocab_size: int | None) -> None:
+    """Refuse token data from ``path`` whose smallest id ``low`` is negative or whose largest ``high`` is not below
+    ``vocab_size`` (when given)."""
+    if low < 0:
+        raise DataError(f"{path}: token id {low} is negative")
+    if vocab_size is not None and high >= vocab_size:
+        raise DataError(f"{path}: token id {high} is out of range for a model with vocab_size {vocab_size}")
 
 
 def pack_records(

@@ -141,7 +141,7 @@ def check_data_tokenizer(model_dir: str | Path, data: DataArgument, data_options
     before any weight or text is read, with a :class:`~shardcal.errors.TokenizerError` naming the file and the
     field; for conversations, compile the chat template as well (a :class:`~shardcal.errors.DataError` naming it)."""
     from ..data.chat import load_chat_template
-    from ..data.records import is_record_source, read_records
+    from ..data.records import read_records
     from ..io.tokenizer.tokenizer import check_tokenizer_file
 
     options = data_options or DataOptions()
