@@ -382,11 +382,10 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "sources-all-experts",
         "loading/sources.py",
-        "        for row, expert in enumerate(range(start, stop)):\n"
-        "            parts = [reader.get(k, dtype) for k in self.parts[expert]]\n",
+        "        for row, expert in enumerate(range(start, stop)):\n            offset = 0\n",
         "        every = [[reader.get(k, dtype) for k in part] for part in self.parts]\n"
         "        for row, expert in enumerate(range(start, stop)):\n"
-        "            parts = every[expert]\n",
+        "            offset = 0\n",
         "fused experts: every expert read, then the rank's experts kept",
     ),
     Mutant(
@@ -1555,8 +1554,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "stacked-experts-drop-dtype",
         "loading/sources.py",
-        "            parts = [reader.get(k, dtype) for k in self.parts[expert]]\n",
-        "            parts = [reader.get(k) for k in self.parts[expert]]\n",
+        "        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=dtype or reader.value_dtype(self.parts[0][0]))\n",
+        "        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=reader.value_dtype(self.parts[0][0]))\n",
         "fused experts read from per-expert keys come in the stored dtype, not the parameter's",
         tests=("tests/loading/test_published_fp8.py",),
     ),

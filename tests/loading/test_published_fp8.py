@@ -113,6 +113,23 @@ def test_the_readers_hide_the_scales_and_read_rows_inside_a_block(pair):
                 rows = reader.get_rows(key, start, stop, torch.bfloat16)
                 assert rows.dtype == torch.bfloat16 and torch.equal(rows.float(), want[start:stop])
             assert torch.equal(reader.get(key, torch.bfloat16).float(), want)
+            # read into a slot of a larger tensor, as a stacked parameter is: contiguous rows, or strided columns
+            assert (
+                reader.value_dtype(key) == torch.float32 and reader.value_dtype("model.norm.weight") == torch.bfloat16
+            )
+            rows, cols = reader.shape(key)
+            for dtype in (torch.float32, torch.bfloat16):
+                stack = torch.full((2, rows, cols), float("nan"), dtype=dtype)
+                wide = torch.full((rows, cols + 4), float("nan"), dtype=dtype)
+                for slot in (stack[1], wide[:, 4:]):
+                    assert reader.read_into(key, slot).data_ptr() == slot.data_ptr()
+                    assert torch.equal(slot.float(), want if dtype == torch.bfloat16 else reader.get(key))
+                assert stack[0].isnan().all() and wide[:, :4].isnan().all()  # nothing outside the slot written
+            norm = torch.empty(reader.shape("model.norm.weight"), dtype=torch.float32)
+            reader.read_into("model.norm.weight", norm)
+            assert torch.equal(norm, reader.get("model.norm.weight").float())
+            with pytest.raises(ValueError, match=rf"read into a tensor of shape \[{rows}, {cols - 1}\]"):
+                reader.read_into(key, torch.empty(rows, cols - 1))
 
 
 def test_sources_read_in_the_parameters_dtype(pair):
@@ -139,6 +156,41 @@ def test_sources_read_in_the_parameters_dtype(pair):
         assert got.dtype == torch.float32 and torch.equal(got, want["model.norm.weight"][3:9].float())
 
 
+def test_staged_reads_reuse_one_buffer_per_thread(pair, monkeypatch):
+    """Experts read into their place go through each thread's staging buffer: the next read reuses it, a tensor over
+    the limit gets its own, and two threads reading at once each get their own tensors' values."""
+    import threading
+
+    from shardcal.models import reads
+    from shardcal.models.reads import ReadingReader
+
+    fp8, copy = pair
+    want = load_file(str(copy / "model.safetensors"))
+    keys = [f"model.layers.{i}.mlp.{p}.weight" for i in (0, 1) for p in ("down_proj", "up_proj")]
+    with ReadingReader(fp8) as reader:
+        first = reader._raw_get_staged(keys[0])
+        pointer, codes = first.data_ptr(), first.clone()
+        second = reader._raw_get_staged(keys[2])  # the same shape: the same buffer, its codes now
+        assert second.data_ptr() == pointer and not torch.equal(second.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(second.view(torch.uint8), reader._raw_get(keys[2]).view(torch.uint8))
+        monkeypatch.setattr(reads, "STAGING_MAX_BYTES", first.numel() - 1)
+        assert reader._raw_get_staged(keys[0]).data_ptr() != pointer  # over the limit: a new buffer
+        monkeypatch.undo()
+        bad: list[bool] = []
+
+        def read(key: str) -> None:
+            into = torch.empty(reader.shape(key), dtype=torch.bfloat16)
+            for _ in range(40):
+                bad.append(not torch.equal(reader.read_into(key, into), want[key]))
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in (keys[0], keys[1])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(bad) == 80 and not any(bad)
+
+
 @pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
 def test_block_dequantization_is_the_published_formula(stored):
     """Rows from inside a block to the end, in float32 and rounded once to bf16: ``q * scale_inv[i // bo, j // bi]``
@@ -155,6 +207,13 @@ def test_block_dequantization_is_the_published_formula(stored):
         assert torch.equal(block.dequantize(q[start:], scale[first:stop], start), want[start:])
         got = block.dequantize(q[start:], scale[first:stop], start, torch.bfloat16)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want[start:].bfloat16())
+        for dtype in (torch.float32, torch.bfloat16):  # into a strided slot: its values, nothing else touched
+            wide = torch.zeros(70 - start, 100, dtype=dtype)
+            slot = wide[:, 10:]
+            assert block.dequantize(q[start:], scale[first:stop], start, dtype, out=slot) is slot
+            assert torch.equal(slot, want[start:].to(dtype)) and not wide[:, :10].any()
+        with pytest.raises(ValueError, match="dequantize out= must be"):
+            block.dequantize(q[start:], scale[first:stop], start, torch.bfloat16, out=torch.empty(q[start:].shape))
 
 
 def _held_layer(folder: str) -> dict[str, tuple[str, list]]:

@@ -84,6 +84,9 @@ def test_the_readers_give_transformers_dequantization(published):
                 got = reader.get_rows(name, 1, 3, torch.bfloat16)  # read as a bf16 parameter: cast once
                 assert got.dtype == torch.bfloat16 and torch.equal(got, want[name][1:3].bfloat16()), name
                 assert torch.equal(reader.get(name, torch.bfloat16), want[name].bfloat16()), name
+                assert reader.value_dtype(name) == torch.float32, name
+                into = torch.full(want[name].shape, float("nan"), dtype=torch.bfloat16)
+                assert reader.read_into(name, into) is into and torch.equal(into, want[name].bfloat16()), name
 
 
 def _sharded(folder: str) -> dict[str, list]:

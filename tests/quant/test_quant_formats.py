@@ -582,3 +582,67 @@ def test_mx_inputs_take_each_tokens_blocks_at_run_time(fmt):
             blocks = row.unflatten(-1, (4, 32))
             scale, zp = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
             assert torch.equal(ours[b, t : t + 1], ct_fq(row, scale, zp, args)), (b, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int4", "fp8_e4m3", "nvfp4"])
+def test_fake_quantize_into_out_and_in_place(fmt, dtype):
+    """``out=`` gets what the plain call returns, also when ``out`` is ``x`` itself (how fused experts store their
+    quantized weights); an ``out`` of another shape or dtype is refused."""
+    spec = QuantizerSpec(fmt, "group", group_size=16) if fmt == "int4" else QuantizerSpec(fmt)
+    w = (torch.randn(24, 64, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    amax = Layout(spec, w.shape).amax_of(w) * 0.9
+    want = fake_quantize(w, amax, spec)
+    out = torch.full_like(w, float("nan"))
+    assert fake_quantize(w, amax, spec, out=out) is out and torch.equal(out, want)
+    same = w.clone()
+    assert fake_quantize(same, amax, spec, out=same) is same and torch.equal(same, want)
+    with pytest.raises(ValueError, match="out= must be"):
+        fake_quantize(w, amax, spec, out=torch.empty(24, 63, dtype=dtype))
+    with pytest.raises(ValueError, match="out= must be"):
+        fake_quantize(w, amax, spec, out=torch.empty(24, 64, dtype=torch.float16))
+
+
+def test_chunk_buffers_are_reused_and_never_shared_between_results():
+    """Consecutive tensors reuse this thread's chunk buffers: no result aliases them (a later call leaves an earlier
+    result as it was), a thread keeps at most four, and none larger than two chunks."""
+    from shardcal.quant import formats
+
+    spec = QuantizerSpec("fp8_e4m3", "channel", axis=0)
+    first = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))  # by rows at either chunk size
+    second = torch.randn(300, 256, generator=torch.Generator().manual_seed(2)) * 7
+    a = fake_quantize(first, Layout(spec, first.shape).amax_of(first), spec)
+    kept = a.clone()
+    e = encode(first, Layout(spec, first.shape).amax_of(first), spec)
+    codes = e["values"].clone()
+    fake_quantize(second, Layout(spec, second.shape).amax_of(second), spec)
+    encode(second, Layout(spec, second.shape).amax_of(second), spec)
+    assert torch.equal(a, kept) and torch.equal(e["values"].view(torch.uint8), codes.view(torch.uint8))
+    pool = formats._SCRATCH.free
+    assert 0 < len(pool) <= 4 and all(b.numel() <= 2 * formats.CPU_CHUNK_ELEMENTS for b in pool)
+    huge = torch.randn(3, 3 * formats.CPU_CHUNK_ELEMENTS)  # one row is a chunk: its buffer is freed after
+    fake_quantize(huge, Layout(spec, huge.shape).amax_of(huge), spec)
+    assert all(b.numel() <= 2 * formats.CPU_CHUNK_ELEMENTS for b in pool)
+
+
+def test_threads_quantize_with_their_own_chunk_buffers():
+    """Two threads quantizing at once (a reader thread beside the calibrating one) each get the values one thread
+    alone computes."""
+    import threading
+
+    spec = QuantizerSpec("int4", "group", group_size=32)
+    tensors = [torch.randn(64, 256, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    amax = [Layout(spec, w.shape).amax_of(w) for w in tensors]
+    want = [fake_quantize(w, a, spec) for w, a in zip(tensors, amax)]
+    bad = []
+
+    def run(i: int) -> None:
+        for _ in range(30):
+            bad.append(not torch.equal(fake_quantize(tensors[i], amax[i], spec), want[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(bad) == 60 and not any(bad)

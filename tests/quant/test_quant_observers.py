@@ -16,6 +16,7 @@ from shardcal.quant import (
     finish_calibration_all,
     start_calibration_all,
 )
+from shardcal.quant.granularity import Layout
 
 from _dist import run_on_ranks
 
@@ -331,3 +332,30 @@ def test_a_kept_result_goes_with_its_input_and_no_python_runs_then():
     kept.put(y, ("k",), y + 1)  # replacing the entry drops the previous one (its reference and callback too)
     del z
     assert kept.get(y, ("k",)) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_amax_is_abs_amax_for_every_layout_and_zero_sign(dtype):
+    """The amax of a contiguous weight (per channel, group or block; computed as max(max x, -min x)) is
+    ``abs().amax`` over each slot: exactly, +0.0 for a slot of -0.0 only, NaN for a slot holding one; a strided view
+    gets the same."""
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    w[0] = -0.0  # a whole channel, group and block row of negative zeros
+    w[1, 3] = float("nan")
+    w[2] = -w[2].abs()  # a slot with no positive value
+    references = {
+        "channel": w.float().abs().amax(dim=1, keepdim=True),
+        "group": w.float().reshape(12, 4, 16).abs().amax(dim=2),
+        "block": w.float().reshape(3, 4, 2, 32).abs().amax(dim=(1, 3)),
+    }
+    for spec in (
+        QuantizerSpec("int8", "channel", axis=0),
+        QuantizerSpec("int4", "group", group_size=16),
+        QuantizerSpec("fp8_e4m3", "block", block_size=(4, 32)),
+    ):
+        lay = Layout(spec, w.shape)
+        for x in (w, w.t().contiguous().t()):  # contiguous, and the same values in a strided view
+            got = lay.amax_of(x)
+            want = references[spec.granularity].reshape(got.shape)
+            assert got.dtype == torch.float32 and torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), spec
+            assert not torch.signbit(got[~got.isnan()]).any(), spec  # +0.0, never -0.0

@@ -62,16 +62,14 @@ class Source:
         as the reader gives them: a published FP8 weight's in float32)."""
         if not self.stacked:
             return reader.get_rows(self.parts[0][0], start, stop, dtype)
-        # one expert at a time into the result: a stack of them all would hold the experts twice while it copies
-        out = None
+        # each expert's keys read straight into their rows of the result: no stack or copy of them between
+        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=dtype or reader.value_dtype(self.parts[0][0]))
         for row, expert in enumerate(range(start, stop)):
-            parts = [reader.get(k, dtype) for k in self.parts[expert]]
-            one = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if out is None:
-                out = torch.empty((stop - start, *one.shape), dtype=one.dtype)
-            out[row] = one
-        if out is None:  # no experts asked for
-            return torch.empty((0, *self.shape(reader)[1:]), dtype=dtype or reader.dtype(self.parts[0][0]))
+            offset = 0
+            for key in self.parts[expert]:
+                rows = reader.shape(key)[0]
+                reader.read_into(key, out[row, offset : offset + rows])
+                offset += rows
         return out
 
     def full(self, reader: CheckpointReader, dtype: torch.dtype | None = None) -> torch.Tensor:

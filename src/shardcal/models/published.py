@@ -48,25 +48,35 @@ class BlockFP8:
         return start // self.block[0], math.ceil(stop / self.block[0])
 
     def dequantize(
-        self, q: torch.Tensor, scale_inv: torch.Tensor, row_start: int = 0, dtype: torch.dtype = torch.float32
+        self,
+        q: torch.Tensor,
+        scale_inv: torch.Tensor,
+        row_start: int = 0,
+        dtype: torch.dtype = torch.float32,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Weight rows ``row_start : row_start + len(q)`` from their FP8 values ``q`` and the scale rows
-        :meth:`scale_rows` names: computed in float32, then rounded once to ``dtype`` (float32: kept)."""
+        :meth:`scale_rows` names: computed in float32, then rounded once to ``dtype`` (float32: kept); written into
+        ``out`` where given (``q``'s shape, ``dtype``: a slot of a larger tensor), else a new tensor."""
         if q.dim() != 2 or scale_inv.dim() != 2:
             raise ValueError(
                 f"block-scaled FP8 weights are 2-D, got {list(q.shape)} with scales {list(scale_inv.shape)}"
             )
+        if out is not None and (out.shape != q.shape or out.dtype != dtype):
+            raise ValueError(f"dequantize out= must be {list(q.shape)} {dtype}, got {list(out.shape)} {out.dtype}")
         rows, cols = q.shape
         bo, bi = self.block
         offset = row_start - (row_start // bo) * bo
         column_scales = scale_inv.float().repeat_interleave(bi, 1)[:, :cols]  # one row per block row: small
         e4m3 = q.dtype == torch.float8_e4m3fn  # looked up in a table; any other stored dtype converted by torch
         codes = q.contiguous().view(torch.uint8) if e4m3 else q
-        out = torch.empty((rows, cols), dtype=dtype)
-        # block row by block row, through band-sized buffers (the values in ``out`` itself when it is float32)
+        out = torch.empty((rows, cols), dtype=dtype) if out is None else out
+        # block row by block row, through band-sized buffers (the values in ``out`` itself when it is float32 and
+        # contiguous, as numpy writes them)
         height = min(bo, rows)
         index = torch.empty((height, cols), dtype=torch.int64)
-        band_buffer = None if dtype == torch.float32 else torch.empty((height, cols), dtype=torch.float32)
+        direct = dtype == torch.float32 and out.is_contiguous()
+        band_buffer = None if direct else torch.empty((height, cols), dtype=torch.float32)
         for band, start in enumerate(range(-offset, rows, bo)):
             lo, hi = max(start, 0), min(start + bo, rows)
             values = out[lo:hi] if band_buffer is None else band_buffer[: hi - lo]
@@ -206,6 +216,10 @@ class PublishedReads:
     def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def _raw_get_staged(self, key: str) -> torch.Tensor:
+        """The whole tensor as stored, for use before the thread's next staged read (a reader may reuse its buffer)."""
+        return self._raw_get(key)
+
     def _raw_shape(self, key: str) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -230,6 +244,12 @@ class PublishedReads:
     def dtype(self, key: str) -> torch.dtype:
         """The stored dtype (an MXFP4 tensor: its packed bytes, uint8, two values a byte)."""
         return self._raw_dtype(self._packed[key][0] if key in self._packed else key)
+
+    def value_dtype(self, key: str) -> torch.dtype:
+        """The dtype :meth:`get` gives ``key`` in by default: float32 for a published quantized tensor, else stored."""
+        if key in self._packed or key in self._scales:
+            return torch.float32
+        return self._raw_dtype(key)
 
     def file_of(self, key: str) -> Path:
         return self._raw_file_of(self._packed[key][0] if key in self._packed else key)
@@ -256,6 +276,18 @@ class PublishedReads:
             values = self.published.dequantize(self._raw_get(blocks), self._raw_get(scales))
             return values if dtype is None else values.to(dtype)
         return self._dequantized(key, self._raw_get(key), 0, dtype)
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The whole tensor written into ``out`` (its shape; cast to its dtype as :meth:`get` with that dtype
+        rounds): a block-scaled FP8 weight is dequantized straight into it, with no tensor of its size between."""
+        if tuple(out.shape) != tuple(self.shape(key)):
+            raise ValueError(f"{key}: read into a tensor of shape {list(out.shape)}, it is {list(self.shape(key))}")
+        scale_key = self._scales.get(key)
+        if scale_key is None or not isinstance(self.published, BlockFP8):
+            return out.copy_(self.get(key))  # the stored or float32 values, rounded once by the copy
+        stored = self._raw_get_staged(key)  # dequantized into ``out`` before the next read reuses its buffer
+        first, stop = self.published.scale_rows(0, stored.shape[0])
+        return self.published.dequantize(stored, self._raw_get_rows(scale_key, first, stop), 0, out.dtype, out)
 
     def get_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0, nothing else read, in ``dtype`` (None: as :meth:`get`); a block-scaled FP8

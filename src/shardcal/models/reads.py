@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -25,6 +26,8 @@ from .published import PublishedReads
 
 #: A safetensors JSON header larger than this is refused (the largest real ones are a few megabytes).
 MAX_HEADER_BYTES = 100 * 2**20
+#: The largest tensor :meth:`ReadingReader._raw_get_staged` reads into its thread's reused buffer (which it keeps).
+STAGING_MAX_BYTES = 64 * 2**20
 
 
 class _Entry:
@@ -90,6 +93,7 @@ class ReadingReader(PublishedReads):
         for file in files:
             self._entries.update(_header(file))
         self._fds: dict[Path, int] = {}
+        self._staging = threading.local()  # each thread's buffer for :meth:`_raw_get_staged`
         self._find_published(self.model_dir, self._entries)
 
     def __enter__(self) -> ReadingReader:
@@ -136,8 +140,23 @@ class ReadingReader(PublishedReads):
         row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
         return self._read(entry, entry.offset + start * row_bytes, (stop - start, *entry.shape[1:]))
 
-    def _read(self, entry: _Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        out = torch.empty(shape, dtype=entry.dtype)
+    def _raw_get_staged(self, key: str) -> torch.Tensor:
+        """The whole tensor as stored, read into this thread's staging buffer, which its next staged read reuses:
+        for a tensor used up at once (FP8 codes dequantized into their place), no new block per tensor. A tensor
+        of more than :data:`STAGING_MAX_BYTES` is read into a new buffer."""
+        entry = self._entry(key)
+        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+        if not entry.shape or nbytes > STAGING_MAX_BYTES:
+            return self._raw_get(key)
+        buffer = getattr(self._staging, "buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._read(entry, entry.offset, entry.shape, buffer[:nbytes].view(entry.dtype).view(entry.shape))
+
+    def _read(
+        self, entry: _Entry, offset: int, shape: tuple[int, ...], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = torch.empty(shape, dtype=entry.dtype) if out is None else out
         flat = out.reshape(-1)  # a 0-d tensor's bytes through a 1-d view of it
         view = memoryview(flat.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         fd = self._fds.get(entry.file)

@@ -223,7 +223,7 @@ def store_quantized_weights(module: nn.Module) -> int:
         if wq is None:
             continue
         w = weight_slice(module, e, p)
-        w.copy_(fake_quantize(w, wq.amax, wq.spec, wq.layout, wq.amin).to(w.dtype))
+        fake_quantize(w, wq.amax, wq.spec, wq.layout, wq.amin, out=w)  # in place, a chunk of rows at a time
         wq.mode = QuantMode.DISABLED  # the weights hold their quantized values now
         written += 1
     return written

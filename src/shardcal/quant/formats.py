@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -243,7 +245,8 @@ def pack_int4_to_int32(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_int4_to_int32 needs int8 values, got {values.dtype}")
     if values.ndim == 0:
         raise ValueError("pack_int4_to_int32 needs at least one dimension")
-    if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
+    lo, hi = torch.aminmax(values) if values.numel() else (0, 0)
+    if int(lo) < -8 or int(hi) > 7:
         raise ValueError("int4 values must lie in [-8, 7]")
     return pack_to_int32(values, 4)
 
@@ -276,9 +279,9 @@ def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Ten
         v = (values.to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
     if pad:
         v = torch.nn.functional.pad(v, (0, pad))
-    if bits == 4:
-        v = v.unflatten(-1, (v.shape[-1] // 2, 2))
-        v = v[..., 0] | (v[..., 1] << 4)
+    if bits == 4:  # v is new here: each pair of codes read as one int16, lo | hi << 8; its low byte: lo | hi << 4
+        pairs = v.contiguous().reshape(-1).view(torch.int16)  # flat first: a size-1 dim's stride may be anything
+        v = pairs.bitwise_or_(pairs >> 4).to(torch.uint8).reshape(*v.shape[:-1], v.shape[-1] // 2)
     words = v.contiguous().reshape(-1).view(torch.int32)  # flat first: a size-1 dim's stride may be anything
     return words.reshape(*v.shape[:-1], v.shape[-1] // 4)
 
@@ -371,18 +374,45 @@ def _broadcast_range(
     return amax_b, lay.broadcast(amin.to(device=x.device, dtype=torch.float32))
 
 
-#: A large CPU tensor is quantized this many elements (whole rows) at a time, in buffers allocated once per tensor:
-#: its float32 temporaries stay a few MB instead of several copies of the tensor, no block is mapped and faulted in
-#: anew per step (see ``runtime.hostmem``), and each chunk is large enough that the per-step call overhead does not
-#: dominate (an MoE layer quantizes hundreds of expert slices of about a million elements: those go whole). The same
+#: A CPU tensor is quantized this many elements (whole rows) at a time, in buffers its thread reuses from one tensor
+#: to the next (:func:`_scratch`): its float32 temporaries stay a few MB instead of several copies of the tensor, no
+#: block is mapped and faulted in anew per tensor or step (see ``runtime.hostmem``: an MoE layer quantizes hundreds
+#: of expert slices), and each chunk is large enough that the per-step call overhead does not dominate. The same
 #: operations per element: the same bits.
 CPU_CHUNK_ELEMENTS = 1 << 20
 
 
 def _by_rows(x: torch.Tensor, amax_b: torch.Tensor, amin_b: torch.Tensor | None) -> bool:
-    """Whether ``x`` is quantized in chunks of rows: a large CPU tensor outside autograd."""
+    """Whether ``x`` is quantized in chunks of rows: a CPU tensor outside autograd, of at least 1/16 of a chunk
+    (smaller temporaries come from the allocator's heap, which reuses them anyway)."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, amax_b, amin_b))
-    return x.device.type == "cpu" and x.dim() >= 2 and x.numel() >= 2 * CPU_CHUNK_ELEMENTS and not grad
+    return x.device.type == "cpu" and x.dim() >= 2 and x.numel() >= CPU_CHUNK_ELEMENTS // 16 and not grad
+
+
+class _ScratchPool(threading.local):
+    """Each thread's free chunk buffers (a thread quantizes one tensor at a time; nested users take their own)."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+
+
+_SCRATCH = _ScratchPool()
+_SCRATCH_KEPT = 4  # buffers a thread keeps: a chunk's float32 values, its FP8 codes and their index, one spare
+
+
+@contextmanager
+def _scratch(numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """A 1-D CPU buffer of ``numel`` elements of ``dtype``, uninitialised, reused by this thread's next chunks: a
+    buffer of at most two chunks goes back to the thread's pool after use (larger ones are freed)."""
+    pool = _SCRATCH.free
+    at = next((i for i, b in enumerate(pool) if b.dtype == dtype and b.numel() >= numel), None)
+    found = torch.empty(numel, dtype=dtype) if at is None else pool.pop(at)
+    try:
+        yield found[:numel]
+    finally:
+        if found.numel() <= 2 * CPU_CHUNK_ELEMENTS:
+            pool.append(found)
+            del pool[:-_SCRATCH_KEPT]
 
 
 def _row_chunks(
@@ -396,35 +426,37 @@ def _row_chunks(
     def rows_of(r: torch.Tensor | None, s: slice) -> torch.Tensor | None:
         return r[s] if r is not None and r.dim() == arranged_dims and r.shape[0] != 1 else r
 
-    step = max(1, CPU_CHUNK_ELEMENTS // (x.numel() // x.shape[0]))
-    buffer = torch.empty((min(step, x.shape[0]),) + tuple(x.shape[1:]), dtype=torch.float32)
-    for i in range(0, x.shape[0], step):
-        s = slice(i, min(i + step, x.shape[0]))
-        a = buffer[: s.stop - s.start]
-        a.copy_(x[s])
-        yield s, lay.arrange(a), rows_of(amax_b, s), rows_of(amin_b, s)
+    row = x.numel() // x.shape[0]
+    step = max(1, CPU_CHUNK_ELEMENTS // row)
+    with _scratch(min(step, x.shape[0]) * row, torch.float32) as flat:
+        buffer = flat.view((-1,) + tuple(x.shape[1:]))
+        for i in range(0, x.shape[0], step):
+            s = slice(i, min(i + step, x.shape[0]))
+            a = buffer[: s.stop - s.start]
+            a.copy_(x[s])
+            yield s, lay.arrange(a), rows_of(amax_b, s), rows_of(amin_b, s)
 
 
 def _fake_quantize_by_rows(
-    x: torch.Tensor, lay: Layout, amax_b: torch.Tensor, amin_b: torch.Tensor | None, fmt: str
+    x: torch.Tensor, lay: Layout, amax_b: torch.Tensor, amin_b: torch.Tensor | None, fmt: str, out: torch.Tensor
 ) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype)
     kind = FORMATS[fmt].kind
-    codes = index = None
-    for rows, a, amax_c, amin_c in _row_chunks(x, lay, amax_b, amin_b):
-        if kind == "nvfp4":
-            out[rows] = lay.restore(qdq_arranged(a, amax_c, fmt, amin_c))
-            continue
-        _, scale, _ = _scaled(a, amax_c, fmt, amin_c, out=a)
-        if _fp8_valued(fmt):  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
-            if codes is None:  # sized by the first chunk, the largest
-                codes = torch.empty(a.shape, dtype=torch.float8_e4m3fn)
-                index = torch.empty(a.numel(), dtype=torch.int32)
-            chunk_codes, chunk_index = codes[: len(a)], index[: a.numel()]
-            chunk_codes.copy_(a)
-            chunk_index.copy_(chunk_codes.view(torch.uint8).reshape(-1))
-            torch.index_select(_e4m3_table(), 0, chunk_index, out=a.view(-1))
-        out[rows] = lay.restore(a.mul_(scale))  # cast to x's dtype as .to() casts
+    with ExitStack() as held:
+        codes = index = None
+        for rows, a, amax_c, amin_c in _row_chunks(x, lay, amax_b, amin_b):
+            if kind == "nvfp4":
+                out[rows] = lay.restore(qdq_arranged(a, amax_c, fmt, amin_c))
+                continue
+            _, scale, _ = _scaled(a, amax_c, fmt, amin_c, out=a)
+            if _fp8_valued(fmt):  # the codes' values read from the table, as fp8_e4m3_to_float32 reads them
+                if codes is None:  # sized by the first chunk, the largest
+                    codes = held.enter_context(_scratch(a.numel(), torch.float8_e4m3fn)).view(a.shape)
+                    index = held.enter_context(_scratch(a.numel(), torch.int32))
+                chunk_codes, chunk_index = codes[: len(a)], index[: a.numel()]
+                chunk_codes.copy_(a)
+                chunk_index.copy_(chunk_codes.view(torch.uint8).reshape(-1))
+                torch.index_select(_e4m3_table(), 0, chunk_index, out=a.view(-1))
+            out[rows] = lay.restore(a.mul_(scale))  # cast to x's dtype as .to() casts
     return out
 
 
@@ -434,17 +466,22 @@ def fake_quantize(
     spec: QuantizerSpec,
     layout: Layout | None = None,
     amin: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize-dequantize ``x`` with ``amax`` (of the layout's amax shape; asymmetric: the range ``[amin, amax]``);
-    returns ``x``'s dtype.
+    returns ``x``'s dtype: in ``out`` where given (``x``'s shape and dtype; it may be ``x`` itself), else new.
 
     ``layout`` defaults to ``Layout(spec, x.shape)`` (right for a weight; a quantizer passes its own).
     """
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"fake_quantize out= must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
     lay = _layout(spec, x, layout)
     amax_b, amin_b = _broadcast_range(lay, x, spec, amax, amin)
     if lay.block is None and _by_rows(x, amax_b, amin_b):  # 2-D blocks span rows: a block layout goes whole
-        return _fake_quantize_by_rows(x, lay, amax_b, amin_b, spec.format)
-    return lay.restore(qdq_arranged(lay.arrange(x.float()), amax_b, spec.format, amin_b)).to(x.dtype)
+        target = torch.empty(x.shape, dtype=x.dtype) if out is None else out
+        return _fake_quantize_by_rows(x, lay, amax_b, amin_b, spec.format, target)
+    result = lay.restore(qdq_arranged(lay.arrange(x.float()), amax_b, spec.format, amin_b)).to(x.dtype)
+    return result if out is None else out.copy_(result)
 
 
 def encode(

@@ -150,9 +150,9 @@ class Layout:
         return amax if self.kind in ("token", "token_group") else amax.reshape(self.bshape)
 
     def reduce(self, a: torch.Tensor, op: str = "amax") -> torch.Tensor:
-        """Fold a per-element statistic of an arranged tensor to :attr:`amax_shape` (``op``: ``amax``, or ``sum``
-        accumulated in float64)."""
-        fn: Callable[..., torch.Tensor] = torch.amax if op == "amax" else _sum64
+        """Fold a per-element statistic of an arranged tensor to :attr:`amax_shape` (``op``: ``amax``, ``amin``, or
+        ``sum`` accumulated in float64)."""
+        fn: Callable[..., torch.Tensor] = {"amax": torch.amax, "amin": torch.amin}.get(op, _sum64)
         b = self.bshape
         lead = a.ndim - len(b)
         if lead < 0:
@@ -164,7 +164,7 @@ class Layout:
         dims = tuple(i for i, (s, t) in enumerate(zip(b, a.shape)) if s == 1 and t != 1)
         if dims:
             a = fn(a, dim=dims, keepdim=True)
-        elif op != "amax":
+        elif op == "sum":
             a = a.double()
         return a.reshape(self.amax_shape)
 
@@ -187,8 +187,9 @@ class Layout:
 
     def _amax_of(self, x: torch.Tensor) -> torch.Tensor:
         # A contiguous tensor with no |x| temporary (max |x| is max(max x, -min x)): per tensor in one aminmax
-        # pass, per token by amax and amin (aminmax along a dim is several times slower); on a strided view
-        # (keys and values after a transpose) abs then amax is faster.
+        # pass, per token, channel, group or block by amax and amin (aminmax along a dim is several times slower;
+        # abs_ makes an all -0.0 slot's amax +0.0, as |x| does); on a strided view (keys and values after a
+        # transpose) abs then amax is faster.
         x = x.detach()
         one_pass = x.is_contiguous() and x.numel() > 0
         if self.kind == "token" and one_pass:
@@ -200,6 +201,9 @@ class Layout:
         if self.kind == "tensor" and one_pass:
             lo, hi = torch.aminmax(x)
             return torch.maximum(lo.abs(), hi.abs()).reshape(1).float()
+        if one_pass and self.block is None:
+            a = self.arrange(x)
+            return torch.maximum(self.reduce(a, "amax"), self.reduce(a, "amin").neg_()).abs_().float()
         return self.reduce(self.arrange(x).abs(), "amax").float()
 
     def range_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
