@@ -129,8 +129,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "stream-whole-read-takes-rows",
         "loading/streamed.py",
-        "            if self.reads_whole or not p.dim():\n                rows = source.full(self.reader, p.dtype)\n",
-        "            if not p.dim():\n                rows = source.full(self.reader, p.dtype)\n",
+        "        if self.reads_whole or not p.dim():\n            return 0, p.shape[0] if p.dim() else 0\n",
+        "        if not p.dim():\n            return 0, p.shape[0] if p.dim() else 0\n",
         "a rank of a CPU streamed run reads only its rows of a layer it then holds as if whole",
     ),
     Mutant(
@@ -382,10 +382,9 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "sources-all-experts",
         "loading/sources.py",
-        "        for row, expert in enumerate(range(start, stop)):\n            offset = 0\n",
+        "        for row, expert in enumerate(range(start, stop)):  # each expert's keys straight into their rows\n",
         "        every = [[reader.get(k, dtype) for k in part] for part in self.parts]\n"
-        "        for row, expert in enumerate(range(start, stop)):\n"
-        "            offset = 0\n",
+        "        for row, expert in enumerate(range(start, stop)):\n",
         "fused experts: every expert read, then the rank's experts kept",
     ),
     Mutant(
@@ -1546,16 +1545,16 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "stream-whole-read-drops-dtype",
         "loading/streamed.py",
-        "                rows = source.full(self.reader, p.dtype)\n",
-        "                rows = source.full(self.reader)\n",
+        "                rows = self.sources[name].rows(self.reader, *spans[name], p.dtype, into)\n",
+        "                rows = self.sources[name].rows(self.reader, *spans[name], None, into)\n",
         "a CPU rank reading the layer whole holds it in the stored dtype (FP8 dequantized: float32), not the model's",
         tests=("tests/loading/test_published_fp8.py",),
     ),
     Mutant(
         "stacked-experts-drop-dtype",
         "loading/sources.py",
-        "        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=dtype or reader.value_dtype(self.parts[0][0]))\n",
-        "        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=reader.value_dtype(self.parts[0][0]))\n",
+        "        dtype = dtype or (out.dtype if out is not None else reader.value_dtype(self.parts[0][0]))\n",
+        "        dtype = out.dtype if out is not None else reader.value_dtype(self.parts[0][0])\n",
         "fused experts read from per-expert keys come in the stored dtype, not the parameter's",
         tests=("tests/loading/test_published_fp8.py",),
     ),

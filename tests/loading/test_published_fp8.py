@@ -128,8 +128,12 @@ def test_the_readers_hide_the_scales_and_read_rows_inside_a_block(pair):
             norm = torch.empty(reader.shape("model.norm.weight"), dtype=torch.float32)
             reader.read_into("model.norm.weight", norm)
             assert torch.equal(norm, reader.get("model.norm.weight").float())
-            with pytest.raises(ValueError, match=rf"read into a tensor of shape \[{rows}, {cols - 1}\]"):
+            with pytest.raises(
+                ValueError, match=rf"cannot read rows 0:{rows} into a tensor of shape \[{rows}, {cols - 1}\]"
+            ):
                 reader.read_into(key, torch.empty(rows, cols - 1))
+            with pytest.raises(ValueError, match=rf"cannot read rows 4:{rows + 1} into"):
+                reader.read_into(key, torch.empty(rows - 3, cols), 4)
 
 
 def test_sources_read_in_the_parameters_dtype(pair):
@@ -157,8 +161,9 @@ def test_sources_read_in_the_parameters_dtype(pair):
 
 
 def test_staged_reads_reuse_one_buffer_per_thread(pair, monkeypatch):
-    """Experts read into their place go through each thread's staging buffer: the next read reuses it, a tensor over
-    the limit gets its own, and two threads reading at once each get their own tensors' values."""
+    """While a thread stages (a streamed layer's read), FP8 codes go through one buffer: the next read reuses it, a
+    tensor over the limit gets its own, none is kept after; two threads staging at once each read their own
+    tensors' values; rows read into a tensor of the stored dtype go straight into it."""
     import threading
 
     from shardcal.models import reads
@@ -168,20 +173,32 @@ def test_staged_reads_reuse_one_buffer_per_thread(pair, monkeypatch):
     want = load_file(str(copy / "model.safetensors"))
     keys = [f"model.layers.{i}.mlp.{p}.weight" for i in (0, 1) for p in ("down_proj", "up_proj")]
     with ReadingReader(fp8) as reader:
-        first = reader._raw_get_staged(keys[0])
-        pointer, codes = first.data_ptr(), first.clone()
-        second = reader._raw_get_staged(keys[2])  # the same shape: the same buffer, its codes now
-        assert second.data_ptr() == pointer and not torch.equal(second.view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(second.view(torch.uint8), reader._raw_get(keys[2]).view(torch.uint8))
-        monkeypatch.setattr(reads, "STAGING_MAX_BYTES", first.numel() - 1)
-        assert reader._raw_get_staged(keys[0]).data_ptr() != pointer  # over the limit: a new buffer
-        monkeypatch.undo()
+        rows = reader.shape(keys[0])[0]
+        held = [reader._raw_get_staged(keys[0], 0, rows) for _ in range(2)]  # not staging: each its own
+        assert held[0].data_ptr() != held[1].data_ptr()
+        with reader.staging():
+            first = reader._raw_get_staged(keys[0], 0, rows)
+            pointer, codes = first.data_ptr(), first.clone()
+            second = reader._raw_get_staged(keys[2], 3, rows)  # fewer rows of another tensor: the same buffer
+            assert second.data_ptr() == pointer and not torch.equal(
+                second.view(torch.uint8), codes[3:].view(torch.uint8)
+            )
+            assert torch.equal(second.view(torch.uint8), reader._raw_get_rows(keys[2], 3, rows).view(torch.uint8))
+            monkeypatch.setattr(reads, "STAGING_MAX_BYTES", first.numel() - 1)
+            over = reader._raw_get_staged(keys[0], 0, rows)  # over the limit: a new buffer
+            assert over.data_ptr() != pointer and torch.equal(over.view(torch.uint8), codes.view(torch.uint8))
+            monkeypatch.undo()
+        assert reader._staging.buffer is None
+        norm = torch.empty(reader.shape("model.norm.weight"), dtype=reader.dtype("model.norm.weight"))
+        assert reader.read_into("model.norm.weight", norm[2:], 2).data_ptr() == norm[2:].data_ptr()
+        assert torch.equal(norm[2:], want["model.norm.weight"][2:])
         bad: list[bool] = []
 
         def read(key: str) -> None:
             into = torch.empty(reader.shape(key), dtype=torch.bfloat16)
-            for _ in range(40):
-                bad.append(not torch.equal(reader.read_into(key, into), want[key]))
+            with reader.staging():
+                for _ in range(40):
+                    bad.append(not torch.equal(reader.read_into(key, into), want[key]))
 
         threads = [threading.Thread(target=read, args=(k,)) for k in (keys[0], keys[1])]
         for t in threads:

@@ -57,14 +57,29 @@ class Source:
     def keys(self) -> list[str]:
         return [k for part in self.parts for k in part]
 
-    def rows(self, reader: CheckpointReader, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def rows(
+        self,
+        reader: CheckpointReader,
+        start: int,
+        stop: int,
+        dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0 (experts, for a stacked parameter), reading nothing else; in ``dtype`` (None:
-        as the reader gives them: a published FP8 weight's in float32)."""
+        as the reader gives them: a published FP8 weight's in float32), written into ``out`` where given (their shape
+        and that dtype: a buffer reused from an earlier layer), else into a new tensor. A 0-d tensor is read whole."""
+        shape = self.shape(reader)
+        dtype = dtype or (out.dtype if out is not None else reader.value_dtype(self.parts[0][0]))
+        want = (stop - start, *shape[1:]) if shape else ()
+        if out is None:
+            out = torch.empty(want, dtype=dtype)
+        elif tuple(out.shape) != want or out.dtype != dtype:
+            raise ValueError(
+                f"{self.parts[0][0]}: rows read into {list(out.shape)} {out.dtype}, not {list(want)} {dtype}"
+            )
         if not self.stacked:
-            return reader.get_rows(self.parts[0][0], start, stop, dtype)
-        # each expert's keys read straight into their rows of the result: no stack or copy of them between
-        out = torch.empty((stop - start, *self.shape(reader)[1:]), dtype=dtype or reader.value_dtype(self.parts[0][0]))
-        for row, expert in enumerate(range(start, stop)):
+            return reader.read_into(self.parts[0][0], out, start)
+        for row, expert in enumerate(range(start, stop)):  # each expert's keys straight into their rows
             offset = 0
             for key in self.parts[expert]:
                 rows = reader.shape(key)[0]
@@ -72,11 +87,12 @@ class Source:
                 offset += rows
         return out
 
-    def full(self, reader: CheckpointReader, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor, in ``dtype`` (None: as :meth:`rows`)."""
-        if self.stacked:
-            return self.rows(reader, 0, self.shape(reader)[0], dtype)
-        return reader.get(self.parts[0][0], dtype)
+    def full(
+        self, reader: CheckpointReader, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The whole tensor, in ``dtype`` (None: as :meth:`rows`), into ``out`` where given."""
+        shape = self.shape(reader)
+        return self.rows(reader, 0, shape[0] if shape else 0, dtype, out)
 
 
 def _candidates(name: str, name_map: NameMap | None) -> list[str]:

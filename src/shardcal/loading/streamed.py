@@ -75,6 +75,7 @@ class StreamedLayers(ResidentLayers):
         self.reads_whole = reads_layers_whole(device.type, world()[1])  # else its rows, then the all-gather
         self._hooks: list[Callable[[int, nn.Module], None]] = []
         self._next: tuple[int, threading.Thread, dict[str, torch.Tensor]] | None = None
+        self._spare = _SpareBuffers()  # a released layer's tensors, which a later read of the same shapes reuses
 
     def on_release(self, hook: Callable[[int, nn.Module], None]) -> Callable[[], None]:
         """Run ``hook(index, layer)`` on every held layer just before its release; returns what unregisters it."""
@@ -100,16 +101,24 @@ class StreamedLayers(ResidentLayers):
         """What this rank reads of each parameter, cast to the parameter's dtype: all of it (:func:`reads_layers_whole`)
         or its rows (its :func:`row_range`)."""
         rank, size = world()
+        spans = {name: self._span(p, rank, size) for name, _, _, p in names}
+        wanted = {name: ((stop - start, *p.shape[1:]) if p.dim() else (), p.dtype)
+                  for name, _, _, p in names for start, stop in [spans[name]]}  # fmt: skip
+        spare = self._spare.take(list(wanted.values()))  # matched before anything is read; the rest is freed
         out = {}
-        for name, _, _, p in names:
-            source = self.sources[name]
-            if self.reads_whole or not p.dim():
-                rows = source.full(self.reader, p.dtype)
-            else:
-                rows = source.rows(self.reader, *row_range(p.shape[0], rank, size), p.dtype)
-            self.bytes_read += rows.numel() * rows.element_size()
-            out[name] = rows.pin_memory() if self.device.type == "cuda" else rows  # copied to the GPU asynchronously
+        with self.reader.staging():
+            for name, _, _, p in names:
+                into = spare[wanted[name]].pop() if spare.get(wanted[name]) else None
+                rows = self.sources[name].rows(self.reader, *spans[name], p.dtype, into)
+                self.bytes_read += rows.numel() * rows.element_size()
+                out[name] = rows.pin_memory() if self.device.type == "cuda" else rows  # copied to the GPU async
         return out
+
+    def _span(self, p: nn.Parameter, rank: int, size: int) -> tuple[int, int]:
+        """The rows of ``p`` this rank reads: all (:func:`reads_layers_whole`; a 0-d tensor: ``(0, 0)``), or its own."""
+        if self.reads_whole or not p.dim():
+            return 0, p.shape[0] if p.dim() else 0
+        return row_range(p.shape[0], rank, size)
 
     def _start_prefetch(self, index: int, layer: nn.Module) -> None:
         names = self._names(index, layer)
@@ -147,16 +156,52 @@ class StreamedLayers(ResidentLayers):
             for hook in self._hooks:
                 hook(index, layer)
         finally:
+            released = []
             for _, module, attr, p in self._names(index, layer):
+                released.append(p.detach())
                 module._parameters[attr] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
                 )
+            if self.device.type == "cpu" and index + (2 if self.prefetch else 1) < len(self.layers):
+                self._spare.give(
+                    released
+                )  # the read of the layer after next (or, not prefetching, the next) reuses them
 
     def close(self) -> None:
         if self._next is not None:
             self._next[1].join()
             self._next = None
+        self._spare.take([])
         self.reader.close()
+
+
+class _SpareBuffers:
+    """A released layer's CPU tensors by shape and dtype, until a read takes them: a streamed model's layers are
+    alike, so a read writes into the pages of the layer before it instead of new ones, which the kernel would map
+    and zero page by page. Shared by the main thread (which releases) and the prefetch thread (which reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def give(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                if t.device.type == "cpu" and t.is_contiguous():
+                    self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def take(
+        self, wanted: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]]:
+        """The spare tensors for ``wanted`` (shape, dtype) pairs, each given at most once; every other spare tensor is
+        dropped (freed), so that none outlives the read that could have used it."""
+        with self._lock:
+            free, self._free = self._free, {}
+        out: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        for key in wanted:
+            if free.get(key):
+                out.setdefault(key, []).append(free[key].pop())
+        return out
 
 
 def load_streamed(

@@ -216,9 +216,11 @@ class PublishedReads:
     def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _raw_get_staged(self, key: str) -> torch.Tensor:
-        """The whole tensor as stored, for use before the thread's next staged read (a reader may reuse its buffer)."""
-        return self._raw_get(key)
+    def _raw_get_staged(self, key: str, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` as stored: read into ``into`` where given (their shape and stored dtype, contiguous),
+        else for use before the thread's next staged read (a reader may reuse one buffer while it stages)."""
+        rows = self._raw_get_rows(key, start, stop)
+        return rows if into is None else into.copy_(rows)
 
     def _raw_shape(self, key: str) -> tuple[int, ...]:
         raise NotImplementedError
@@ -277,17 +279,29 @@ class PublishedReads:
             return values if dtype is None else values.to(dtype)
         return self._dequantized(key, self._raw_get(key), 0, dtype)
 
-    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
-        """The whole tensor written into ``out`` (its shape; cast to its dtype as :meth:`get` with that dtype
-        rounds): a block-scaled FP8 weight is dequantized straight into it, with no tensor of its size between."""
-        if tuple(out.shape) != tuple(self.shape(key)):
-            raise ValueError(f"{key}: read into a tensor of shape {list(out.shape)}, it is {list(self.shape(key))}")
-        scale_key = self._scales.get(key)
-        if scale_key is None or not isinstance(self.published, BlockFP8):
-            return out.copy_(self.get(key))  # the stored or float32 values, rounded once by the copy
-        stored = self._raw_get_staged(key)  # dequantized into ``out`` before the next read reuses its buffer
-        first, stop = self.published.scale_rows(0, stored.shape[0])
-        return self.published.dequantize(stored, self._raw_get_rows(scale_key, first, stop), 0, out.dtype, out)
+    def read_into(self, key: str, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Rows ``start : start + len(out)`` of ``key`` (a 0-d tensor: all of it) written into ``out``, cast to its
+        dtype as :meth:`get_rows` with that dtype rounds: a tensor stored in ``out``'s dtype is read straight into it
+        (contiguous), a block-scaled FP8 weight dequantized into it, with no tensor of its size between."""
+        shape = self.shape(key)
+        stop = start + (out.shape[0] if out.dim() else 0)
+        if tuple(out.shape[1:] if shape else out.shape) != tuple(shape[1:]) or not 0 <= start <= stop <= (
+            shape[0] if shape else 0
+        ):
+            raise ValueError(
+                f"{key}: cannot read rows {start}:{stop} into a tensor of shape {list(out.shape)}, it is {list(shape)}"
+            )
+        if not shape or key in self._packed:
+            return out.copy_(self.get_rows(key, start, stop) if shape else self.get(key))
+        published = self.published
+        if key in self._scales and isinstance(published, BlockFP8):
+            stored = self._raw_get_staged(key, start, stop)  # dequantized before the next staged read reuses it
+            first, last = published.scale_rows(start, stop)
+            scales = self._raw_get_rows(self._scales[key], first, last)
+            return published.dequantize(stored, scales, start, out.dtype, out)
+        direct = out.dtype == self._raw_dtype(key) and out.is_contiguous()
+        stored = self._raw_get_staged(key, start, stop, out if direct else None)
+        return out if direct else out.copy_(stored)  # the cast as get_rows' .to(dtype) makes it
 
     def get_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of dim 0, nothing else read, in ``dtype`` (None: as :meth:`get`); a block-scaled FP8

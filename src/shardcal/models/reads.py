@@ -11,11 +11,13 @@ of ``{name: {dtype, shape, data_offsets}}``, then the data), bounded, and checke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from .published import PublishedReads
 
 #: A safetensors JSON header larger than this is refused (the largest real ones are a few megabytes).
 MAX_HEADER_BYTES = 100 * 2**20
-#: The largest tensor :meth:`ReadingReader._raw_get_staged` reads into its thread's reused buffer (which it keeps).
+#: The most bytes :meth:`ReadingReader._raw_get_staged` reads into its thread's staging buffer; more get their own.
 STAGING_MAX_BYTES = 64 * 2**20
 
 
@@ -93,7 +95,7 @@ class ReadingReader(PublishedReads):
         for file in files:
             self._entries.update(_header(file))
         self._fds: dict[Path, int] = {}
-        self._staging = threading.local()  # each thread's buffer for :meth:`_raw_get_staged`
+        self._staging = threading.local()  # each thread's buffer while it stages (:meth:`staging`)
         self._find_published(self.model_dir, self._entries)
 
     def __enter__(self) -> ReadingReader:
@@ -140,18 +142,31 @@ class ReadingReader(PublishedReads):
         row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
         return self._read(entry, entry.offset + start * row_bytes, (stop - start, *entry.shape[1:]))
 
-    def _raw_get_staged(self, key: str) -> torch.Tensor:
-        """The whole tensor as stored, read into this thread's staging buffer, which its next staged read reuses:
-        for a tensor used up at once (FP8 codes dequantized into their place), no new block per tensor. A tensor
-        of more than :data:`STAGING_MAX_BYTES` is read into a new buffer."""
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[None]:
+        """While it lasts, this thread's staged reads (:meth:`_raw_get_staged`) share one buffer, freed at its end:
+        a layer's FP8 codes, or rows cast into their parameter, are read without a new block each."""
+        self._staging.buffer = torch.empty(0, dtype=torch.uint8)
+        try:
+            yield
+        finally:
+            self._staging.buffer = None
+
+    def _raw_get_staged(self, key: str, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
         entry = self._entry(key)
-        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
-        if not entry.shape or nbytes > STAGING_MAX_BYTES:
-            return self._raw_get(key)
-        buffer = getattr(self._staging, "buffer", None)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._read(entry, entry.offset, entry.shape, buffer[:nbytes].view(entry.dtype).view(entry.shape))
+        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+            raise CheckpointError(f"{entry.file}: tensor {key!r} has no rows {start}:{stop} (shape {entry.shape})")
+        shape = (stop - start, *entry.shape[1:])
+        row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+        if into is None:
+            buffer = getattr(self._staging, "buffer", None)
+            nbytes = (stop - start) * row_bytes
+            if buffer is None or nbytes > STAGING_MAX_BYTES:  # not staging, or too large to keep: a new buffer
+                return self._raw_get_rows(key, start, stop)
+            if buffer.numel() < nbytes:
+                buffer = self._staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            into = buffer[:nbytes].view(entry.dtype).view(shape)
+        return self._read(entry, entry.offset + start * row_bytes, shape, into)
 
     def _read(
         self, entry: _Entry, offset: int, shape: tuple[int, ...], out: torch.Tensor | None = None

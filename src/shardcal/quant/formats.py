@@ -273,6 +273,8 @@ def pack_to_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
 def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Tensor:
     """:func:`pack_to_int32` for 4 and 8 bits, in bytes: the offset codes as uint8, two nibbles a byte (the first
     value low), the bytes read as little-endian int32 words — the same bits, without a 64-bit copy of the tensor."""
+    if bits == 4 and values.dtype == torch.int8 and not pad and values.is_contiguous() and values.device.type == "cpu":
+        return _pack_int4_bytes(values)
     if values.dtype == torch.int8:  # + 2**(bits-1) modulo 256: the offset codes' bits, read as uint8
         v = (values + 8).view(torch.uint8) if bits == 4 else values.view(torch.uint8) ^ 0x80
     else:
@@ -284,6 +286,17 @@ def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Ten
         v = pairs.bitwise_or_(pairs >> 4).to(torch.uint8).reshape(*v.shape[:-1], v.shape[-1] // 2)
     words = v.contiguous().reshape(-1).view(torch.int32)  # flat first: a size-1 dim's stride may be anything
     return words.reshape(*v.shape[:-1], v.shape[-1] // 4)
+
+
+def _pack_int4_bytes(values: torch.Tensor) -> torch.Tensor:
+    """:func:`_pack_bytes_to_int32` of contiguous int8 CPU values, a last dim of whole words: the same steps, the
+    temporaries in this thread's reused buffers (an MoE layer packs hundreds of expert slices)."""
+    n = values.numel()
+    with _scratch(n, torch.uint8) as codes, _scratch(n // 2, torch.int16) as shifted:
+        torch.add(values.reshape(-1), 8, out=codes.view(torch.int8))  # the offset codes' bits, modulo 256
+        pairs = codes.view(torch.int16)
+        packed = torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs).to(torch.uint8)
+    return packed.view(torch.int32).reshape(*values.shape[:-1], values.shape[-1] // 8)
 
 
 def unpack_int4_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
@@ -397,7 +410,7 @@ class _ScratchPool(threading.local):
 
 
 _SCRATCH = _ScratchPool()
-_SCRATCH_KEPT = 4  # buffers a thread keeps: a chunk's float32 values, its FP8 codes and their index, one spare
+_SCRATCH_KEPT = 6  # a thread keeps: a chunk's float32 values, its FP8 codes and index, int4 packing's two, a spare
 
 
 @contextmanager
