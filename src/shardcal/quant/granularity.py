@@ -203,7 +203,8 @@ class Layout:
             return torch.maximum(lo.abs(), hi.abs()).reshape(1).float()
         if one_pass and self.block is None:
             a = self.arrange(x)
-            return torch.maximum(self.reduce(a, "amax"), self.reduce(a, "amin").neg_()).abs_().float()
+            # neg, not neg_: with nothing to fold, reduce gives a view of x
+            return torch.maximum(self.reduce(a, "amax"), self.reduce(a, "amin").neg()).abs_().float()
         return self.reduce(self.arrange(x).abs(), "amax").float()
 
     def range_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
