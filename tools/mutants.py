@@ -24,6 +24,87 @@ class Mutant:
 
 
 CATALOGUE: list[Mutant] = [
+    # ------------------------------------------------------------ audit of round 5, fifth session (buffers reused)
+    Mutant(
+        "scratch-pool-shared-by-threads",
+        "quant/formats.py",
+        "    def __init__(self) -> None:\n        self.free: list[torch.Tensor] = []\n",
+        "    free: list[torch.Tensor] = []\n",
+        "a thread's freed chunk buffers go to one pool every thread takes from",
+        tests=("tests/quant/test_quant_formats.py",),
+    ),
+    Mutant(
+        "int4-range-check-swapped",
+        "quant/formats.py",
+        "    lo, hi = torch.aminmax(values) if values.numel() else (0, 0)\n",
+        "    hi, lo = torch.aminmax(values) if values.numel() else (0, 0)\n",
+        "int4 packing refuses only a tensor whose every value is out of range",
+        tests=("tests/quant/test_quant_formats.py",),
+    ),
+    Mutant(
+        "int4-packed-in-reused-buffer",
+        "quant/formats.py",
+        "        packed = torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs).to(torch.uint8)\n",
+        "        packed = codes[: n // 2].copy_(torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs))\n",
+        "the packed int4 words live in a reused buffer: the next packing overwrites them",
+        tests=("tests/quant/test_quant_formats.py",),
+    ),
+    Mutant(
+        "fake-quantize-by-rows-in-place",
+        "quant/formats.py",
+        "        target = torch.empty(x.shape, dtype=x.dtype) if out is None else out\n",
+        "        target = out if out is not None else x\n",
+        "fake_quantize without out= quantizes its input in place",
+        tests=("tests/quant/test_quant_formats.py",),
+    ),
+    Mutant(
+        "amax-drops-amin-sign",
+        "quant/granularity.py",
+        '            return torch.maximum(self.reduce(a, "amax"), self.reduce(a, "amin").neg()).abs_().float()\n',
+        '            return torch.maximum(self.reduce(a, "amax"), self.reduce(a, "amin")).abs_().float()\n',
+        "a weight's amax ignores its most negative values",
+        tests=("tests/quant/test_quant_observers.py",),
+    ),
+    Mutant(
+        "read-into-fp8-rows-from-block-start",
+        "models/published.py",
+        "            return published.dequantize(stored, scales, start, out.dtype, out)\n",
+        "            return published.dequantize(stored, scales, 0, out.dtype, out)\n",
+        "FP8 rows read into place from inside a block take the scales of the rows from 0",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "fp8-scales-staged-over-codes",
+        "models/published.py",
+        "            scales = self._raw_get_rows(self._scales[key], first, last)\n",
+        "            scales = self._raw_get_staged(self._scales[key], first, last)\n",
+        "FP8 scales read through the staging buffer overwrite the codes staged there",
+        tests=("tests/loading/test_published_fp8.py",),
+    ),
+    Mutant(
+        "stacked-rows-from-expert-0",
+        "loading/sources.py",
+        "            for key in self.parts[expert]:\n",
+        "            for key in self.parts[row]:\n",
+        "a rank's experts read from expert 0 instead of its first",
+        tests=("tests/loading/test_foreign_models.py",),
+    ),
+    Mutant(
+        "spare-layer-given-without-reader",
+        "loading/streamed.py",
+        '            if self.device.type == "cpu" and index + (2 if self.prefetch else 1) < len(self.layers):\n',
+        '            if self.device.type == "cpu" and index + (2 if self.prefetch else 1) <= len(self.layers):\n',
+        "the last layers' tensors kept as spares no read will take",
+        tests=("tests/loading/test_streamed_buffers.py",),
+    ),
+    Mutant(
+        "spare-tensor-shared-by-parameters",
+        "loading/streamed.py",
+        "                into = spare[wanted[name]].pop() if spare.get(wanted[name]) else None\n",
+        "                into = spare[wanted[name]][-1] if spare.get(wanted[name]) else None\n",
+        "parameters of one shape read into one spare tensor",
+        tests=("tests/loading/test_streamed_buffers.py",),
+    ),
     # ------------------------------------------------------------------ the layer step's pass plan (calib/passes.py)
     Mutant(
         "passes-reference-after",

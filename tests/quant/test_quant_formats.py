@@ -646,3 +646,40 @@ def test_threads_quantize_with_their_own_chunk_buffers():
     for t in threads:
         t.join()
     assert len(bad) == 60 and not any(bad)
+
+
+def test_int4_packing_refuses_one_value_out_of_range_and_keeps_each_result():
+    """One code of 8 or -9 among valid ones is refused; a packed result is not overwritten by the next packing (whose
+    temporaries reuse this thread's buffers)."""
+    g = torch.Generator().manual_seed(3)
+    for bad in (8, -9):
+        values = torch.randint(-8, 8, (4, 16), generator=g, dtype=torch.int8)
+        values[2, 5] = bad
+        with pytest.raises(ValueError, match=r"int4 values must lie in \[-8, 7\]"):
+            pack_int4_to_int32(values)
+    first = pack_int4_to_int32(torch.randint(-8, 8, (64, 128), generator=g, dtype=torch.int8))
+    kept = first.clone()
+    second = pack_int4_to_int32(torch.randint(-8, 8, (64, 128), generator=g, dtype=torch.int8))
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+
+
+def test_a_thread_never_gets_another_threads_chunk_buffers():
+    """A buffer a thread frees goes back to that thread's pool only: the pool of the thread that looks is unchanged."""
+    import threading
+
+    from shardcal.quant import formats
+
+    spec = QuantizerSpec("int8", "channel", axis=0)
+    w = torch.randn(1400, 50, generator=torch.Generator().manual_seed(8))  # by rows, pooled, at either chunk size
+    fake_quantize(w, Layout(spec, w.shape).amax_of(w), spec)
+    mine = [id(b) for b in formats._SCRATCH.free]
+    theirs: list[int] = []
+
+    def quantize() -> None:
+        fake_quantize(w * 2, Layout(spec, w.shape).amax_of(w * 2), spec)
+        theirs.extend(id(b) for b in formats._SCRATCH.free)
+
+    thread = threading.Thread(target=quantize)
+    thread.start()
+    thread.join()
+    assert theirs and [id(b) for b in formats._SCRATCH.free] == mine and not set(theirs) & set(mine)

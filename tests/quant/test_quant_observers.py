@@ -360,7 +360,10 @@ def test_weight_amax_is_abs_amax_for_every_layout_and_zero_sign(dtype):
             assert got.dtype == torch.float32 and torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), spec
             assert not torch.signbit(got[~got.isnan()]).any(), spec  # +0.0, never -0.0
     # one element per slot (nothing to fold): the amax is |x|, and x is left as it was
-    for spec, x in ((QuantizerSpec("int8", "channel", axis=0), w[:, :1]), (QuantizerSpec("int8", "channel", axis=-1), w[2])):
+    for spec, x in (
+        (QuantizerSpec("int8", "channel", axis=0), w[:, :1]),
+        (QuantizerSpec("int8", "channel", axis=-1), w[2]),
+    ):
         x = x.contiguous()
         before = x.clone()
         got = Layout(spec, x.shape).amax_of(x)
