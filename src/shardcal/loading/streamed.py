@@ -162,10 +162,9 @@ class StreamedLayers(ResidentLayers):
                 module._parameters[attr] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
                 )
+            # the read of the layer after next (not reading ahead: of the next) reuses them
             if self.device.type == "cpu" and index + (2 if self.prefetch else 1) < len(self.layers):
-                self._spare.give(
-                    released
-                )  # the read of the layer after next (or, not prefetching, the next) reuses them
+                self._spare.give(released)
 
     def close(self) -> None:
         if self._next is not None:

@@ -172,6 +172,8 @@ class ReadingReader(PublishedReads):
         self, entry: _Entry, offset: int, shape: tuple[int, ...], out: torch.Tensor | None = None
     ) -> torch.Tensor:
         out = torch.empty(shape, dtype=entry.dtype) if out is None else out
+        if not out.is_contiguous():  # the bytes go into a flat view of it
+            raise ValueError(f"{entry.file}: a tensor is read into contiguous memory only")
         flat = out.reshape(-1)  # a 0-d tensor's bytes through a 1-d view of it
         view = memoryview(flat.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         fd = self._fds.get(entry.file)

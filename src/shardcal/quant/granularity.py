@@ -187,9 +187,9 @@ class Layout:
 
     def _amax_of(self, x: torch.Tensor) -> torch.Tensor:
         # A contiguous tensor with no |x| temporary (max |x| is max(max x, -min x)): per tensor in one aminmax
-        # pass, per token, channel, group or block by amax and amin (aminmax along a dim is several times slower;
-        # abs_ makes an all -0.0 slot's amax +0.0, as |x| does); on a strided view (keys and values after a
-        # transpose) abs then amax is faster.
+        # pass, per token, channel or group by amax and amin (aminmax along a dim is several times slower; abs_
+        # makes an all -0.0 slot's amax +0.0, as |x| does); on a strided view (keys and values after a transpose)
+        # or a block layout (padded: a copy anyway) abs then amax.
         x = x.detach()
         one_pass = x.is_contiguous() and x.numel() > 0
         if self.kind == "token" and one_pass:
