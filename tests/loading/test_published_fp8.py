@@ -189,6 +189,9 @@ def test_staged_reads_reuse_one_buffer_per_thread(pair, monkeypatch):
             assert over.data_ptr() != pointer and torch.equal(over.view(torch.uint8), codes.view(torch.uint8))
             monkeypatch.undo()
         assert reader._staging.buffer is None
+        strided = torch.empty(rows, 2 * reader.shape(keys[0])[1], dtype=torch.float8_e4m3fn)[:, ::2]
+        with pytest.raises(ValueError, match="read into contiguous memory only"):
+            reader._raw_get_staged(keys[0], 0, rows, strided)
         norm = torch.empty(reader.shape("model.norm.weight"), dtype=reader.dtype("model.norm.weight"))
         assert reader.read_into("model.norm.weight", norm[2:], 2).data_ptr() == norm[2:].data_ptr()
         assert torch.equal(norm[2:], want["model.norm.weight"][2:])
