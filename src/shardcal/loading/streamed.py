@@ -186,7 +186,7 @@ class _SpareBuffers:
     def give(self, tensors: list[torch.Tensor]) -> None:
         with self._lock:
             for t in tensors:
-                if t.device.type == "cpu" and t.is_contiguous():
+                if t.is_contiguous():  # as a read writes it
                     self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def take(

@@ -261,15 +261,17 @@ class PublishedReads:
         parts = self._packed.get(key) or (key, *((self._scales[key],) if key in self._scales else ()))
         return sum(math.prod(self._raw_shape(k)) * self._raw_dtype(k).itemsize for k in parts)
 
-    def _dequantized(self, key: str, stored: torch.Tensor, start: int, dtype: torch.dtype | None) -> torch.Tensor:
+    def _dequantized(
+        self, key: str, stored: torch.Tensor, start: int, dtype: torch.dtype | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``stored`` (rows ``start:`` of ``key``) as the weight it stands for, in ``dtype`` (None: float32 where it is
-        block-scaled, else as stored)."""
+        block-scaled, else as stored); a block-scaled one dequantized into ``out`` where given."""
         scale_key = self._scales.get(key)
         if scale_key is None or not isinstance(self.published, BlockFP8):
             return stored if dtype is None else stored.to(dtype)
         first, stop = self.published.scale_rows(start, start + stored.shape[0])
         scales = self._raw_get_rows(scale_key, first, stop)
-        return self.published.dequantize(stored, scales, start, dtype or torch.float32)
+        return self.published.dequantize(stored, scales, start, dtype or torch.float32, out)
 
     def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor, in ``dtype`` (None: as stored, a published quantized one dequantized in float32)."""
@@ -293,12 +295,9 @@ class PublishedReads:
             )
         if not shape or key in self._packed:
             return out.copy_(self.get_rows(key, start, stop) if shape else self.get(key))
-        published = self.published
-        if key in self._scales and isinstance(published, BlockFP8):
+        if key in self._scales and isinstance(self.published, BlockFP8):
             stored = self._raw_get_staged(key, start, stop)  # dequantized before the next staged read reuses it
-            first, last = published.scale_rows(start, stop)
-            scales = self._raw_get_rows(self._scales[key], first, last)
-            return published.dequantize(stored, scales, start, out.dtype, out)
+            return self._dequantized(key, stored, start, out.dtype, out)
         direct = out.dtype == self._raw_dtype(key) and out.is_contiguous()
         stored = self._raw_get_staged(key, start, stop, out if direct else None)
         return out if direct else out.copy_(stored)  # the cast as get_rows' .to(dtype) makes it

@@ -134,13 +134,14 @@ class ReadingReader(PublishedReads):
         entry = self._entry(key)
         return self._raw_get_rows(key, 0, entry.shape[0]) if entry.shape else self._read(entry, entry.offset, ())
 
-    def _raw_get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of dim 0 as stored, read into a new buffer; the other rows are not read."""
+    def _raw_get_rows(self, key: str, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of dim 0 as stored, read into ``into`` (their shape and dtype, contiguous) or a new
+        buffer; the other rows are not read."""
         entry = self._entry(key)
         if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
             raise CheckpointError(f"{entry.file}: tensor {key!r} has no rows {start}:{stop} (shape {entry.shape})")
         row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
-        return self._read(entry, entry.offset + start * row_bytes, (stop - start, *entry.shape[1:]))
+        return self._read(entry, entry.offset + start * row_bytes, (stop - start, *entry.shape[1:]), into)
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:
@@ -153,20 +154,16 @@ class ReadingReader(PublishedReads):
             self._staging.buffer = None
 
     def _raw_get_staged(self, key: str, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        entry = self._entry(key)
-        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
-            raise CheckpointError(f"{entry.file}: tensor {key!r} has no rows {start}:{stop} (shape {entry.shape})")
-        shape = (stop - start, *entry.shape[1:])
-        row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
-        if into is None:
-            buffer = getattr(self._staging, "buffer", None)
-            nbytes = (stop - start) * row_bytes
-            if buffer is None or nbytes > STAGING_MAX_BYTES:  # not staging, or too large to keep: a new buffer
-                return self._raw_get_rows(key, start, stop)
-            if buffer.numel() < nbytes:
-                buffer = self._staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
-            into = buffer[:nbytes].view(entry.dtype).view(shape)
-        return self._read(entry, entry.offset + start * row_bytes, shape, into)
+        buffer = getattr(self._staging, "buffer", None)
+        if into is None and buffer is not None:  # staging: into the thread's buffer, grown as needed
+            entry = self._entry(key)
+            shape = (max(stop - start, 0), *entry.shape[1:])
+            nbytes = math.prod(shape) * entry.dtype.itemsize
+            if nbytes <= STAGING_MAX_BYTES:  # else too large to keep: a new buffer
+                if buffer.numel() < nbytes:
+                    buffer = self._staging.buffer = torch.empty(nbytes, dtype=torch.uint8)
+                into = buffer[:nbytes].view(entry.dtype).view(shape)
+        return self._raw_get_rows(key, start, stop, into)
 
     def _read(
         self, entry: _Entry, offset: int, shape: tuple[int, ...], out: torch.Tensor | None = None

@@ -281,9 +281,8 @@ def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Ten
         v = (values.to(torch.int16) + 2 ** (bits - 1)).to(torch.uint8)
     if pad:
         v = torch.nn.functional.pad(v, (0, pad))
-    if bits == 4:  # v is new here: each pair of codes read as one int16, lo | hi << 8; its low byte: lo | hi << 4
-        pairs = v.contiguous().reshape(-1).view(torch.int16)  # flat first: a size-1 dim's stride may be anything
-        v = pairs.bitwise_or_(pairs >> 4).to(torch.uint8).reshape(*v.shape[:-1], v.shape[-1] // 2)
+    if bits == 4:  # flat first: a size-1 dim's stride may be anything
+        v = _nibble_pairs(v.contiguous().reshape(-1)).reshape(*v.shape[:-1], v.shape[-1] // 2)
     words = v.contiguous().reshape(-1).view(torch.int32)  # flat first: a size-1 dim's stride may be anything
     return words.reshape(*v.shape[:-1], v.shape[-1] // 4)
 
@@ -291,12 +290,21 @@ def _pack_bytes_to_int32(values: torch.Tensor, bits: int, pad: int) -> torch.Ten
 def _pack_int4_bytes(values: torch.Tensor) -> torch.Tensor:
     """:func:`_pack_bytes_to_int32` of contiguous int8 CPU values, a last dim of whole words: the same steps, the
     temporaries in this thread's reused buffers (an MoE layer packs hundreds of expert slices)."""
-    n = values.numel()
-    with _scratch(n, torch.uint8) as codes, _scratch(n // 2, torch.int16) as shifted:
+    with _scratch(values.numel(), torch.uint8) as codes:
         torch.add(values.reshape(-1), 8, out=codes.view(torch.int8))  # the offset codes' bits, modulo 256
-        pairs = codes.view(torch.int16)
-        packed = torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs).to(torch.uint8)
+        packed = _nibble_pairs(codes)
     return packed.view(torch.int32).reshape(*values.shape[:-1], values.shape[-1] // 8)
+
+
+def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (flat uint8, an even count) two a byte, the first low, in a new tensor: each pair read as one
+    little-endian int16, ``lo | hi << 8``, whose low byte is ``lo | hi << 4`` (on CPU the shifted copy in this
+    thread's reused buffer)."""
+    pairs = codes.view(torch.int16)
+    if pairs.device.type != "cpu":
+        return (pairs | (pairs >> 4)).to(torch.uint8)
+    with _scratch(pairs.numel(), torch.int16) as shifted:
+        return torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs).to(torch.uint8)
 
 
 def unpack_int4_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
