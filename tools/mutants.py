@@ -289,9 +289,17 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "leave-at-exit-without-barrier",
         "runtime/distributed.py",
-        "        if wait:\n            barrier()  # a no-op without a group of several ranks\n",
+        "        if wait:\n            _EXIT_BARRIERS.append(barrier())  # a no-op without a group of several ranks\n",
         "        pass\n",
         "a rank leaving its torchrun group at exit does not wait for the others before destroying it",
+        tests=("tests/runtime/test_distributed_plumbing.py",),
+    ),
+    Mutant(
+        "exit-barrier-freed-by-gloo-thread",
+        "runtime/distributed.py",
+        "            _EXIT_BARRIERS.append(barrier())  # a no-op without a group of several ranks\n",
+        "            barrier()  # a no-op without a group of several ranks\n",
+        "the exit barrier's work (and the broadcast it holds) left for a gloo thread to free during the teardown",
         tests=("tests/runtime/test_distributed_plumbing.py",),
     ),
     Mutant(
@@ -1174,8 +1182,8 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "leave-together-no-finally",
         "runtime/distributed.py",
-        "    try:\n        if wait:\n            barrier()  # a no-op without a group of several ranks\n    finally:\n",
-        "    if True:\n        if wait:\n            barrier()  # a no-op without a group of several ranks\n    if True:\n",
+        "    try:\n        if wait:\n            _EXIT_BARRIERS.append(barrier())  # a no-op without a group of several ranks\n    finally:\n",
+        "    if True:\n        if wait:\n            _EXIT_BARRIERS.append(barrier())  # a no-op without a group of several ranks\n    if True:\n",
         "a barrier that raises leaves the group to the interpreter's teardown",
         tests=("tests/runtime/test_distributed_plumbing.py",),
     ),

@@ -177,14 +177,18 @@ rank, out, raising, sleeping = int(os.environ["RANK"]), sys.argv[1], int(sys.arg
 
 
 def record():  # registered first, so it runs last: after shardcal's handler
+    from shardcal.runtime.distributed import _EXIT_BARRIERS
+
+    kept = ",".join(str(work.is_completed()) for work in _EXIT_BARRIERS) or "none"
     with open(f"{out}.{rank}", "w") as f:
-        f.write(f"{dist.is_initialized()} {time.time()}")
+        f.write(f"{dist.is_initialized()} {time.time()} {kept}")
 
 
 atexit.register(record)
-from shardcal.runtime.distributed import init_distributed
+from shardcal.runtime.distributed import broadcast_json, init_distributed
 
 init_distributed()
+broadcast_json({"last": "a temporary tensor in flight when the exit barrier starts"})
 with open(f"{out}.{rank}.joined", "w") as f:
     f.write(str(time.time()))
 if rank == sleeping:  # registered after shardcal's handler, so it runs before it: this rank comes late
@@ -199,7 +203,8 @@ def test_a_group_formed_under_torchrun_is_left_together_at_exit(tmp_path, raisin
     """Under torchrun, the group shardcal formed is destroyed at exit, before the interpreter's teardown (which
     aborts a rank whose gloo threads still run): after a barrier on a clean exit (rank 0 waits for rank 1, 3 s
     late), with none after an uncaught exception (rank 1 raised and leaves while rank 0 is still 3 s away; torchrun
-    then stops rank 0)."""
+    then stops rank 0). The barrier's work is kept for the teardown to free on the main thread: freed last by a gloo
+    thread, the broadcast it holds would need the GIL after the teardown began, and abort the rank (SIGABRT)."""
     import os
     import subprocess
     import sys
@@ -217,11 +222,14 @@ def test_a_group_formed_under_torchrun_is_left_together_at_exit(tmp_path, raisin
     joined = [float((tmp_path / f"left.{r}.joined").read_text()) for r in (0, 1)]
     if raising < 0:
         left = [(tmp_path / f"left.{r}").read_text().split() for r in (0, 1)]
-        assert [initialized for initialized, _ in left] == ["False", "False"]  # destroyed before the teardown
+        assert [initialized for initialized, _, _ in left] == ["False", "False"]  # destroyed before the teardown
         assert float(left[0][1]) >= joined[1] + 3  # rank 0 waited at the barrier for rank 1
+        # the barrier's work (and the broadcast it may hold) is freed by the teardown on the main thread
+        assert [kept for _, _, kept in left] == ["True", "True"]
     else:
-        initialized, at = (tmp_path / "left.1").read_text().split()
+        initialized, at, kept = (tmp_path / "left.1").read_text().split()
         assert initialized == "False" and float(at) < joined[0] + 2  # rank 1 did not wait for rank 0
+        assert kept == "none"
 
 
 def test_leave_together_destroys_the_group_when_the_barrier_raises(monkeypatch):

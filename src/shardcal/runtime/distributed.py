@@ -93,6 +93,13 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+#: The works of the barriers ranks leave together with, freed by the interpreter's teardown on the main thread. The
+#: barrier holds the collectives still in flight when it started (the last broadcast of a temporary tensor, say):
+#: released last by the gloo thread that ran it once the teardown has begun, such a tensor needs the GIL, which ends
+#: that thread in the middle of a C++ destructor, and the process aborts (SIGABRT) after it has finished its work.
+_EXIT_BARRIERS: list[Any] = []
+
+
 def leave_at_exit(formed: Any) -> None:
     """At the exit of a process whose default group shardcal formed (``formed``): leave it together — a barrier,
     then destroy it — before the interpreter's teardown, which destroys gloo's threads while they run, or while a
@@ -110,7 +117,7 @@ def leave_together(wait: bool = True) -> None:
     still talks to it aborts)."""
     try:
         if wait:
-            barrier()  # a no-op without a group of several ranks
+            _EXIT_BARRIERS.append(barrier())  # a no-op without a group of several ranks
     finally:
         destroy_distributed()
 
@@ -296,11 +303,16 @@ def all_gather_rows_(full: torch.Tensor, local: torch.Tensor, group: Any = DEFAU
     return full
 
 
-def barrier(group: Any = DEFAULT_GROUP) -> None:
-    """Wait until every rank of ``group`` (default: the world) gets here; a no-op for a single process."""
+def barrier(group: Any = DEFAULT_GROUP) -> Any:
+    """Wait until every rank of ``group`` (default: the world) gets here; a no-op for a single process. Returns the
+    barrier's work object (None without a group): gloo's holds the collectives that were still in flight when the
+    barrier started."""
     group = _resolve(group)
-    if _active(group):
-        dist.barrier(group=group)
+    if not _active(group):
+        return None
+    work = dist.barrier(group=group, async_op=True)
+    work.wait()
+    return work
 
 
 # ----------------------------------------------------------------------------------------------- small values
