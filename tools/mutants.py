@@ -735,9 +735,23 @@ CATALOGUE: list[Mutant] = [
     Mutant(
         "fmt-rows-fp8-values-reordered",
         "quant/formats.py",
-        "            torch.index_select(_e4m3_table(), 0, chunk_index, out=a.view(-1))\n",
-        "            torch.index_select(_e4m3_table(), 0, chunk_index.flip(0), out=a.view(-1))\n",
+        "                e4m3_values_over_256(chunk_codes.copy_(a), out=a)\n",
+        "                e4m3_values_over_256(chunk_codes.copy_(a).flip(0), out=a)\n",
         "a large CPU fp8 weight quantized by rows: its codes' values are read back in the wrong order",
+    ),
+    Mutant(
+        "e4m3-negative-nan-unseen",
+        "quant/formats.py",
+        "    nan = signed.max().item() == 0x7F or unsigned.max().item() == 0xFF\n",
+        "    nan = signed.max().item() == 0x7F\n",
+        "e4m3fn's negative NaN code, alone among finite codes, read as a number (-480) instead of NaN",
+    ),
+    Mutant(
+        "e4m3-scale-without-its-256",
+        "models/published.py",
+        "            column_scales = column_scales * E4M3_BY_HALVES_FACTOR  # exact: the 256 back\n",
+        "            column_scales = column_scales  # exact: the 256 back\n",
+        "a published FP8 checkpoint's weights dequantized 256 times too small",
     ),
     Mutant(
         "fmt-rows-asymmetric-codes-without-zero-point",

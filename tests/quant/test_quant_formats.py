@@ -432,6 +432,25 @@ def test_fp8_values_read_by_table_are_the_e4m3_definition():
         assert torch.equal(got.double().nan_to_num(7.0), want.repeat(copies).nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("nan_code", [0x7F, 0xFF], ids=["positive-nan", "negative-nan"])
+def test_fp8_values_from_bits_keep_one_kind_of_nan_alone(nan_code):
+    """Each of e4m3fn's two NaN codes found on its own among finite codes, in a tensor long enough for the bit path,
+    the rest of the values torch's own cast; and the values / 256 before the scale takes the 256 back."""
+    from shardcal.quant.formats import E4M3_BY_HALVES_FACTOR, e4m3_values_over_256, fp8_e4m3_to_float32
+
+    g = torch.Generator().manual_seed(nan_code)
+    codes = torch.randint(0, 256, (40_000,), dtype=torch.int32, generator=g).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x01
+    codes[[5, 17_000, 39_999]] = nan_code
+    fp8 = codes.view(torch.float8_e4m3fn)
+    want = fp8.float()
+    assert want.isnan().sum() == 3
+    got = fp8_e4m3_to_float32(fp8)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    over = e4m3_values_over_256(fp8[:256].reshape(16, 16).T, out=torch.empty(16, 16))  # strided codes too
+    assert torch.equal((over * E4M3_BY_HALVES_FACTOR).nan_to_num(7.0), want[:256].reshape(16, 16).T.nan_to_num(7.0))
+
+
 def test_fp8_rounding_by_table_equals_torch_cast():
     from shardcal.quant.formats import round_to_fp8_e4m3
 

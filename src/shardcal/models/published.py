@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..quant.formats import E4M3_BY_HALVES_FACTOR, e4m3_values_over_256
 from ..runtime.fsutil import read_json_object
 
 #: The suffix of a block-scaled weight's scale tensor (``<linear>.weight`` -> ``<linear>.weight_scale_inv``).
@@ -68,38 +68,24 @@ class BlockFP8:
         bo, bi = self.block
         offset = row_start - (row_start // bo) * bo
         column_scales = scale_inv.float().repeat_interleave(bi, 1)[:, :cols]  # one row per block row: small
-        e4m3 = q.dtype == torch.float8_e4m3fn  # looked up in a table; any other stored dtype converted by torch
-        codes = q.contiguous().view(torch.uint8) if e4m3 else q
+        e4m3 = q.dtype == torch.float8_e4m3fn  # the values / 256 from their bits; any other dtype converted by torch
+        if e4m3:
+            column_scales = column_scales * E4M3_BY_HALVES_FACTOR  # exact: the 256 back
         out = torch.empty((rows, cols), dtype=dtype) if out is None else out
-        # block row by block row, through band-sized buffers (the values in ``out`` itself when it is float32 and
-        # contiguous, as numpy writes them)
-        height = min(bo, rows)
-        index = torch.empty((height, cols), dtype=torch.int64)
+        # block row by block row, through a band-sized buffer unless ``out`` is float32 and contiguous
         direct = dtype == torch.float32 and out.is_contiguous()
-        band_buffer = None if direct else torch.empty((height, cols), dtype=torch.float32)
+        band_buffer = None if direct else torch.empty((min(bo, rows), cols), dtype=torch.float32)
         for band, start in enumerate(range(-offset, rows, bo)):
             lo, hi = max(start, 0), min(start + bo, rows)
             values = out[lo:hi] if band_buffer is None else band_buffer[: hi - lo]
             if e4m3:
-                _fp8_values(index[: hi - lo].copy_(codes[lo:hi]), out=values)
+                e4m3_values_over_256(q[lo:hi], out=values)
             else:
-                values.copy_(codes[lo:hi])
+                values.copy_(q[lo:hi])
             values.mul_(column_scales[band])
             if band_buffer is not None:
                 out[lo:hi].copy_(values)
         return out
-
-
-def _fp8_values(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The float32 values of float8_e4m3fn codes (their bytes as int64, contiguous: numpy would otherwise convert
-    them into a new array) written into ``out``: torch's own conversion, value for value, from a table of the 256
-    values that numpy looks up (faster on CPU than the conversion itself)."""
-    np.take(_E4M3_TABLE, codes.numpy(), out=out.numpy(), mode="clip")  # "raise" would buffer ``out``
-    return out
-
-
-#: float8_e4m3fn's 256 values by code, as torch converts them.
-_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 #: The FP4 E2M1 value of each 4-bit code (the OCP microscaling formats' element type).
