@@ -451,6 +451,20 @@ def test_fp8_values_from_bits_keep_one_kind_of_nan_alone(nan_code):
     assert torch.equal((over * E4M3_BY_HALVES_FACTOR).nan_to_num(7.0), want[:256].reshape(16, 16).T.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (4, 0)])
+def test_fp8_values_from_bits_of_no_codes(shape):
+    """No codes (a weight with no columns, an empty share of rows): nothing to convert, no error; and the published
+    FP8 dequantization of a weight without columns gives its empty rows."""
+    from shardcal.models.published import BlockFP8
+    from shardcal.quant.formats import e4m3_values_over_256
+
+    out = torch.empty(shape)
+    assert e4m3_values_over_256(torch.empty(shape, dtype=torch.float8_e4m3fn), out=out) is out
+    if len(shape) == 2:
+        got = BlockFP8((128, 128)).dequantize(torch.empty(shape, dtype=torch.float8_e4m3fn), torch.ones(1, 1), 0)
+        assert got.shape == shape and got.dtype == torch.float32
+
+
 def test_fp8_rounding_by_table_equals_torch_cast():
     from shardcal.quant.formats import round_to_fp8_e4m3
 

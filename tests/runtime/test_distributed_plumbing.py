@@ -232,6 +232,31 @@ def test_a_group_formed_under_torchrun_is_left_together_at_exit(tmp_path, raisin
         assert kept == "none"
 
 
+def test_a_barrier_waits_on_the_group_it_is_given(monkeypatch):
+    """barrier(group) is torch's barrier over that group (a user's subgroup is not the world), waited on, and its
+    work returned; without a group of several ranks, nothing is called."""
+    import torch.distributed as dist
+
+    calls = []
+
+    class Work:
+        waited = False
+
+        def wait(self):
+            self.waited = True
+
+    def spy(group=None, async_op=False):
+        calls.append((group, async_op))
+        return Work()
+
+    sub = object()
+    monkeypatch.setattr(dist, "barrier", spy)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    work = distributed.barrier(sub)
+    assert calls == [(sub, True)] and isinstance(work, Work) and work.waited
+    assert distributed.barrier(None) is None and len(calls) == 1
+
+
 def test_leave_together_destroys_the_group_when_the_barrier_raises(monkeypatch):
     """A barrier that fails (a peer gone) still leaves the group destroyed, not to the interpreter's teardown, and
     the failure comes through."""
