@@ -439,7 +439,7 @@ class _ScratchPool(threading.local):
 
 
 _SCRATCH = _ScratchPool()
-_SCRATCH_KEPT = 6  # a thread keeps: a chunk's float32 values, its FP8 codes and their two halves, int4 packing's two
+_SCRATCH_KEPT = 6  # a thread keeps: a chunk's float32 values, its FP8 codes and halves, int4 packing's two, a spare
 
 
 @contextmanager
