@@ -164,6 +164,15 @@ def test_the_rules_on_hand_made_facts():
         plan_layer_passes(LayerFacts(propagate="bf16"))
 
 
+def test_a_plan_runs_the_layer_quantized_in_a_propagate_pass_or_on_sqnr_sequences():
+    """Whether a layer runs with its quantizers on: a propagate pass always; the SQNR's quantized side only where
+    there are SQNR sequences."""
+    observed = plan_layer_passes(_facts(observer_passes=1, moe=True))  # [observe, sqnr]: fp outputs go on
+    assert observed.runs_quantized(sqnr_rows=True) and not observed.runs_quantized(sqnr_rows=False)
+    propagated = plan_layer_passes(LayerFacts(propagate="qdq", moe=True))
+    assert propagated.runs_quantized(sqnr_rows=False) and propagated.runs_quantized(sqnr_rows=True)
+
+
 def _model() -> CausalLM:
     model = CausalLM(ModelConfig.from_dict(CONFIG))
     randomize_(model, seed=1)

@@ -330,6 +330,22 @@ def test_plan_of_a_streamed_run_reading_rows_reads_and_holds_half_a_layer_less(m
     assert whole.phases["layers"] - rows.phases["layers"] == layers // 4
 
 
+def test_one_rank_holds_each_streamed_layer_as_read(model_and_data, tmp_path, monkeypatch):
+    """Alone, a rank's rows are the whole layer: held as read, never copied into a gathered one (on a GPU too);
+    with several ranks each reads the whole layer on CPU, its rows on GPUs."""
+    from shardcal.loading import streamed
+
+    cases = [("cpu", 1), ("cuda", 1), ("cpu", 2), ("cuda", 2)]
+    assert [streamed.reads_layers_whole(*case) for case in cases] == [True, True, True, False]
+
+    def gather(*args: Any) -> None:
+        raise AssertionError("a rank alone gathered a layer")
+
+    monkeypatch.setattr(streamed, "all_gather_rows_", gather)
+    model_dir, data = model_and_data
+    assert _run(model_dir, data, tmp_path / "out", "fp8", "on")
+
+
 def test_plan_of_a_resumable_streamed_run_counts_the_rows_kept_until_the_commit(model_and_data, tmp_path):
     """With a checkpoint directory and an algorithm that changes weights, a finished layer's rows (this rank's half)
     stay until the next commit: the streamed layers phase grows by that much per layer between commits; with
@@ -805,6 +821,53 @@ def test_a_transformers_class_streams_to_its_resident_export(tmp_path, family, r
     resident = run_on_ranks(ranks, _hf_on_ranks, *args, str(tmp_path / "resident"), recipe, "off")
     streamed = run_on_ranks(ranks, _hf_on_ranks, *args, str(tmp_path / "streamed"), recipe, "on")
     assert streamed == resident
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
+
+
+INT4_GROUPS = """name = "int4-groups"
+[weight]
+format = "int4"
+granularity = "group"
+group_size = 16
+observer = "max"
+"""
+
+
+def _fused_stores(model_dir: str, data: str, out: str, recipe: str, stream: str, sqnr_tokens: int) -> int:
+    """A transformers-class run; how many fused expert projections had their weights stored fake-quantized."""
+    from shardcal.calib import layer_calibration
+
+    original, stored = layer_calibration.store_quantized_weights, []
+    layer_calibration.store_quantized_weights = lambda module: stored.append(original(module)) or stored[-1]
+    try:
+        pipeline_calibrate.calibrate_to_checkpoint(
+            model_dir, out, recipe, data=data, stream=stream, model_impl="transformers",
+            options=CalibrationOptions(batch_size=4, sqnr_tokens=sqnr_tokens),
+        )  # fmt: skip
+    finally:
+        layer_calibration.store_quantized_weights = original
+    return sum(stored)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "int4-groups"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_streamed_layer_that_never_runs_quantized_keeps_its_experts_weights_as_read(tmp_path, recipe, ranks):
+    """DeepSeek-V3's fused experts, no SQNR sample and nothing propagated quantized: streamed, no layer runs
+    quantized after its weights are calibrated and none stays in memory, so their weights are not fake-quantized
+    (the export encodes them as read) — the resident run, whose model stays quantized, stores them; both give the
+    same files. With the SQNR sample, the streamed run stores them too."""
+    pytest.importorskip("transformers")
+    model_dir = _hf_checkpoint(tmp_path, "deepseek_v3")
+    data = tmp_path / "ids.npy"
+    np.save(data, np.random.default_rng(3).integers(0, 250, size=(4, 16)))
+    if recipe == "int4-groups":
+        (tmp_path / "int4.toml").write_text(INT4_GROUPS)
+        recipe = str(tmp_path / "int4.toml")
+    args = (str(model_dir), str(data))
+    resident = run_on_ranks(ranks, _fused_stores, *args, str(tmp_path / "resident"), recipe, "off", 0)
+    streamed = run_on_ranks(ranks, _fused_stores, *args, str(tmp_path / "streamed"), recipe, "on", 0)
+    sampled = run_on_ranks(ranks, _fused_stores, *args, str(tmp_path / "sampled"), recipe, "on", 64)
+    assert min(resident) > 0 and streamed == [0] * ranks and sampled[0] == resident[0]
     assert _files(tmp_path / "streamed") == _files(tmp_path / "resident")
 
 

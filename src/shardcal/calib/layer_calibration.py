@@ -340,8 +340,8 @@ def _calibrate_layer_once(
     _check_kv_observed(quantizers.kv)
     for q in weights + quantizers.dynamic:
         q.mode = QuantMode.QUANTIZE
-    if quantizers.fused:  # fused experts compute with quantized weights from now on: written into the parameters
-        for experts in quantizers.fused:
+    if quantizers.fused and _computes_quantized(step, plan, local_sqnr):
+        for experts in quantizers.fused:  # fused experts compute with quantized weights: written into the parameters
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
@@ -360,6 +360,14 @@ def _calibrate_layer_once(
         from_activation_report=list(feed.used) if feed is not None else [],
     )
     return entry, plan
+
+
+def _computes_quantized(step: LayerStep, plan: PassPlan, local_sqnr: dict[int, int]) -> bool:
+    """Whether anything computes with the layer quantized once its weights are calibrated: a pass of this step on this
+    rank (:meth:`PassPlan.runs_quantized`), or, when the layer stays in memory after its step, whoever holds the
+    model. A streamed layer that neither runs quantized nor stays keeps its fused experts' weights as read: the export
+    encodes the same codes from them as from their fake-quantized values (:func:`store_quantized_weights`)."""
+    return plan.runs_quantized(bool(local_sqnr)) or not step.released_after
 
 
 @dataclass

@@ -117,6 +117,11 @@ class PassPlan:
                 return kind
         return ALGORITHM
 
+    def runs_quantized(self, sqnr_rows: bool) -> bool:
+        """Whether a pass runs the layer with its quantizers on: a propagate pass, or the SQNR's quantized side when
+        there are SQNR sequences (``sqnr_rows``: this rank holds some)."""
+        return any(p.kind == PROPAGATE or (p.kind == SQNR and sqnr_rows) for p in self.passes)
+
     @property
     def data_passes(self) -> int:
         """Passes over every batch the runner makes itself (the algorithm's own are its business)."""

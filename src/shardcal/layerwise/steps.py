@@ -30,7 +30,7 @@ from ..errors import NumericsError, UsageError
 from ..quant.tokens import real_tokens_of
 from ..runtime.distributed import all_gather_floats
 from ..sharding.registry import decoder_layer_prefix, require_decoder_layers
-from ..sharding.residency import held_layer
+from ..sharding.residency import held_layer, residency_of
 from .batches import Batch
 from .inputs import CachedInputs, LayerCall, call_layer, layer_inputs
 from .options import PROPAGATE_MODES
@@ -72,6 +72,9 @@ class LayerStep:
     #: Whether :attr:`outputs` are the layer's outputs as the caller leaves it (:meth:`keep_final_outputs`), which
     #: ``propagate="qdq"`` then takes as the next inputs instead of running the layer again.
     outputs_final: bool = field(default=False, repr=False)
+    #: Whether the layer's parameters leave memory when the step ends (a streamed model's): nothing runs the layer
+    #: after its step; what its weights hold then is read once more, by the export at their release.
+    released_after: bool = field(default=False, repr=False)
 
     def forward(self, i: int, rows: int | None = None) -> torch.Tensor:
         """Run the layer on cached batch ``i`` — or on its first ``rows`` sequences, with the arguments the model
@@ -216,12 +219,14 @@ def layer_steps(
         reference = initial_reference if initial_reference is not None else [x.hidden_states for x in inputs]
         if len(reference) != len(inputs):
             raise ValueError(f"initial_reference holds {len(reference)} batches, the inputs {len(inputs)}")
+    released = residency_of(model).streamed
     for index in range(start, len(layers)):
         layer = layers[index]
         with held_layer(model, index, layer):
             step = LayerStep(
                 index=index, name=f"{prefix}.{index}", layer=layer, inputs=inputs, device=device,
                 cache_device=cache_device, heads=heads, batch_numbers=numbers, reference_inputs=reference,
+                released_after=released,
             )  # fmt: skip
             if reference is not None:
                 step.reference_outputs = [step.forward_reference(i).to(cache_device) for i in range(len(inputs))]

@@ -5,7 +5,7 @@ loads it — FSDP2-sharded, each rank reading its own rows. The decoder layers' 
 When a step holds layer ``i`` (:mod:`shardcal.sharding.residency`), every rank holds the whole layer, as a resident
 run's gather gives it. The layer's tensors are read with plain reads (:class:`~shardcal.models.reads.ReadingReader`:
 no memory map, so no file page stays in the process): on a GPU each rank reads its own rows and the ranks gather
-them (NCCL), on CPU each rank reads the whole layer (:func:`reads_layers_whole`). While the step computes, a thread
+them (NCCL), on CPU or alone each rank reads the whole layer (:func:`reads_layers_whole`). While the step computes, a thread
 reads what this rank reads of layer ``i + 1``. When the step is done the hooks
 registered with :meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to
 the meta device: at most the layer in its step, the next layer's read and the activations are in memory.
@@ -45,10 +45,11 @@ from .sources import Source, resolve_buffers, resolve_sources
 
 def reads_layers_whole(device_type: str, world_size: int) -> bool:
     """Whether each rank of a streamed run reads every decoder layer whole instead of its rows and an all-gather:
-    with several ranks on CPU. There the ranks of a host read the same file pages (the second from the page cache,
-    one copy), where gloo's all-gather copies the layer through loopback sockets on every rank; on a GPU the gather
-    (NCCL) is the cheap way, and each rank copies only its rows from the host."""
-    return device_type == "cpu" and world_size > 1
+    alone (its rows are the layer: held as read, not copied into a gathered one), or with several ranks on CPU.
+    There the ranks of a host read the same file pages (the second from the page cache, one copy), where gloo's
+    all-gather copies the layer through loopback sockets on every rank; on GPUs the gather (NCCL) is the cheap way,
+    and each rank copies only its rows from the host."""
+    return world_size == 1 or device_type == "cpu"
 
 
 class StreamedLayers(ResidentLayers):

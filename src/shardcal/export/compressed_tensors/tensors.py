@@ -19,7 +19,6 @@ from ...quant.formats import (
     decode,
     mx_scales_of_exponents,
     nvfp4_global_scale,
-    pack_int4_to_int32,
     pack_to_int32,
     scale_from_amax,
     unpack_int4_from_int32,
@@ -32,12 +31,6 @@ from ...quant.spec import MX_FORMATS, QuantizerSpec
 from .config import MXFP4_PACK_QUANTIZED, MXFP8_QUANTIZED, NVFP4_PACK_QUANTIZED, PACK_QUANTIZED, SCALE_DTYPE
 
 # ----------------------------------------------------------------------------------------------- int8 packing
-
-
-def pack_int8_to_int32(values: torch.Tensor) -> torch.Tensor:
-    """Four int8 values per int32 along the last dim (compressed-tensors' ``pack_to_int32(v, 8)``): each value
-    offset by +128, element ``4k + j`` in bits ``8j .. 8j+7`` of word ``k``; the last dim is zero-padded."""
-    return pack_to_int32(values, 8)
 
 
 def unpack_int8_from_int32(packed: torch.Tensor, last_dim: int) -> torch.Tensor:
@@ -66,7 +59,7 @@ def encode_weight(quantizer: TensorQuantizer, weight: torch.Tensor, fmt: str) ->
     if fmt == PACK_QUANTIZED:
         values = enc["values"]
         bits = quantizer.spec.num_bits
-        out["weight_packed"] = pack_int4_to_int32(values) if bits == 4 else pack_int8_to_int32(values)
+        out["weight_packed"] = pack_to_int32(values, bits)  # encode clamped the codes to the format's range
         out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
     else:
         out["weight"] = enc["values"]
