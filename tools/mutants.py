@@ -24,6 +24,87 @@ class Mutant:
 
 
 CATALOGUE: list[Mutant] = [
+    # ------------------------------------------------------ audit of round 5, seventh session (streamed weight work)
+    Mutant(
+        "stream-whole-read-only-alone-on-cpu",
+        "loading/streamed.py",
+        '    return world_size == 1 or device_type == "cpu"\n',
+        '    return world_size == 1 and device_type == "cpu"\n',
+        "several CPU ranks read their rows and gather them through gloo; a GPU rank alone copies each layer",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "stream-whole-read-on-gpus",
+        "loading/streamed.py",
+        '    return world_size == 1 or device_type == "cpu"\n',
+        '    return world_size == 1 or device_type != "cpu"\n',
+        "several GPU ranks each read every layer whole; several CPU ranks gather their rows",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "runs-quantized-without-sqnr-rows",
+        "calib/passes.py",
+        "        return any(p.kind == PROPAGATE or (p.kind == SQNR and sqnr_rows) for p in self.passes)\n",
+        "        return any(p.kind == PROPAGATE or p.kind == SQNR for p in self.passes)\n",
+        "a streamed layer with no SQNR sequences still stores its fused experts fake-quantized",
+        tests=("tests/calib/test_passes.py", "tests/pipeline/test_streamed.py"),
+    ),
+    Mutant(
+        "runs-quantized-on-full-precision-sqnr",
+        "calib/passes.py",
+        "        return any(p.kind == PROPAGATE or (p.kind == SQNR and sqnr_rows) for p in self.passes)\n",
+        "        return any(p.kind == PROPAGATE or (p.kind == SQNR_FULL_PRECISION and sqnr_rows) for p in self.passes)\n",
+        "a streamed MoE layer's SQNR sample runs its fused experts in full precision",
+        tests=("tests/calib/test_passes.py", "tests/pipeline/test_streamed.py"),
+    ),
+    Mutant(
+        "runs-quantized-sqnr-rows-negated",
+        "calib/passes.py",
+        "        return any(p.kind == PROPAGATE or (p.kind == SQNR and sqnr_rows) for p in self.passes)\n",
+        "        return any(p.kind == PROPAGATE or (p.kind == SQNR and not sqnr_rows) for p in self.passes)\n",
+        "a streamed rank with SQNR sequences measures full-precision experts; one without stores them anyway",
+        tests=("tests/calib/test_passes.py", "tests/pipeline/test_streamed.py"),
+    ),
+    Mutant(
+        "experts-stored-only-when-streamed-runs-quantized",
+        "calib/layer_calibration.py",
+        "    return plan.runs_quantized(bool(local_sqnr)) or not step.released_after\n",
+        "    return plan.runs_quantized(bool(local_sqnr)) and not step.released_after\n",
+        "streamed fused experts are never stored quantized; a resident model without SQNR keeps them unquantized",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "experts-stored-when-released",
+        "calib/layer_calibration.py",
+        "    return plan.runs_quantized(bool(local_sqnr)) or not step.released_after\n",
+        "    return plan.runs_quantized(bool(local_sqnr)) or step.released_after\n",
+        "streamed layers always store their experts quantized; a resident model without SQNR keeps them unquantized",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "experts-stored-by-head-rows",
+        "calib/layer_calibration.py",
+        "    return plan.runs_quantized(bool(local_sqnr)) or not step.released_after\n",
+        "    return plan.runs_quantized(bool(step.heads)) or not step.released_after\n",
+        "a streamed SQNR sample of whole batches runs the fused experts in full precision",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "every-step-released-after",
+        "layerwise/steps.py",
+        "    released = residency_of(model).streamed\n",
+        "    released = residency_of(model) is not None\n",
+        "a resident run's steps count as released: without SQNR its model keeps full-precision fused experts",
+        tests=("tests/pipeline/test_streamed.py",),
+    ),
+    Mutant(
+        "export-packs-int8-as-int4",
+        "export/compressed_tensors/tensors.py",
+        '        out["weight_packed"] = pack_to_int32(values, bits)  # encode clamped the codes to the format\'s range\n',
+        '        out["weight_packed"] = pack_to_int32(values, 4)  # encode clamped the codes to the format\'s range\n',
+        "pack-quantized int8 weights (W8A16) are packed as nibbles",
+        tests=("tests/export/test_consumers.py",),
+    ),
     # ------------------------------------------------------------ audit of round 5, fifth session (buffers reused)
     Mutant(
         "scratch-pool-shared-by-threads",
