@@ -24,6 +24,47 @@ class Mutant:
 
 
 CATALOGUE: list[Mutant] = [
+    # ------------------------------------------------------ round 5, eighth session (MoE experts without input scales)
+    Mutant(
+        "moe-scales-by-fallbacks",
+        "calib/layer_calibration.py",
+        "        fell_back, with_scales = _experts_of(block, fallbacks), _experts_of(block, scaled)\n",
+        "        fell_back, with_scales = _experts_of(block, fallbacks), _experts_of(block, fallbacks)\n",
+        "every expert that did not fall back to its siblings is reported without input scales",
+        tests=("tests/calib/test_calibrate.py", "tests/loading/test_foreign_models.py"),
+    ),
+    Mutant(
+        "moe-scales-from-weight-quantizers",
+        "calib/layer_calibration.py",
+        "    scaled = [n for n, _ in _activation_quantizers(step.layer, step.name)]\n",
+        "    scaled = [n for n, _ in iter_quantizers(step.layer, step.name)]\n",
+        "a weight-only recipe's experts are reported with input scales from their tokens",
+        tests=("tests/calib/test_calibrate.py", "tests/loading/test_foreign_models.py"),
+    ),
+    Mutant(
+        "moe-scales-from-dynamic-inputs",
+        "calib/layer_calibration.py",
+        "    scaled = [n for n, _ in _activation_quantizers(step.layer, step.name)]\n",
+        '    scaled = [n for n, _ in iter_quantizers(step.layer, step.name) if not n.endswith(".weight_quantizer")]\n',
+        "experts with dynamic inputs are reported with input scales from their tokens",
+        tests=("tests/calib/test_calibrate.py", "tests/loading/test_foreign_models.py"),
+    ),
+    Mutant(
+        "moe-summary-lists-no-input-scales-as-a-source",
+        "calib/report.py",
+        "        unscaled = sources.pop(NO_INPUT_SCALES, 0)\n",
+        "        unscaled = sources.get(NO_INPUT_SCALES, 0)\n",
+        "the summary line names 'no input scales' as where their input scales come from",
+        tests=("tests/calib/test_calibrate.py",),
+    ),
+    Mutant(
+        "moe-summary-unscaled-only-alone",
+        "calib/report.py",
+        "        if unscaled:\n",
+        "        if unscaled and not sources:\n",
+        "unrouted experts without input scales go unmentioned beside others with a source",
+        tests=("tests/calib/test_calibrate.py",),
+    ),
     # ------------------------------------------------------ audit of round 5, seventh session (streamed weight work)
     Mutant(
         "stream-whole-read-only-alone-on-cpu",

@@ -129,6 +129,7 @@ TESTS: dict[str, list[str]] = {
     ],
     "calib/runner.py": _CALIBRATION_RUN_TESTS,
     "calib/layer_calibration.py": _CALIBRATION_RUN_TESTS,
+    "calib/report.py": ["tests/calib/test_calibrate.py", "tests/cli/test_cli.py"],
     "calib/calibration_checkpoint.py": ["tests/calib/test_fingerprint_options.py", "tests/calib/test_calibrate.py"],
     "layerwise/layer_checkpoint.py": [
         "tests/calib/test_fingerprint_options.py",

@@ -13,6 +13,7 @@ from torch import nn
 
 from shardcal.calib.attach import quantize_modules
 from shardcal.calib.recipes import load_recipe, parse_recipe
+from shardcal.calib.report import CalibrationReport, LayerReport
 from shardcal.calib.runner import calibrate
 from shardcal.errors import DataError, ModelLayoutError
 from shardcal.models import CausalLM, ModelConfig
@@ -365,14 +366,13 @@ def _moe_model_with_dead_expert() -> CausalLM:
     return model
 
 
-def _moe_run(all_experts: bool) -> dict:
+def _moe_run(all_experts: bool, recipe: str = "w8a8-int8") -> dict:
     model = _moe_model_with_dead_expert()
     fsdp2_wrap(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = calibrate(
-            model, _data(n=4), "w8a8-int8", batch_size=2, progress=False, calibrate_all_experts=all_experts
-        )
+        recipe = parse_recipe(recipe, "r.toml") if recipe.startswith("[") else recipe
+        report = calibrate(model, _data(n=4), recipe, batch_size=2, progress=False, calibrate_all_experts=all_experts)
     observed = {
         n: q.num_observed for n, q in iter_quantizers(model) if "experts" in n and n.endswith("input_quantizer")
     }
@@ -409,6 +409,38 @@ def test_moe_all_experts_calibrated_and_dead_expert_fallback():
             assert torch.isfinite(r["amax"][n]).all() and (r["amax"][n] > 0).all()
         assert r["moe"] == _expected_moe(["routed tokens"] * 2 + ["sibling fallback"] * 2)
         assert r["summary"] == line + "sibling fallback (4)"
+
+
+WEIGHT_ONLY = '[weight]\nformat = "int8"\ngranularity = "channel"\n'
+
+
+@pytest.mark.parametrize("recipe", [WEIGHT_ONLY, "w8a8-int8-dynamic"], ids=["weights-only", "dynamic-inputs"])
+def test_moe_experts_without_input_scales_are_reported_so(recipe):
+    """A recipe that gives the experts' inputs no static scale (weights only, or dynamic inputs): the report and the
+    CLI's line say so instead of naming a source of input scales the export does not have."""
+    line = "MoE: 4 of 8 experts got no routed calibration token; 4 have no input scale to calibrate"
+    for all_experts in (True, False):
+        for r in run_on_ranks(2, _moe_run, all_experts, recipe):
+            assert not r["fallbacks"] and not r["warned"]
+            assert r["moe"] == _expected_moe(["no input scales"] * 4) and r["summary"] == line
+
+
+def test_moe_summary_names_each_source_of_the_unrouted_experts_scales():
+    """One unrouted expert of a block with input scales, two of a block without: each counted under its source."""
+    layer = LayerReport(index=0, name="model.layers.0", seconds=0.0, sqnr_db=None, moe={
+        "model.layers.0.mlp": {"routed_tokens": [3, 0], "scales_from": ["routed tokens", "sibling fallback"]},
+        "model.layers.0.mlp.experts": {"routed_tokens": [0, 0, 5], "scales_from": ["no input scales"] * 3},
+    })  # fmt: skip
+    report = CalibrationReport(recipe="r", propagate="fp", world_size=1, num_batches=1, num_tokens=8, layers=[layer])
+    assert report.moe_summary() == (
+        "MoE: 3 of 5 experts got no routed calibration token; their input scales come from sibling fallback (1); "
+        "2 have no input scale to calibrate"
+    )
+    layer.moe["model.layers.0.mlp"]["routed_tokens"] = [3, 1]
+    layer.moe["model.layers.0.mlp.experts"]["routed_tokens"] = [0, 4, 5]
+    assert (
+        report.moe_summary() == "MoE: 1 of 5 experts got no routed calibration token; 1 has no input scale to calibrate"
+    )
 
 
 # ------------------------------------------------------------ bad input: clear errors, nothing written

@@ -122,6 +122,26 @@ def test_fused_experts_all_experts_mode_sees_every_token():
     assert all(torch.equal(got[n], want[n]) for n in got)
 
 
+@pytest.mark.parametrize("recipe", ["w8a8-int8", "weight-only"])
+def test_fused_experts_report_where_their_input_scales_come_from(recipe):
+    """Every fused expert's tokens counted per block (the routing the model's own router makes), and its input scales
+    from all tokens in all-experts mode; a recipe without input scales gives them none and the report says so."""
+    data = _data()
+    spec = (
+        parse_recipe('[weight]\nformat = "int8"\ngranularity = "channel"\n', "r.toml")
+        if recipe == "weight-only"
+        else recipe
+    )
+    report = calibrate(hf_model("qwen3_moe"), data, spec, batch_size=BATCH, progress=False)
+    source = "no input scales" if recipe == "weight-only" else "all tokens"
+    blocks = {b: entry for layer in report.layers for b, entry in layer.moe.items()}
+    assert sorted(blocks) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    top_k = hf_model("qwen3_moe").config.num_experts_per_tok
+    for entry in blocks.values():
+        assert entry["scales_from"] == [source] * 4
+        assert sum(entry["routed_tokens"]) == data.numel() * top_k  # every real token to its top-k experts
+
+
 def _calibrated_on_ranks(families: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
     register_tiny_lm()
     out = {}

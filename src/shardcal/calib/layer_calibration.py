@@ -54,7 +54,7 @@ from ..sharding.fsdp2 import sync_unsharded_to_shards
 from .attach import quantize_modules, rotate_modules, weight_fallbacks
 from .passes import PROPAGATE, SQNR_FULL_PRECISION, LayerFacts, PassPlan, plan_layer_passes
 from .recipe import Recipe
-from .report import LayerReport, amax_summary
+from .report import NO_INPUT_SCALES, LayerReport, amax_summary
 
 
 def _activation_quantizers(layer: nn.Module, prefix: str) -> list[tuple[str, TensorQuantizer]]:
@@ -345,7 +345,8 @@ def _calibrate_layer_once(
             store_quantized_weights(experts)
         sync_unsharded_to_shards(step.layer)
     fallbacks = fallback_unobserved(step.layer)
-    moe_report = _moe_report(fp_outputs.routing.merged(group), fallbacks, calibrate_all_experts)  # collective
+    scaled = [n for n, _ in _activation_quantizers(step.layer, step.name)]
+    moe_report = _moe_report(fp_outputs.routing.merged(group), fallbacks, calibrate_all_experts, scaled)  # collective
     sqnr = _layer_sqnr(step, reference if reference is not None else fp_outputs.outputs, local_sqnr, group)
     entry = LayerReport(
         index=step.index,
@@ -433,16 +434,25 @@ def _fed_amax(
 _EXPERT = re.compile(r"^\.(?:experts\.)?(\d+)\.")
 
 
-def _moe_report(routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool) -> dict[str, dict[str, list]]:
-    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from."""
+def _experts_of(block: str, names: list[str]) -> set[int]:
+    """The experts of MoE block ``block`` that quantizer ``names`` belong to."""
+    return {int(m.group(1)) for n in names if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))}
+
+
+def _moe_report(
+    routed: dict[str, list[int]], fallbacks: list[str], all_experts: bool, scaled: list[str]
+) -> dict[str, dict[str, list]]:
+    """Per MoE block: tokens routed to each expert, and where each expert's input scales come from (``scaled``: the
+    names of the layer's activation quantizers with a static scale; an expert with none has no input scale)."""
     out = {}
     for block, counts in routed.items():
-        fell_back = {
-            int(m.group(1)) for n in fallbacks if n.startswith(block + ".") and (m := _EXPERT.search(n[len(block) :]))
-        }
+        fell_back, with_scales = _experts_of(block, fallbacks), _experts_of(block, scaled)
         sources = [
-            "sibling fallback" if e in fell_back else "all tokens" if all_experts else "routed tokens"
+            NO_INPUT_SCALES if e not in with_scales
+            else "sibling fallback" if e in fell_back
+            else "all tokens" if all_experts
+            else "routed tokens"
             for e in range(len(counts))
-        ]
+        ]  # fmt: skip
         out[block] = {"routed_tokens": counts, "scales_from": sources}
     return out

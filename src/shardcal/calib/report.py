@@ -12,6 +12,9 @@ import torch
 
 from ..runtime.fsutil import atomic_path, atomic_write_text
 
+#: An MoE expert's ``scales_from`` when the recipe gives its inputs no static scale (weights only, or dynamic).
+NO_INPUT_SCALES = "no input scales"
+
 
 @dataclass(kw_only=True)
 class LayerReport:
@@ -33,7 +36,8 @@ class LayerReport:
     #: The SQNR (dB) the layer had under the recipe's own scheme, when it fell back.
     recipe_sqnr_db: float | None = None
     #: per MoE block: ``{"routed_tokens": [per expert, real tokens over all ranks], "scales_from": [per expert:
-    #: "routed tokens" | "all tokens" (all-experts mode) | "sibling fallback"]}``.
+    #: "routed tokens" | "all tokens" (all-experts mode) | "sibling fallback" | "no input scales" (the recipe gives
+    #: the expert's inputs no static scale: weights only, or dynamic)]}``.
     moe: dict[str, dict[str, list]] = field(default_factory=dict)
     #: what the layer's algorithm reports (GPTQ: the damping each Linear needed).
     algorithm: dict[str, Any] = field(default_factory=dict)
@@ -88,8 +92,11 @@ class CalibrationReport:
                     if n == 0:
                         sources[source] = sources.get(source, 0) + 1
         line = f"MoE: {unrouted} of {experts} experts got no routed calibration token"
+        unscaled = sources.pop(NO_INPUT_SCALES, 0)
         if sources:
             line += "; their input scales come from " + ", ".join(f"{k} ({v})" for k, v in sorted(sources.items()))
+        if unscaled:
+            line += f"; {unscaled} {'has' if unscaled == 1 else 'have'} no input scale to calibrate"
         return line
 
     @property
