@@ -26,6 +26,14 @@ class Mutant:
 CATALOGUE: list[Mutant] = [
     # ------------------------------------------------------ round 5, eighth session (MoE experts without input scales)
     Mutant(
+        "all-experts-run-for-no-observer",
+        "layerwise/moe.py",
+        "        if not silenced:  # none of the experts observes",
+        "        if silenced is None:  # none of the experts observes",
+        "all-experts mode runs every expert on every token also when none of their quantizers observes",
+        tests=("tests/layerwise/test_moe_reference.py",),
+    ),
+    Mutant(
         "moe-scales-by-fallbacks",
         "calib/layer_calibration.py",
         "        fell_back, with_scales = _experts_of(block, fallbacks), _experts_of(block, scaled)\n",

@@ -109,6 +109,36 @@ def test_each_expert_observes_exactly_its_tokens(all_experts):
             assert got_amax == pytest.approx(amax, rel=1e-5), name
 
 
+WEIGHT_ONLY = '[weight]\nformat = "int8"\ngranularity = "channel"\n'
+
+
+def _expert_tokens(recipe: str, all_experts: bool) -> list[int]:
+    """The tokens each expert of the first layer is called with over a calibration."""
+    from shardcal.calib.recipes import parse_recipe
+
+    model = _model()
+    calls = [0] * EXPERTS
+    for e, expert in enumerate(model.model.layers[0].mlp.experts):
+        expert.register_forward_pre_hook(lambda m, args, e=e: calls.__setitem__(e, calls[e] + args[0].shape[0]))
+    fsdp2_wrap(model)
+    spec = parse_recipe(recipe, "r.toml") if recipe.startswith("[") else recipe
+    calibrate(model, list(ROWS), spec, batch_size=1, progress=False, calibrate_all_experts=all_experts)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "recipe", [WEIGHT_ONLY, "w8a8-int8-dynamic", "w8a8-int8"], ids=["weights", "dynamic", "static"]
+)
+def test_all_experts_mode_runs_every_expert_only_for_quantizers_that_observe(recipe):
+    """Every expert on every token is the price of its input quantizers seeing them all: with static input scales,
+    all-experts mode calls each expert with every real token once more than routing does (rows alone: no padding);
+    without them, it calls the experts exactly as routing does."""
+    (all_experts,) = run_on_ranks(1, _expert_tokens, recipe, True)
+    (routed,) = run_on_ranks(1, _expert_tokens, recipe, False)
+    extra = sum(LENGTHS) if recipe == "w8a8-int8" else 0
+    assert min(routed) > 0 and [a - r for a, r in zip(all_experts, routed)] == [extra] * EXPERTS
+
+
 def test_dead_experts_get_their_siblings_largest_amax():
     expected = _hand_routed(True, False)
     dead = {n for n, (count, _) in expected.items() if count == 0}

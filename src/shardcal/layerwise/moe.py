@@ -38,7 +38,8 @@ class AllExpertsObserve:
 
     A forward pre-hook on each MoE block runs every expert on all of the block's tokens (outputs discarded)
     with its quantizers collecting, then silences the experts' quantizers for the routed computation, so that
-    no token is counted twice; a forward hook turns them back on. Hooks, not patched forwards: removed on exit.
+    no token is counted twice; a forward hook turns them back on. A block none of whose experts' quantizers
+    collects is left to its routed computation alone. Hooks, not patched forwards: removed on exit.
     """
 
     def __init__(self, layer: nn.Module):
@@ -68,11 +69,13 @@ class AllExpertsObserve:
         return [q for _, q in iter_quantizers(block.experts) if q.mode is QuantMode.COLLECT]
 
     def _before(self, block: nn.Module, args: tuple) -> None:
+        silenced = self._expert_quantizers(block)
+        if not silenced:  # none of the experts observes (weights only, dynamic inputs): nothing to run them for
+            return
         x = args[0].reshape(-1, args[0].shape[-1])
         with torch.no_grad():
             for expert in block.experts:
                 expert(x)
-        silenced = self._expert_quantizers(block)
         for q in silenced:
             q.mode = QuantMode.DISABLED
         self.silenced[id(block)] = silenced
