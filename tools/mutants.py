@@ -34,6 +34,22 @@ CATALOGUE: list[Mutant] = [
         tests=("tests/layerwise/test_moe_reference.py",),
     ),
     Mutant(
+        "all-experts-silence-the-shared-expert",
+        "layerwise/moe.py",
+        "        return [q for _, q in iter_quantizers(block.experts) if q.mode is QuantMode.COLLECT]\n",
+        "        return [q for _, q in iter_quantizers(block) if q.mode is QuantMode.COLLECT]\n",
+        "the all-experts hook silences the shared expert's quantizers too: they never observe",
+        tests=("tests/layerwise/test_moe_reference.py",),
+    ),
+    Mutant(
+        "all-experts-silenced-kept-after-the-call",
+        "layerwise/moe.py",
+        "        for q in self.silenced.pop(id(block), []):\n",
+        "        for q in self.silenced.get(id(block), []):\n",
+        "a block's silenced quantizers are given back again after a later call that silenced none",
+        tests=("tests/layerwise/test_moe_reference.py",),
+    ),
+    Mutant(
         "moe-scales-by-fallbacks",
         "calib/layer_calibration.py",
         "        fell_back, with_scales = _experts_of(block, fallbacks), _experts_of(block, scaled)\n",

@@ -10,6 +10,7 @@ quantizers must get exactly the largest amax of the experts that saw tokens. The
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -137,6 +138,64 @@ def test_all_experts_mode_runs_every_expert_only_for_quantizers_that_observe(rec
     (routed,) = run_on_ranks(1, _expert_tokens, recipe, False)
     extra = sum(LENGTHS) if recipe == "w8a8-int8" else 0
     assert min(routed) > 0 and [a - r for a, r in zip(all_experts, routed)] == [extra] * EXPERTS
+
+
+def _shared_expert_observed() -> tuple[dict[str, tuple[int, float]], dict[str, tuple[int, float]]]:
+    """Qwen2-MoE's shared expert in all-experts mode: ``{input quantizer: (elements, amax)}`` calibrated, and by hand
+    (its block's input captured from a plain model, each row alone)."""
+    cfg = dict(TINY_CONFIGS["qwen2_moe"])  # layer 1: routed experts and a shared expert
+    model = CausalLM(ModelConfig.from_dict(cfg))
+    randomize_(model)
+    plain = copy.deepcopy(model).eval().requires_grad_(False)
+    inputs: list[torch.Tensor] = []
+    plain.model.layers[1].mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0].reshape(-1, HIDDEN)))
+    with torch.no_grad():
+        for row in ROWS:
+            plain(row[None])
+    x = torch.cat(inputs)
+    shared = "model.layers.1.mlp.shared_expert"
+    want = {f"{shared}.{p}.input_quantizer": (x.numel(), _amax(x)) for p in ("gate_proj", "up_proj")}
+    fsdp2_wrap(model)
+    calibrate(model, list(ROWS), "w8a8-int8", batch_size=1, progress=False, calibrate_all_experts=True)
+    got = {n: (q.num_observed, float(q.amax.max())) for n, q in iter_quantizers(model) if n in want}
+    return got, want
+
+
+def test_a_shared_expert_observes_every_token_once_in_all_experts_mode():
+    """The all-experts hook silences the routed experts' quantizers only: the shared expert beside them observes the
+    block's every real token, once."""
+    ((got, want),) = run_on_ranks(1, _shared_expert_observed)
+    assert got.keys() == want.keys() and all(got[n][0] == want[n][0] for n in want), (got, want)
+    assert all(got[n][1] == pytest.approx(want[n][1], rel=1e-5) for n in want), (got, want)
+
+
+def test_all_experts_hook_gives_back_exactly_the_modes_it_took():
+    """Around each block call the hook silences the experts' collecting quantizers and gives them back, and only
+    those: a disabled weight quantizer stays disabled; a later call with nothing collecting changes nothing."""
+    from shardcal.calib.attach import quantize_modules
+    from shardcal.calib.recipes import load_recipe
+    from shardcal.layerwise.moe import AllExpertsObserve
+    from shardcal.quant.quantizer import QuantMode
+    from shardcal.quant.session import begin_pass_all, start_calibration_all
+
+    layer = _model().model.layers[0]
+    quantize_modules(layer, load_recipe("w8a8-int8"), prefix="model.layers.0")
+    experts = dict(iter_quantizers(layer.mlp.experts))
+    inputs = [q for n, q in experts.items() if n.endswith("input_quantizer")]
+    for q in experts.values():
+        q.mode = QuantMode.DISABLED
+    start_calibration_all(inputs)
+    begin_pass_all(inputs, 0)
+    before = {n: q.mode for n, q in experts.items()}
+    assert set(before.values()) == {QuantMode.COLLECT, QuantMode.DISABLED}
+    x = torch.randn(1, 5, HIDDEN)
+    with AllExpertsObserve(layer), torch.no_grad():
+        layer.mlp(x)
+        assert {n: q.mode for n, q in experts.items()} == before
+        for q in inputs:
+            q.mode = QuantMode.DISABLED
+        layer.mlp(x)
+        assert all(q.mode is QuantMode.DISABLED for q in experts.values())
 
 
 def test_dead_experts_get_their_siblings_largest_amax():
