@@ -4,11 +4,11 @@ Everything outside the decoder stack (embeddings, final norm, LM head, towers) i
 loads it — FSDP2-sharded, each rank reading its own rows. The decoder layers' parameters stay on the meta device.
 When a step holds layer ``i`` (:mod:`shardcal.sharding.residency`), every rank holds the whole layer, as a resident
 run's gather gives it. The layer's tensors are read with plain reads (:class:`~shardcal.models.reads.ReadingReader`:
-no memory map, so no file page stays in the process): on a GPU each rank reads its own rows and the ranks gather
-them (NCCL), on CPU or alone each rank reads the whole layer (:func:`reads_layers_whole`). While the step computes, a thread
-reads what this rank reads of layer ``i + 1``. When the step is done the hooks
-registered with :meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to
-the meta device: at most the layer in its step, the next layer's read and the activations are in memory.
+no memory map, so no file page stays in the process): on several GPUs each rank reads its own rows and the ranks
+gather them (NCCL), on CPU or alone each rank reads the whole layer (:func:`reads_layers_whole`). While the step
+computes, a thread reads what this rank reads of layer ``i + 1``. When the step is done the hooks registered with
+:meth:`StreamedLayers.on_release` run (the export writes the layer), then the parameters go back to the meta device:
+at most the layer in its step, the next layer's read and the activations are in memory.
 """
 
 from __future__ import annotations
